@@ -1,0 +1,26 @@
+// The custom-call targets each backend exports, by op name.
+#pragma once
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ffi/registry.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace jax_ep {
+
+using Targets = std::map<std::string, XLA_FFI_Error* (*)(XLA_FFI_CallFrame*)>;
+
+Targets cpu_targets();
+
+#ifdef JAX_EP_WITH_CUDA
+Targets cuda_targets();
+// Allocates each device's communication memory and connects the peers of every group.
+std::shared_ptr<void> cuda_connect(const std::vector<std::vector<int>>& groups, int num_ranks,
+                                   int experts_per_rank);
+// Copy-engine bandwidth from device src to device dst, GB/s.
+double cuda_peer_copy_gbps(int src, int dst, int64_t bytes, int iters);
+#endif
+
+}  // namespace jax_ep

@@ -1,0 +1,229 @@
+"""jax_ep.Buffer: dispatch and combine of SPEC §3, built from the primitives of a backend."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import layout
+from jax_ep.reference import Reference
+from jax_ep.types import DispatchResult, Handle
+
+_LAYOUTS = ("rank", "expert")
+_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def _fail(message):
+    raise ValueError(f"jax_ep: {message}")
+
+
+def _check(array, name, shape, dtypes):
+    """Shape and dtype of an argument; None in `shape` matches any size."""
+    if not hasattr(array, "shape") or len(array.shape) != len(shape) or any(
+            want is not None and got != want for got, want in zip(array.shape, shape)):
+        _fail(f"{name} must have shape {tuple('*' if s is None else s for s in shape)}, "
+              f"got {getattr(array, 'shape', type(array).__name__)}")
+    if jnp.dtype(array.dtype) not in tuple(jnp.dtype(d) for d in dtypes):
+        _fail(f"{name} must have dtype {' or '.join(jnp.dtype(d).name for d in dtypes)}, "
+              f"got {jnp.dtype(array.dtype).name}")
+
+
+class Buffer:
+    """Communication memory and routing state of every EP group of `axis_name` in `mesh`.
+
+    Create it outside jit; call dispatch/combine inside jax.shard_map(..., mesh=mesh) on the
+    per-rank shards. impl: "ffi" (custom calls; "auto" is the same) or "reference" (jax.lax).
+    num_sms bounds the multiprocessors the CUDA kernels use; timeout_s bounds every wait for a
+    peer (then an error, never a hang).
+    """
+
+    def __init__(self, mesh, axis_name, *, num_experts, hidden, num_topk, max_tokens_per_rank,
+                 impl="auto", num_sms=24, timeout_s=100.0):
+        if axis_name not in mesh.axis_names:
+            _fail(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+        num_ranks = mesh.shape[axis_name]
+        if num_experts % num_ranks:
+            _fail(f"num_experts={num_experts} must be divisible by the {num_ranks} ranks of "
+                  f"axis {axis_name!r}")
+        for name, value in (("hidden", hidden), ("num_topk", num_topk),
+                            ("max_tokens_per_rank", max_tokens_per_rank), ("num_sms", num_sms)):
+            if int(value) != value or value < 1:
+                _fail(f"{name} must be a positive integer, got {value!r}")
+        if impl not in ("auto", "ffi", "reference"):
+            _fail(f"impl must be 'auto', 'ffi' or 'reference', got {impl!r}")
+        self.mesh, self.axis_name = mesh, axis_name
+        self.num_ranks = num_ranks
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // num_ranks
+        self.hidden, self.num_topk = hidden, num_topk
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.impl = "ffi" if impl == "auto" else impl
+        self._buffer_id = None
+        if self.impl == "reference":
+            self._ops = Reference(axis_name, num_ranks, num_experts)
+        else:
+            self._ops = self._connect(num_sms, timeout_s)
+
+    def _connect(self, num_sms, timeout_s):
+        from jax_ep import _native
+        from jax_ep.ffi_path import Ffi
+
+        # One group per coordinate of the other axes, in rank order along axis_name.
+        devices = np.moveaxis(self.mesh.devices, self.mesh.axis_names.index(self.axis_name), -1)
+        groups = [[d.local_hardware_id for d in row] for row in devices.reshape(-1, self.num_ranks)]
+        platform = devices.flat[0].platform
+        self._buffer_id = _native.create_buffer(
+            "cpu" if platform == "cpu" else "cuda", groups, num_experts=self.num_experts,
+            num_topk=self.num_topk, hidden=self.hidden, max_tokens=self.max_tokens_per_rank,
+            timeout_s=float(timeout_s), num_sms=int(num_sms))
+        return Ffi(self._buffer_id, self.num_ranks, self.num_experts)
+
+    def close(self):
+        """Releases the communication memory; the Buffer cannot be used afterwards."""
+        if self._buffer_id is not None:
+            from jax_ep import _native
+            _native.destroy_buffer(self._buffer_id)
+            self._buffer_id = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    # ------------------------------------------------------------ dispatch
+
+    def dispatch(self, x, topk_idx=None, topk_weights=None, *, handle=None, layout="rank",
+                 expert_alignment=1, fp8=False, round_scale=False, capacity=None):
+        """Sends every token to the ranks of its experts. See SPEC §3 for the fields."""
+        self._require_shard_map()
+        tokens = self._check_x(x, fp8, round_scale)
+        if handle is not None:
+            return self._dispatch_cached(x, handle, fp8, round_scale, tokens)
+        if topk_idx is None:
+            _fail("dispatch needs topk_idx (or handle= for a cached dispatch)")
+        _check(topk_idx, "topk_idx", (tokens, self.num_topk), (jnp.int32,))
+        has_weights = topk_weights is not None
+        if has_weights:
+            _check(topk_weights, "topk_weights", (tokens, self.num_topk), (jnp.float32,))
+        else:
+            topk_weights = jnp.zeros(topk_idx.shape, jnp.float32)
+        if layout not in _LAYOUTS:
+            _fail(f"layout must be 'rank' or 'expert', got {layout!r}")
+        if int(expert_alignment) != expert_alignment or expert_alignment < 1:
+            _fail(f"expert_alignment must be a positive integer, got {expert_alignment!r}")
+        capacity = self._capacity(layout, expert_alignment, capacity)
+        if layout == "rank":
+            return self._dispatch_rank(x, topk_idx, topk_weights, has_weights, expert_alignment,
+                                       capacity, fp8, round_scale)
+        return self._dispatch_expert(x, topk_idx, topk_weights, has_weights, expert_alignment,
+                                     capacity, fp8, round_scale)
+
+    def _dispatch_rank(self, x, topk_idx, topk_weights, has_weights, alignment, capacity, fp8,
+                       round_scale):
+        rows, routing = self._ops.dispatch(x, topk_idx, topk_weights, rows=capacity, fp8=fp8,
+                                           round_scale=round_scale)
+        result = (rows.topk_idx, rows.topk_weights if has_weights else None,
+                  routing.tokens_per_expert,
+                  layout.align_up(routing.tokens_per_expert, alignment),
+                  routing.num_recv, routing.num_dropped, routing.num_invalid)
+        handle = Handle(routing.send_pos, routing.recv_counts, routing.num_recv, None, None, result,
+                        layout="rank", rows=capacity, capacity=capacity)
+        return DispatchResult(rows.x, rows.scales, *result, handle)
+
+    def _dispatch_expert(self, x, topk_idx, topk_weights, has_weights, alignment, capacity, fp8,
+                         round_scale):
+        # On the wire a token goes once per rank; the receiver expands it to its experts' rows.
+        staging = self.num_ranks * x.shape[0]
+        rows, routing = self._ops.dispatch(x, topk_idx, topk_weights, rows=staging, fp8=fp8,
+                                           round_scale=round_scale)
+        maps = self._ops.expert_layout(rows.topk_idx, experts_per_rank=self.num_local_experts,
+                                       alignment=alignment, capacity=capacity)
+        group_sizes = layout.align_up(maps.tokens_per_expert, alignment)
+        weights = (layout.expert_weights(rows.topk_weights, rows.topk_idx, maps.expert_src,
+                                         maps.expert_of_row) if has_weights else None)
+        result = (maps.expert_of_row, weights, maps.tokens_per_expert, group_sizes,
+                  group_sizes.sum(dtype=jnp.int32), routing.num_dropped + maps.num_dropped,
+                  routing.num_invalid)
+        handle = Handle(routing.send_pos, routing.recv_counts, routing.num_recv, maps.expert_src,
+                        maps.expert_rows, result, layout="expert", rows=staging,
+                        capacity=capacity)
+        return DispatchResult(*self._expand(rows.x, rows.scales, handle), *result, handle)
+
+    def _expand(self, x_rows, scales, handle):
+        if handle.layout == "rank":
+            return x_rows, scales
+        if scales is not None:
+            scales = layout.expand_rows(scales, handle.expert_src, handle.expert_rows)
+        return layout.expand_rows(x_rows, handle.expert_src, handle.expert_rows), scales
+
+    def _dispatch_cached(self, x, handle, fp8, round_scale, tokens):
+        if not isinstance(handle, Handle):
+            _fail(f"handle must be the handle of an earlier dispatch, got {type(handle).__name__}")
+        if handle.send_pos.shape != (tokens, self.num_ranks):
+            _fail(f"x has {tokens} tokens but the handle routed {handle.send_pos.shape[0]}")
+        x_rows, scales = self._ops.dispatch_cached(
+            x, handle.send_pos, handle.num_rows, handle.recv_counts, rows=handle.rows, fp8=fp8,
+            round_scale=round_scale)
+        return DispatchResult(*self._expand(x_rows, scales, handle), *handle.result, handle)
+
+    # ------------------------------------------------------------ combine
+
+    def combine(self, expert_out, handle, topk_weights=None, bias=None):
+        """y[t] = bias[t] + sum over the rows from token t of w * expert_out[row] -> [T, H]."""
+        self._require_shard_map()
+        if not isinstance(handle, Handle):
+            _fail(f"handle must be the handle of a dispatch, got {type(handle).__name__}")
+        tokens = handle.send_pos.shape[0]
+        _check(expert_out, "expert_out", (handle.capacity, self.hidden), _FLOATS)
+        if bias is not None:
+            _check(bias, "bias", (tokens, self.hidden), _FLOATS)
+        if handle.layout == "rank":
+            if topk_weights is not None:
+                _fail("combine in the rank layout is unweighted (the caller mixes its local "
+                      "experts): topk_weights must be None")
+            row_data = expert_out
+        else:
+            if topk_weights is not None:
+                _check(topk_weights, "topk_weights", (handle.capacity,), (jnp.float32,))
+            row_data = layout.reduce_expert_rows(expert_out, topk_weights, handle.expert_src,
+                                                 handle.expert_rows)
+        return self._ops.combine(row_data, handle.send_pos, handle.num_rows, handle.recv_counts,
+                                 bias, out_dtype=expert_out.dtype)
+
+    # ------------------------------------------------------------ checks
+
+    def _require_shard_map(self):
+        try:
+            size = jax.lax.axis_size(self.axis_name)
+        except NameError:
+            size = None
+        if size is None:
+            _fail(f"dispatch and combine must be called inside jax.shard_map(..., mesh=mesh) "
+                  f"over the axis {self.axis_name!r}")
+        if size != self.num_ranks:
+            _fail(f"axis {self.axis_name!r} has size {size} here but the Buffer was built for "
+                  f"{self.num_ranks} ranks")
+
+    def _check_x(self, x, fp8, round_scale):
+        _check(x, "x", (None, self.hidden), _FLOATS)
+        tokens = x.shape[0]
+        if tokens > self.max_tokens_per_rank:
+            _fail(f"x has {tokens} tokens per rank, more than max_tokens_per_rank="
+                  f"{self.max_tokens_per_rank}")
+        if fp8 and self.hidden % layout.FP8_BLOCK:
+            _fail(f"fp8 needs hidden % 128 == 0, got hidden={self.hidden}")
+        if round_scale and not fp8:
+            _fail("round_scale=True needs fp8=True")
+        return tokens
+
+    def _capacity(self, layout_name, alignment, capacity):
+        if capacity is None:
+            return layout.default_capacity(layout_name, self.num_ranks, self.max_tokens_per_rank,
+                                           self.num_topk, self.num_local_experts, alignment)
+        if int(capacity) != capacity or capacity < 1:
+            _fail(f"capacity must be a positive integer, got {capacity!r}")
+        if layout_name == "expert" and capacity % alignment:
+            _fail(f"capacity={capacity} must be a multiple of expert_alignment={alignment} in the "
+                  f"expert layout")
+        return int(capacity)

@@ -1,0 +1,211 @@
+"""The layout rules of SPEC §3 in plain JAX: the single statement every backend follows.
+
+The CUDA and CPU kernels implement the same rules in kernels/; the tests compare them bitwise.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FP8_BLOCK = 128
+FP8_MAX = np.float32(448.0)
+FP8_MIN_AMAX = np.float32(1e-4)
+
+
+def align_up(value, alignment):
+    return (value + alignment - 1) // alignment * alignment
+
+
+def exclusive_cumsum(values, axis=0):
+    return jnp.cumsum(values, axis=axis, dtype=jnp.int32) - values.astype(jnp.int32)
+
+
+def default_capacity(layout, num_ranks, max_tokens, num_topk, experts_per_rank, alignment):
+    """Output rows when the caller gives no capacity: the worst case, so nothing is dropped."""
+    if layout == "rank":
+        return num_ranks * max_tokens
+    worst = num_ranks * max_tokens * min(num_topk, experts_per_rank)
+    return align_up(worst + (alignment - 1) * experts_per_rank, alignment)
+
+
+def max_experts_per_row(num_topk, experts_per_rank):
+    return min(num_topk, experts_per_rank)
+
+
+# ---------------------------------------------------------------- routing (sender side)
+
+def routed(topk_idx, num_experts):
+    return (topk_idx >= 0) & (topk_idx < num_experts)
+
+
+def num_invalid(topk_idx, num_experts):
+    """Expert ids outside [-1, E): excluded from routing and reported."""
+    return ((topk_idx < -1) | (topk_idx >= num_experts)).sum(dtype=jnp.int32)
+
+
+def dest_ranks(topk_idx, num_ranks, num_experts):
+    """[T, R] bool: the token goes to rank d (once, however many of its experts live there)."""
+    experts_per_rank = num_experts // num_ranks
+    owner = jnp.where(routed(topk_idx, num_experts), topk_idx // experts_per_rank, -1)
+    return (owner[:, :, None] == jnp.arange(num_ranks)).any(axis=1)
+
+
+def local_topk(topk_idx, topk_weights, rank, num_ranks, num_experts):
+    """The token's slots as rank `rank` sees them: local expert id or -1, weight or 0."""
+    experts_per_rank = num_experts // num_ranks
+    mine = routed(topk_idx, num_experts) & (topk_idx // experts_per_rank == rank)
+    return (jnp.where(mine, topk_idx - rank * experts_per_rank, -1),
+            jnp.where(mine, topk_weights, 0.0).astype(jnp.float32))
+
+
+def tokens_per_expert(topk_rows, experts_per_rank):
+    """Distinct (row, local expert) pairs among rank-layout rows."""
+    return has_expert(topk_rows, experts_per_rank).sum(axis=0, dtype=jnp.int32)
+
+
+def has_expert(topk_rows, experts_per_rank):
+    """[rows, E_l] bool: the row holds local expert e (duplicated slots count once)."""
+    return (topk_rows[:, :, None] == jnp.arange(experts_per_rank)).any(axis=1)
+
+
+# ---------------------------------------------------------------- FP8 (fused into dispatch)
+
+def quantize_fp8(x, round_scale):
+    """[T, H] -> (e4m3fn [T, H], float32 scales [T, H/128]); straight-through for gradients."""
+    t, h = x.shape
+    blocks = x.astype(jnp.float32).reshape(t, h // FP8_BLOCK, FP8_BLOCK)
+    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), FP8_MIN_AMAX)
+    scale = amax * np.float32(1 / 448)
+    if round_scale:
+        # The smallest power of two >= scale, from its bits.
+        bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+        bits = jnp.where(bits & 0x7FFFFF, (bits & 0xFF800000) + 0x800000, bits).astype(jnp.uint32)
+        scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
+        q = blocks / scale[..., None]
+    else:
+        q = blocks * (FP8_MAX / amax)[..., None]  # a true division, as SPEC §3 says
+    q = q.astype(jnp.float8_e4m3fn).reshape(t, h)
+    return _straight_through(x.dtype, x, q), jax.lax.stop_gradient(scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _straight_through(dtype, x, q):
+    return q
+
+
+def _straight_through_fwd(dtype, x, q):
+    return q, None
+
+
+def _straight_through_bwd(dtype, _, ct_q):
+    return ct_q.astype(dtype), None
+
+
+_straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
+
+
+def dequantize_fp8(q, scales):
+    t, h = q.shape
+    blocks = q.astype(jnp.float32).reshape(t, h // FP8_BLOCK, FP8_BLOCK)
+    return (blocks * scales[..., None]).reshape(t, h)
+
+
+# ---------------------------------------------------------------- expert layout (receiver side)
+
+class ExpertMaps(NamedTuple):
+    expert_src: jax.Array         # [C] rank-level row of each expert row, -1 on padding
+    expert_rows: jax.Array        # [S, M] expert rows of each rank-level row, by expert, -1
+    expert_of_row: jax.Array      # [C] local expert of each expert row, -1 on padding
+    tokens_per_expert: jax.Array  # [E_l] rows present per expert
+    num_dropped: jax.Array        # [] (row, expert) items beyond the capacity
+
+
+def expert_layout(topk_rows, experts_per_rank, alignment, capacity):
+    """Expert layout of rank-level rows: by local expert, then rank-level row order; each
+    expert's block starts at a multiple of `alignment`; items at or past `capacity` drop."""
+    rows, num_topk = topk_rows.shape
+    per_row = max_experts_per_row(num_topk, experts_per_rank)
+    has = has_expert(topk_rows, experts_per_rank)                     # [S, E_l]
+    count = has.sum(axis=0, dtype=jnp.int32)
+    start = exclusive_cumsum(align_up(count, alignment))
+    pos = start[None, :] + exclusive_cumsum(has, axis=0)              # [S, E_l]
+    kept = has & (pos < capacity)
+    target = jnp.where(kept, pos, capacity)                           # capacity = dropped
+    row_id = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], has.shape)
+    expert_id = jnp.broadcast_to(jnp.arange(experts_per_rank, dtype=jnp.int32), has.shape)
+    column = jnp.where(kept, exclusive_cumsum(has, axis=1), per_row)  # m-th expert of the row
+    return ExpertMaps(
+        expert_src=jnp.full(capacity, -1, jnp.int32).at[target].set(row_id, mode="drop"),
+        expert_rows=jnp.full((rows, per_row), -1, jnp.int32)
+        .at[row_id, column].set(pos.astype(jnp.int32), mode="drop"),
+        expert_of_row=jnp.full(capacity, -1, jnp.int32).at[target].set(expert_id, mode="drop"),
+        tokens_per_expert=kept.sum(axis=0, dtype=jnp.int32),
+        num_dropped=(has & ~kept).sum(dtype=jnp.int32),
+    )
+
+
+def expert_weights(weight_rows, topk_rows, expert_src, expert_of_row):
+    """[C]: weight of each expert row, the sum over the slots of its token naming that expert."""
+    src = jnp.maximum(expert_src, 0)
+    match = (topk_rows[src] == expert_of_row[:, None]) & (expert_src >= 0)[:, None]
+    return jnp.where(match, weight_rows[src], 0.0).sum(axis=1)
+
+
+@jax.custom_vjp
+def expand_rows(rank_rows, expert_src, expert_rows):
+    """[S, W] rank-level rows -> [C, W] expert rows (zeros on padding)."""
+    return _take(rank_rows, expert_src)
+
+
+def _take(rows, index):
+    picked = rows[jnp.maximum(index, 0)]
+    return jnp.where((index >= 0).reshape((-1,) + (1,) * (rows.ndim - 1)), picked,
+                     jnp.zeros((), rows.dtype))
+
+
+def _expand_rows_fwd(rank_rows, expert_src, expert_rows):
+    return _take(rank_rows, expert_src), expert_rows
+
+
+def _expand_rows_bwd(expert_rows, ct):
+    return reduce_expert_rows(ct, None, None, expert_rows).astype(ct.dtype), None, None
+
+
+expand_rows.defvjp(_expand_rows_fwd, _expand_rows_bwd)
+
+
+@jax.custom_vjp
+def reduce_expert_rows(expert_out, weights, expert_src, expert_rows):
+    """[C, W] expert rows -> [S, W] float32: each rank-level row's expert rows, weighted
+    (weights [C] or None = 1) and summed in expert order. The adjoint of expand_rows.
+    expert_src is only used by the gradient."""
+    acc = jnp.zeros((expert_rows.shape[0], expert_out.shape[1]), jnp.float32)
+    for m in range(expert_rows.shape[1]):
+        index = expert_rows[:, m]
+        value = _take(expert_out, index).astype(jnp.float32)
+        if weights is not None:
+            value = value * _take(weights, index)[:, None]
+        acc = jnp.where((index >= 0)[:, None], acc + value, acc)
+    return acc
+
+
+def _reduce_fwd(expert_out, weights, expert_src, expert_rows):
+    return (reduce_expert_rows(expert_out, weights, expert_src, expert_rows),
+            (expert_out, weights, expert_src))
+
+
+def _reduce_bwd(res, ct):
+    expert_out, weights, expert_src = res
+    ct_rows = _take(ct, expert_src)                                   # [C, W] float32
+    ct_out = ct_rows if weights is None else ct_rows * weights[:, None]
+    ct_weights = None
+    if weights is not None:
+        ct_weights = (ct_rows * expert_out.astype(jnp.float32)).sum(axis=1).astype(weights.dtype)
+    return ct_out.astype(expert_out.dtype), ct_weights, None, None
+
+
+reduce_expert_rows.defvjp(_reduce_fwd, _reduce_bwd)

@@ -1,0 +1,44 @@
+"""The pytrees dispatch returns: DispatchResult and the Handle that combine and cached dispatch use."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+
+Array = Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Handle:
+    """Where every token went, so combine (and a cached dispatch) can follow the same routes.
+
+    Rank-level rows are one per (source rank, token): the rank layout's output rows, or for the
+    expert layout the rows it is expanded from.
+    """
+
+    send_pos: Array        # [T, R] int32: rank-level row of token t on rank d, -1 if not sent/dropped
+    recv_counts: Array     # [R] int32: rows each source rank sent here, before capacity
+    num_rows: Array        # [] int32: rank-level rows present here
+    expert_src: Array | None   # [C] int32 (expert layout): rank-level row of each expert row, -1
+    expert_rows: Array | None  # [S, M] int32 (expert layout): expert rows of each rank-level row
+    result: tuple          # the routing fields of the DispatchResult, returned again by a cached dispatch
+    layout: str = dataclasses.field(metadata=dict(static=True))
+    rows: int = dataclasses.field(metadata=dict(static=True))       # S: rank-level rows
+    capacity: int = dataclasses.field(metadata=dict(static=True))   # C: rows of the output
+
+
+class DispatchResult(NamedTuple):
+    """What dispatch returns (SPEC §3). Padding rows hold zeros, expert -1 and weight 0."""
+
+    x: Array                  # [C, H]
+    scales: Array | None      # [C, H / 128] float32 when fp8
+    topk_idx: Array           # rank: [C, K] local expert or -1; expert: [C] local expert or -1
+    topk_weights: Array | None  # rank: [C, K]; expert: [C]; None when dispatch got none
+    tokens_per_expert: Array  # [E_l] int32
+    group_sizes: Array        # [E_l] int32: tokens_per_expert rounded up to expert_alignment
+    num_recv: Array           # [] int32
+    num_dropped: Array        # [] int32
+    num_invalid: Array        # [] int32
+    handle: Handle

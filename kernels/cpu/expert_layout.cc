@@ -1,0 +1,47 @@
+#include <algorithm>
+#include <vector>
+
+#include "kernels/cpu/exchange.h"
+#include "kernels/layout.h"
+
+namespace jax_ep::cpu {
+
+// Expert e's block starts at the sum of the aligned counts before it; within the block rows keep
+// rank-layout order; whatever lands at or past `capacity` is dropped (and counted).
+void expert_layout(const ExpertLayoutArgs& a) {
+  const int El = a.experts_per_rank, K = a.num_topk, M = a.max_per_row();
+  std::vector<int32_t> count(El, 0);
+  for (int r = 0; r < a.rows; ++r)
+    for (int e = 0; e < El; ++e) count[e] += row_has_expert(a.topk_rows + int64_t(r) * K, K, e);
+
+  std::vector<int64_t> next(El);
+  int64_t start = 0;
+  for (int e = 0; e < El; ++e) {
+    next[e] = start;
+    start += align_up(count[e], a.alignment);
+  }
+  std::fill(a.expert_src, a.expert_src + a.capacity, -1);
+  std::fill(a.expert_of_row, a.expert_of_row + a.capacity, -1);
+  std::fill(a.expert_rows, a.expert_rows + int64_t(a.rows) * M, -1);
+  std::fill(a.tokens_per_expert, a.tokens_per_expert + El, 0);
+  int32_t dropped = 0;
+  for (int r = 0; r < a.rows; ++r) {
+    int m = 0;
+    for (int e = 0; e < El; ++e) {
+      if (!row_has_expert(a.topk_rows + int64_t(r) * K, K, e)) continue;
+      int64_t pos = next[e]++;
+      if (pos < a.capacity) {
+        a.expert_src[pos] = r;
+        a.expert_of_row[pos] = e;
+        a.expert_rows[int64_t(r) * M + m] = int32_t(pos);
+        ++a.tokens_per_expert[e];
+      } else {
+        ++dropped;
+      }
+      ++m;
+    }
+  }
+  *a.num_dropped = dropped;
+}
+
+}  // namespace jax_ep::cpu

@@ -1,0 +1,58 @@
+// Layout arithmetic shared by the CPU and CUDA backends (host and device).
+// The plain-JAX statement of the same rules is jax_ep/layout.py; tests compare the two.
+#pragma once
+#include "kernels/dtype.h"
+
+namespace jax_ep {
+
+// A rank's routing fits in a 32-bit mask of destination ranks.
+constexpr int kMaxRanks = 32;
+
+JAX_EP_HD bool is_routed(int32_t expert, int num_experts) {
+  return expert >= 0 && expert < num_experts;
+}
+
+// -1 marks an unused slot; anything else outside [0, E) is invalid input.
+JAX_EP_HD bool is_invalid(int32_t expert, int num_experts) {
+  return expert < -1 || expert >= num_experts;
+}
+
+// The ranks holding at least one of this token's experts: it is sent to each once.
+JAX_EP_HD uint32_t dest_rank_mask(const int32_t* topk, int num_topk, int num_experts,
+                                  int experts_per_rank) {
+  uint32_t mask = 0;
+  for (int k = 0; k < num_topk; ++k)
+    if (is_routed(topk[k], num_experts)) mask |= 1u << (topk[k] / experts_per_rank);
+  return mask;
+}
+
+JAX_EP_HD int count_invalid(const int32_t* topk, int num_topk, int num_experts) {
+  int n = 0;
+  for (int k = 0; k < num_topk; ++k) n += is_invalid(topk[k], num_experts);
+  return n;
+}
+
+// Slot k of a token as seen by rank `rank`: its local expert id there, or -1.
+JAX_EP_HD int32_t local_expert_on(int32_t expert, int rank, int num_experts, int experts_per_rank) {
+  return is_routed(expert, num_experts) && expert / experts_per_rank == rank
+             ? expert - rank * experts_per_rank
+             : -1;
+}
+
+// Does a received row (local expert ids or -1) hold local expert e? Duplicated slots count once.
+JAX_EP_HD bool row_has_expert(const int32_t* local_topk, int num_topk, int32_t e) {
+  for (int k = 0; k < num_topk; ++k)
+    if (local_topk[k] == e) return true;
+  return false;
+}
+
+// Expert-layout rows one received row can expand to.
+JAX_EP_HD int max_experts_per_row(int num_topk, int experts_per_rank) {
+  return num_topk < experts_per_rank ? num_topk : experts_per_rank;
+}
+
+JAX_EP_HD int align_up(int value, int alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+}  // namespace jax_ep
