@@ -21,7 +21,8 @@ def _check(array, name, shape, dtypes):
     """Shape and dtype of an argument; None in `shape` matches any size."""
     if not hasattr(array, "shape") or len(array.shape) != len(shape) or any(
             want is not None and got != want for got, want in zip(array.shape, shape)):
-        _fail(f"{name} must have shape {tuple('*' if s is None else s for s in shape)}, "
+        want = ", ".join("*" if s is None else str(s) for s in shape)
+        _fail(f"{name} must have shape ({want}), "
               f"got {getattr(array, 'shape', type(array).__name__)}")
     if jnp.dtype(array.dtype) not in tuple(jnp.dtype(d) for d in dtypes):
         _fail(f"{name} must have dtype {' or '.join(jnp.dtype(d).name for d in dtypes)}, "

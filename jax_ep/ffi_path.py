@@ -42,6 +42,24 @@ class _Sum(NamedTuple):  # static configuration of a combine
     bias_dtype: str | None
 
 
+def _varying_axes(value):
+    aval = jax.typeof(value)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; older: aval.vma
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def _varying_like(outputs, *inputs):
+    """Custom calls return values JAX sees as the same on every rank; they vary like their inputs
+    (shard_map's check_vma needs to know)."""
+    axes = frozenset().union(*map(_varying_axes, inputs))
+
+    def vary(out):
+        missing = tuple(sorted(axes - _varying_axes(out)))
+        return jax.lax.pcast(out, missing, to="varying") if missing else out
+
+    return jax.tree.map(vary, outputs)
+
+
 def _attrs(cfg: _Move):
     return dict(buffer_id=np.int64(cfg.buffer_id), out_rows=np.int32(cfg.rows),
                 fp8=bool(cfg.fp8), round_scale=bool(cfg.round_scale))
@@ -65,24 +83,27 @@ def _dispatch_call(cfg: _Move, x, topk_idx, topk_weights):
               jax.ShapeDtypeStruct((cfg.experts_per_rank,), i32),
               jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((), i32),
               jax.ShapeDtypeStruct((), i32))
-    out = jax.ffi.ffi_call("jax_ep_dispatch", shapes, has_side_effect=True)(
-        x, topk_idx, topk_weights, **_attrs(cfg))
+    out = _varying_like(jax.ffi.ffi_call("jax_ep_dispatch", shapes, has_side_effect=True)(
+        x, topk_idx, topk_weights, **_attrs(cfg)), x, topk_idx, topk_weights)
     x_rows, scales = out[0], out[1] if cfg.fp8 else None
     return RankRows(x_rows, scales, out[2], out[3]), Routing(*out[4:])
 
 
 def _dispatch_cached_call(cfg: _Move, x, send_pos, num_rows):
-    x_rows, scales = jax.ffi.ffi_call("jax_ep_dispatch_cached", _x_rows_shapes(cfg, x.shape[1]),
-                                      has_side_effect=True)(x, send_pos, num_rows, **_attrs(cfg))
+    x_rows, scales = _varying_like(
+        jax.ffi.ffi_call("jax_ep_dispatch_cached", _x_rows_shapes(cfg, x.shape[1]),
+                         has_side_effect=True)(x, send_pos, num_rows, **_attrs(cfg)),
+        x, send_pos, num_rows)
     return x_rows, scales if cfg.fp8 else None
 
 
 def _combine_call(cfg: _Sum, row_data, send_pos, bias):
     shape = jax.ShapeDtypeStruct((send_pos.shape[0], row_data.shape[1]), cfg.out_dtype)
     no_bias = jnp.zeros((0,), jnp.float32)
-    return jax.ffi.ffi_call("jax_ep_combine", shape, has_side_effect=True)(
-        row_data, send_pos, no_bias if bias is None else bias,
-        buffer_id=np.int64(cfg.buffer_id), has_bias=bias is not None)
+    bias = no_bias if bias is None else bias
+    return _varying_like(jax.ffi.ffi_call("jax_ep_combine", shape, has_side_effect=True)(
+        row_data, send_pos, bias, buffer_id=np.int64(cfg.buffer_id), has_bias=cfg.bias_dtype
+        is not None), row_data, send_pos, bias)
 
 
 # ---------------------------------------------------------------- differentiation
@@ -189,6 +210,7 @@ class Ffi:
                   jax.ShapeDtypeStruct((capacity,), i32),
                   jax.ShapeDtypeStruct((experts_per_rank,), i32),
                   jax.ShapeDtypeStruct((), i32))
-        out = jax.ffi.ffi_call("jax_ep_expert_layout", shapes)(topk_rows,
-                                                                alignment=np.int32(alignment))
+        topk_rows = jax.lax.stop_gradient(topk_rows)  # integers: nothing to differentiate
+        out = _varying_like(jax.ffi.ffi_call("jax_ep_expert_layout", shapes)(
+            topk_rows, alignment=np.int32(alignment)), topk_rows)
         return layout.ExpertMaps(*out)

@@ -83,7 +83,8 @@ def quantize_fp8(x, round_scale):
     if round_scale:
         # The smallest power of two >= scale, from its bits.
         bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
-        bits = jnp.where(bits & 0x7FFFFF, (bits & 0xFF800000) + 0x800000, bits).astype(jnp.uint32)
+        mantissa, exponent = bits & np.uint32(0x7FFFFF), bits & np.uint32(0xFF800000)
+        bits = jnp.where(mantissa != 0, exponent + np.uint32(0x800000), bits)
         scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
         q = blocks / scale[..., None]
     else:

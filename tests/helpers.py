@@ -1,0 +1,132 @@
+"""Shared test helpers: meshes, routings, running a per-rank function under shard_map."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_ep
+
+
+def make_mesh(num_ranks, dp=1, devices=None):
+    """A mesh ("dp", "ep") of dp x num_ranks devices, or ("ep",) when dp == 1."""
+    devices = devices if devices is not None else jax.devices()
+    grid = np.array(devices[:dp * num_ranks])
+    if dp == 1:
+        return jax.sharding.Mesh(grid, ("ep",))
+    return jax.sharding.Mesh(grid.reshape(dp, num_ranks), ("dp", "ep"))
+
+
+def all_axes(mesh):
+    return P(tuple(mesh.axis_names))
+
+
+def put(mesh, *arrays):
+    sharding = NamedSharding(mesh, all_axes(mesh))
+    return [jax.device_put(a, sharding) for a in arrays]
+
+
+def _per_rank(value):
+    return value[None] if value.ndim == 0 else value
+
+
+def run(mesh, fn, *args):
+    """jit(shard_map(fn)) over every mesh axis; scalars come back with one entry per rank."""
+    spec = all_axes(mesh)
+
+    def body(*shards):
+        return jax.tree.map(_per_rank, fn(*shards))
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(*put(mesh, *args))
+
+
+def per_rank(array, num_devices):
+    """Global [devices * n, ...] result -> [devices, n, ...] numpy."""
+    a = np.asarray(array)
+    return a.reshape((num_devices, -1) + a.shape[1:])
+
+
+ROUTINGS = ("random", "one_expert", "sparse", "skip_rank", "duplicates", "empty")
+
+
+def routing(kind, rng, num_tokens, num_experts, num_topk, num_ranks):
+    """topk_idx [num_tokens, K] of one of the routing kinds the tests cover."""
+    idx = np.stack([rng.permutation(num_experts)[:num_topk] for _ in range(num_tokens)])
+    if kind == "one_expert":          # every token to expert 0 (one rank gets everything)
+        idx[:] = -1
+        idx[:, 0] = 0
+    elif kind == "sparse":            # most slots unused
+        idx[rng.random(idx.shape) < 0.7] = -1
+    elif kind == "skip_rank":         # nothing goes to the last rank
+        experts_per_rank = num_experts // num_ranks
+        idx = np.where(idx >= num_experts - experts_per_rank, -1, idx) if num_ranks > 1 else idx
+    elif kind == "duplicates":        # the same expert twice in a token's top-k
+        idx[:, -1] = idx[:, 0]
+    elif kind == "empty":             # no token goes anywhere
+        idx[:] = -1
+    return idx.astype(np.int32)
+
+
+def random_inputs(rng, devices, num_tokens, hidden, num_experts, num_topk, num_ranks, kind,
+                  dtype=jnp.bfloat16):
+    """Global x, topk_idx, topk_weights for `devices` ranks of num_tokens each."""
+    n = devices * num_tokens
+    x = jnp.asarray(rng.standard_normal((n, hidden)) * rng.choice([0.01, 1.0, 30.0], (n, 1)),
+                    dtype)
+    idx = np.concatenate([routing(kind, rng, num_tokens, num_experts, num_topk, num_ranks)
+                          for _ in range(devices)])
+    w = rng.random((n, num_topk)).astype(np.float32)
+    return x, jnp.asarray(idx), jnp.asarray(w)
+
+
+def buffers(mesh, **kwargs):
+    return {impl: jax_ep.Buffer(mesh, "ep", impl=impl, **kwargs) for impl in ("reference", "ffi")}
+
+
+def bits(a):
+    """A view that compares floats bit for bit (fp8 and bf16 included)."""
+    a = np.asarray(a)
+    if a.dtype.kind in "fV" or a.dtype.itemsize == 1 and a.dtype.kind not in "iub":
+        return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+    return a
+
+
+def assert_bitwise_equal(a, b, what=""):
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b, f"{what}: structures differ"
+    for i, (u, v) in enumerate(zip(leaves_a, leaves_b)):
+        np.testing.assert_array_equal(bits(u), bits(v), err_msg=f"{what} leaf {i}")
+
+
+def calc_diff(x, y):
+    """DeepEP's similarity measure: 0 for identical tensors."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    denominator = (x * x + y * y).sum()
+    return 0.0 if denominator == 0 else float(1 - 2 * (x * y).sum() / denominator)
+
+
+def pipeline(buf, layout="rank", expert_alignment=1, fp8=False, round_scale=False, capacity=None,
+             weighted=True):
+    """A per-rank MoE step: dispatch, a fake expert (row * (1 + expert id)), combine with bias,
+    then a cached dispatch of a second x. Returns every output and the handle's arrays."""
+
+    def step(x, topk_idx, topk_weights, bias, x2):
+        d = buf.dispatch(x, topk_idx, topk_weights if weighted else None, layout=layout,
+                         expert_alignment=expert_alignment, fp8=fp8, round_scale=round_scale,
+                         capacity=capacity)
+        rows = jax_ep.dequantize_fp8(d.x, d.scales) if fp8 else d.x.astype(jnp.float32)
+        expert = d.topk_idx if layout == "expert" else d.topk_idx.max(axis=1)
+        expert_out = (rows * (1 + expert[:, None])).astype(x.dtype)
+        y = buf.combine(expert_out, d.handle,
+                        topk_weights=d.topk_weights if layout == "expert" else None, bias=bias)
+        again = buf.dispatch(x2, handle=d.handle, fp8=fp8, round_scale=round_scale)
+        h = d.handle
+        return dict(d=d._replace(handle=None), y=y, expert_out=expert_out, cached_x=again.x,
+                    cached_scales=again.scales,
+                    handle=dict(send_pos=h.send_pos, recv_counts=h.recv_counts,
+                                num_rows=h.num_rows, expert_src=h.expert_src,
+                                expert_rows=h.expert_rows))
+
+    return step

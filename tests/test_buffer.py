@@ -1,0 +1,116 @@
+"""Buffer construction and the trace-time errors of SPEC §5: a ValueError naming the argument."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ep
+from helpers import make_mesh, random_inputs, run
+
+T, H, E, K = 8, 256, 8, 2
+
+
+@pytest.fixture(scope="module", params=["reference", "ffi"])
+def setup(request):
+    mesh = make_mesh(4, 2)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
+                        impl=request.param)
+    x, idx, w = random_inputs(np.random.default_rng(0), 8, T, H, E, K, 4, "random")
+    return mesh, buf, x, idx, w
+
+
+def test_attributes():
+    buf = jax_ep.Buffer(make_mesh(4, 2), "ep", num_experts=16, hidden=H, num_topk=K,
+                        max_tokens_per_rank=T)
+    assert (buf.num_ranks, buf.num_local_experts, buf.impl) == (4, 4, "ffi")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(axis_name="tp"), "axis_name 'tp'"),
+    (dict(num_experts=6), "num_experts=6 must be divisible"),
+    (dict(impl="nccl"), "impl"),
+    (dict(hidden=0), "hidden"),
+    (dict(max_tokens_per_rank=2.5), "max_tokens_per_rank"),
+])
+def test_construction_errors(kwargs, match):
+    args = dict(axis_name="ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        jax_ep.Buffer(make_mesh(4, 2), args.pop("axis_name"), **args)
+
+
+def expect_error(setup, fn, match, *args):
+    mesh, buf, x, idx, w = setup
+    with pytest.raises(ValueError, match=match):
+        run(mesh, lambda x, idx, w: fn(buf, x, idx, w), *(args or (x, idx, w)))
+
+
+@pytest.mark.parametrize("fn,match", [
+    (lambda b, x, i, w: b.dispatch(x.astype(jnp.float16), i, w), "x must have dtype"),
+    (lambda b, x, i, w: b.dispatch(x[:, :128], i, w), r"x must have shape \(\*, 256\)"),
+    (lambda b, x, i, w: b.dispatch(x[None], i, w), "x must have shape"),
+    (lambda b, x, i, w: b.dispatch(x, i[:, :1], w), r"topk_idx must have shape \(8, 2\)"),
+    (lambda b, x, i, w: b.dispatch(x, i.astype(jnp.uint8), w), "topk_idx must have dtype int32"),
+    (lambda b, x, i, w: b.dispatch(x, i, w.astype(jnp.bfloat16)), "topk_weights must have dtype"),
+    (lambda b, x, i, w: b.dispatch(x, None, w), "needs topk_idx"),
+    (lambda b, x, i, w: b.dispatch(x, i, w, layout="token"), "layout must be"),
+    (lambda b, x, i, w: b.dispatch(x, i, w, expert_alignment=0), "expert_alignment"),
+    (lambda b, x, i, w: b.dispatch(x, i, w, capacity=0), "capacity must be a positive"),
+    (lambda b, x, i, w: b.dispatch(x, i, w, layout="expert", expert_alignment=4, capacity=6),
+     "multiple of expert_alignment"),
+    (lambda b, x, i, w: b.dispatch(x, i, w, round_scale=True), "round_scale=True needs fp8"),
+    (lambda b, x, i, w: b.dispatch(x, i, w, handle=(1, 2)), "handle must be"),
+    (lambda b, x, i, w: b.combine(b.dispatch(x, i, w).x[:-1], b.dispatch(x, i, w).handle),
+     r"expert_out must have shape \(32, 256\)"),
+    (lambda b, x, i, w: b.combine(*(lambda d: (d.x, d.handle, d.topk_weights))(
+        b.dispatch(x, i, w))), "topk_weights must be None"),
+    (lambda b, x, i, w: b.combine(*(lambda d: (d.x, d.handle, None, d.x[:2]))(
+        b.dispatch(x, i, w))), "bias must have shape"),
+    (lambda b, x, i, w: b.combine(*(lambda d: (d.x, d.handle, d.topk_weights[:5]))(
+        b.dispatch(x, i, w, layout="expert"))), "topk_weights must have shape"),
+    (lambda b, x, i, w: b.combine(b.dispatch(x, i, w).x.astype(jnp.int32),
+                                  b.dispatch(x, i, w).handle), "expert_out must have dtype"),
+])
+def test_trace_time_errors(setup, fn, match):
+    expect_error(setup, fn, match)
+
+
+def test_too_many_tokens(setup):
+    mesh, buf, x, idx, w = setup
+    big = jnp.concatenate([x, x])
+    with pytest.raises(ValueError, match="max_tokens_per_rank=8"):
+        run(mesh, lambda x, i, w: buf.dispatch(x, i, w), big, jnp.concatenate([idx, idx]),
+            jnp.concatenate([w, w]))
+
+
+def test_fp8_needs_hidden_multiple_of_128():
+    mesh = make_mesh(2)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=4, hidden=96, num_topk=1, max_tokens_per_rank=4)
+    x = jnp.zeros((8, 96), jnp.bfloat16)
+    idx = jnp.zeros((8, 1), jnp.int32)
+    with pytest.raises(ValueError, match="hidden % 128"):
+        run(mesh, lambda x, i: buf.dispatch(x, i, fp8=True), x, idx)
+
+
+def test_outside_shard_map(setup):
+    _, buf, x, idx, w = setup
+    with pytest.raises(ValueError, match="inside jax.shard_map"):
+        jax.jit(lambda x, i: buf.dispatch(x, i))(x, idx)
+
+
+def test_wrong_axis_size(setup):
+    _, buf, x, idx, w = setup
+    other = make_mesh(2)
+    with pytest.raises(ValueError, match="has size 2 here but the Buffer was built for 4"):
+        run(other, lambda x, i: buf.dispatch(x, i), x[:2 * T], idx[:2 * T])
+
+
+def test_cached_dispatch_with_other_token_count(setup):
+    mesh, buf, x, idx, w = setup
+
+    def fn(x, i, w):
+        d = buf.dispatch(x, i, w)
+        return buf.dispatch(x[:4], handle=d.handle).x
+
+    with pytest.raises(ValueError, match="x has 4 tokens but the handle routed 8"):
+        run(mesh, fn, x, idx, w)

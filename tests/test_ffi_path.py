@@ -1,0 +1,130 @@
+"""The custom-call path (CPU backend here, CUDA with -m gpu on GPUs) against the reference path:
+dispatch bitwise equal, combine within calc_diff < 5e-6 and bitwise run to run."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import jax_ep
+from helpers import (ROUTINGS, assert_bitwise_equal, buffers, calc_diff, make_mesh,
+                           pipeline, put, random_inputs, run)
+
+T, H, E, K = 16, 256, 16, 4
+
+CONFIGS = [  # num_ranks, dp, layout, alignment, fp8, round_scale, capacity, dtype
+    (1, 1, "rank", 1, False, False, None, jnp.bfloat16),
+    (1, 1, "expert", 128, True, False, None, jnp.bfloat16),
+    (2, 1, "rank", 1, True, False, None, jnp.bfloat16),
+    (2, 1, "expert", 128, False, False, None, jnp.float32),
+    (4, 2, "rank", 4, True, True, None, jnp.bfloat16),
+    (4, 2, "expert", 1, True, False, None, jnp.bfloat16),
+    (8, 1, "rank", 1, False, False, 60, jnp.float32),
+    (8, 1, "expert", 8, True, True, 48, jnp.bfloat16),
+    (8, 1, "expert", 1, False, False, None, jnp.bfloat16),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(num_ranks, dp, lay, alignment, fp8, round_scale, capacity):
+    mesh = make_mesh(num_ranks, dp)
+    bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
+    return mesh, {impl: functools.partial(run, mesh, pipeline(buf, lay, alignment, fp8, round_scale,
+                                                                capacity))
+                  for impl, buf in bufs.items()}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c[:7])))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(ROUTINGS))
+def test_ffi_matches_reference(config, seed, kind):
+    num_ranks, dp, lay, alignment, fp8, round_scale, capacity, dtype = config
+    mesh, step = compiled(num_ranks, dp, lay, alignment, fp8, round_scale, capacity)
+    rng = np.random.default_rng(seed)
+    x, idx, w = random_inputs(rng, mesh.size, T, H, E, K, num_ranks, kind, dtype)
+    bias = jnp.asarray(rng.standard_normal(x.shape), dtype)
+    x2 = jnp.asarray(rng.standard_normal(x.shape), dtype)
+    want = step["reference"](x, idx, w, bias, x2)
+    got = step["ffi"](x, idx, w, bias, x2)
+    for part in ("d", "handle", "cached_x", "cached_scales", "expert_out"):
+        assert_bitwise_equal(got[part], want[part], part)
+    assert calc_diff(got["y"].astype(jnp.float32), want["y"].astype(jnp.float32)) < 5e-6
+    again = step["ffi"](x, idx, w, bias, x2)
+    assert_bitwise_equal(again["y"], got["y"], "combine run to run")
+
+
+def test_several_buffers_and_results_alive():
+    mesh = make_mesh(4, 2)
+    a = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
+    b = jax_ep.Buffer(mesh, "ep", num_experts=8, hidden=128, num_topk=2, max_tokens_per_rank=8)
+    rng = np.random.default_rng(0)
+    x, idx, w = random_inputs(rng, 8, T, H, E, K, 4, "random")
+    xb, idxb, wb = random_inputs(rng, 8, 8, 128, 8, 2, 4, "random")
+
+    def both(x, idx, w, xb, idxb, wb):
+        d1 = a.dispatch(x, idx, w)
+        e1 = b.dispatch(xb, idxb, wb, layout="expert")
+        d2 = a.dispatch(x * 2, idx, w)               # a second result of the same Buffer
+        y1 = a.combine(d1.x, d1.handle)
+        y2 = a.combine(d2.x, d2.handle)
+        yb = b.combine(e1.x, e1.handle, topk_weights=e1.topk_weights)
+        return y1, y2, yb
+
+    y1, y2, yb = run(mesh, both, x, idx, w, xb, idxb, wb)
+    # Unweighted rank-layout round trip: each token comes back once per rank it visited.
+    ranks_hit = (np.asarray(idx)[:, :, None] // (E // 4) == np.arange(4)).any(1).sum(1)
+    np.testing.assert_allclose(np.asarray(y1, np.float32),
+                               np.asarray(x, np.float32) * ranks_hit[:, None], rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(y2, np.float32), 2 * np.asarray(y1, np.float32),
+                               rtol=1e-2)
+    # Weighted expert-layout round trip with identity experts: x times its weights' sum.
+    np.testing.assert_allclose(np.asarray(yb, np.float32),
+                               np.asarray(xb, np.float32) * np.asarray(wb).sum(1, keepdims=True),
+                               rtol=2e-2, atol=1e-2)
+    a.close()
+    b.close()
+
+
+def test_invalid_expert_ids_are_excluded_and_reported():
+    mesh = make_mesh(4)
+    bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
+    rng = np.random.default_rng(5)
+    x, idx, w = random_inputs(rng, 4, T, H, E, K, 4, "random")
+    bad = np.asarray(idx).copy()
+    bad[3, 1] = E          # out of range
+    bad[20, 0] = -7        # below -1
+    clean = bad.copy()
+    clean[3, 1] = clean[20, 0] = -1
+
+    def counts(buf):
+        return lambda x, i, w: buf.dispatch(x, i, w)._replace(handle=None)
+
+    # The reference counts them and treats them as unused slots.
+    ref_bad = run(mesh, counts(bufs["reference"]), x, jnp.asarray(bad), w)
+    ref_clean = run(mesh, counts(bufs["reference"]), x, jnp.asarray(clean), w)
+    np.testing.assert_array_equal(ref_bad.num_invalid, [1, 1, 0, 0])
+    assert_bitwise_equal(ref_bad._replace(num_invalid=None), ref_clean._replace(num_invalid=None))
+    # The CPU handlers finish the exchange (no peer is left waiting) and then raise.
+    with pytest.raises(Exception, match="topk_idx"):
+        jax.block_until_ready(run(mesh, counts(bufs["ffi"]), x, jnp.asarray(bad), w))
+    # The Buffer still works afterwards.
+    got = run(mesh, counts(bufs["ffi"]), x, jnp.asarray(clean), w)
+    assert_bitwise_equal(got, ref_clean)
+
+
+def test_a_rank_that_never_arrives_is_an_error_not_a_hang():
+    # The dispatch custom call alone, on one device of a 2-rank group.
+    mesh = make_mesh(2)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=4, hidden=128, num_topk=2, max_tokens_per_rank=4,
+                        timeout_s=0.5)
+    x = jax.device_put(jnp.zeros((4, 128), jnp.float32), jax.devices()[0])
+    idx = jax.device_put(jnp.zeros((4, 2), jnp.int32), jax.devices()[0])
+    lonely = jax.jit(lambda x, i: buf._ops.dispatch(x, i, jnp.zeros(i.shape), rows=8, fp8=False,
+                                                    round_scale=False))
+    with pytest.raises(Exception, match="never arrived"):
+        jax.block_until_ready(lonely(x, idx))
+    # A broken group says so at once from then on.
+    with pytest.raises(Exception, match="never arrived"):
+        jax.block_until_ready(lonely(x, idx))

@@ -1,0 +1,89 @@
+"""jax_ep.layout, the plain-JAX statement of the rules, against the numpy oracle."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jax_ep import layout
+import oracle
+from helpers import bits, routing
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_fp8_rule_matches_oracle(dtype, round_scale):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 512)) * rng.choice([1e-7, 1e-3, 1.0, 1e4], (6, 1))
+    x[0, :128] = 0.0                        # amax floor 1e-4
+    x[1, 5] = 448.0 * 3                     # one large value in a block
+    x = jnp.asarray(x, dtype)
+    q, scales = jax.jit(layout.quantize_fp8, static_argnums=1)(x, round_scale)
+    for t in range(x.shape[0]):
+        want_q, want_scales = oracle.quantize(np.asarray(x[t], np.float32), round_scale)
+        np.testing.assert_array_equal(bits(q[t]), bits(want_q))
+        np.testing.assert_array_equal(np.asarray(scales[t]), want_scales)
+
+
+def test_fp8_dequantize_is_close():
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 256)), jnp.float32)
+    q, scales = layout.quantize_fp8(x, False)
+    assert float(jnp.max(jnp.abs(layout.dequantize_fp8(q, scales) - x))) < 0.07 * float(
+        jnp.max(jnp.abs(x)))
+
+
+def test_default_capacity():
+    assert layout.default_capacity("rank", 4, 100, 8, 16, 1) == 400
+    # expert layout: R*N*min(K, E_l) + (a-1)*E_l, aligned to a
+    assert layout.default_capacity("expert", 4, 100, 8, 16, 1) == 3200
+    assert layout.default_capacity("expert", 2, 10, 8, 4, 128) == layout.align_up(
+        2 * 10 * 4 + 127 * 4, 128)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), alignment=st.sampled_from([1, 3, 8]),
+       kind=st.sampled_from(["random", "one_expert", "sparse", "duplicates", "empty"]),
+       cut=st.sampled_from([None, 0.5]))
+def test_expert_layout_matches_oracle(seed, alignment, kind, cut):
+    rng = np.random.default_rng(seed)
+    rows, k, num_local = 24, 4, 6
+    topk = routing(kind, rng, rows, num_local, k, 1)
+    w = rng.random((rows, k)).astype(np.float32)
+    full = layout.default_capacity("expert", 1, rows, k, num_local, alignment)
+    capacity = full if cut is None else layout.align_up(int(full * cut), alignment)
+    maps = layout.expert_layout(jnp.asarray(topk), num_local, alignment, capacity)
+    weights = layout.expert_weights(jnp.asarray(w), jnp.asarray(topk), maps.expert_src,
+                                    maps.expert_of_row)
+    src, expert, weight, present, dropped = oracle.expert_layout(topk, w, num_local, alignment,
+                                                                 capacity)
+    np.testing.assert_array_equal(maps.expert_src, src)
+    np.testing.assert_array_equal(maps.expert_of_row, expert)
+    np.testing.assert_allclose(weights, weight, rtol=1e-6)
+    np.testing.assert_array_equal(maps.tokens_per_expert, present)
+    assert int(maps.num_dropped) == dropped
+    # expert_rows is the inverse of expert_src, by expert within each row.
+    for r in range(rows):
+        mine = sorted(p for p in range(capacity) if src[p] == r)
+        got = [p for p in np.asarray(maps.expert_rows[r]) if p >= 0]
+        assert got == mine
+    # Blocks start where ragged_dot expects them.
+    group_sizes = np.asarray(layout.align_up(maps.tokens_per_expert, alignment))
+    assert group_sizes.sum() <= capacity
+    for e in range(num_local):
+        first = group_sizes[:e].sum()
+        assert all(expert[first:first + present[e]] == e)
+
+
+def test_expand_and_reduce_are_adjoint():
+    rng = np.random.default_rng(3)
+    topk = jnp.asarray(routing("random", rng, 10, 4, 3, 1))
+    maps = layout.expert_layout(topk, 4, 2, 32)
+    a = jnp.asarray(rng.standard_normal((10, 5)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((32, 5)), jnp.float32)
+    lhs = jnp.vdot(layout.expand_rows(a, maps.expert_src, maps.expert_rows), b)
+    rhs = jnp.vdot(a, layout.reduce_expert_rows(b, None, maps.expert_src, maps.expert_rows))
+    np.testing.assert_allclose(lhs, rhs, rtol=1e-5)
+    # and their custom gradients are each other
+    g = jax.grad(lambda v: jnp.vdot(layout.expand_rows(v, maps.expert_src, maps.expert_rows), b))(a)
+    np.testing.assert_allclose(g, layout.reduce_expert_rows(b, None, maps.expert_src,
+                                                            maps.expert_rows), rtol=1e-6)
