@@ -189,7 +189,8 @@ ffi::Error ExpertLayout(typename Backend::Context ctx, ffi::Buffer<ffi::S32, 2> 
                         ffi::ResultBuffer<ffi::S32, 2> expert_rows,
                         ffi::ResultBuffer<ffi::S32, 1> expert_of_row,
                         ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert,
-                        ffi::ResultBuffer<ffi::S32, 0> num_dropped, int32_t alignment) {
+                        ffi::ResultBuffer<ffi::S32, 0> num_dropped,
+                        ffi::ResultBuffer<ffi::S32, 1> expert_counts, int32_t alignment) {
   ExpertLayoutArgs a{};
   a.rows = int(topk_rows.dimensions()[0]);
   a.num_topk = int(topk_rows.dimensions()[1]);
@@ -204,6 +205,7 @@ ffi::Error ExpertLayout(typename Backend::Context ctx, ffi::Buffer<ffi::S32, 2> 
   a.expert_of_row = expert_of_row->typed_data();
   a.tokens_per_expert = tokens_per_expert->typed_data();
   a.num_dropped = num_dropped->typed_data();
+  a.expert_counts = expert_counts->typed_data();
   return to_error(Backend::expert_layout(ctx, a));
 }
 
@@ -217,6 +219,7 @@ constexpr auto expert_layout_binding() {
       .template Ret<ffi::Buffer<ffi::S32, 1>>()
       .template Ret<ffi::Buffer<ffi::S32, 1>>()
       .template Ret<ffi::Buffer<ffi::S32, 0>>()
+      .template Ret<ffi::Buffer<ffi::S32, 1>>()
       .template Attr<int32_t>("alignment");
 }
 

@@ -35,7 +35,7 @@ int64_t create_buffer(const std::string& platform, const std::vector<std::vector
       state->cpu_groups.push_back(std::make_unique<cpu::Group>(state->num_ranks));
   } else if (platform == "cuda") {
 #ifdef JAX_EP_WITH_CUDA
-    state->cuda = cuda_connect(groups, state->num_ranks, num_experts / state->num_ranks);
+    state->cuda = cuda_connect(groups, num_sms, timeout_s);
 #else
     throw std::runtime_error("jax_ep was built without its CUDA backend (set JAX_EP_CUDA=ON)");
 #endif
@@ -52,8 +52,9 @@ NB_MODULE(_native, m) {
 #ifdef JAX_EP_WITH_CUDA
   m.attr("has_cuda") = true;
   m.def("cuda_targets", [] { return as_capsules(cuda_targets()); });
-  m.def("peer_copy_gbps", &cuda_peer_copy_gbps, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"),
-        nb::arg("iters"), nb::call_guard<nb::gil_scoped_release>());
+  m.def("peer_gbps", &cuda_peer_gbps, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"),
+        nb::arg("blocks"), nb::arg("mode"), nb::arg("iters"), nb::arg("both_ways"),
+        nb::call_guard<nb::gil_scoped_release>());
 #else
   m.attr("has_cuda") = false;
 #endif

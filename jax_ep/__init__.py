@@ -1,4 +1,8 @@
 """jax_ep: expert-parallel dispatch and combine for JAX (SPEC §3)."""
+import importlib.metadata
+import importlib.util
+import os
+
 from jax_ep.buffer import Buffer
 from jax_ep.layout import dequantize_fp8
 from jax_ep.types import DispatchResult, Handle
@@ -7,10 +11,15 @@ __all__ = ["Buffer", "DispatchResult", "Handle", "dequantize_fp8"]
 
 
 def _register():
-    try:
-        from jax_ep import ffi_path
-    except ImportError:  # source tree without the built extension: the reference path still works
-        return
+    # Run from a source checkout, the compiled extension is the installed one (pip install .).
+    if importlib.util.find_spec("jax_ep._native") is None:
+        try:
+            installed = str(importlib.metadata.distribution("jax_ep").locate_file("jax_ep"))
+        except importlib.metadata.PackageNotFoundError:
+            return  # not built: only impl="reference" works
+        if os.path.isdir(installed) and installed not in __path__:
+            __path__.append(installed)
+    from jax_ep import ffi_path
     ffi_path.register_targets()
 
 

@@ -209,8 +209,9 @@ class Ffi:
                   jax.ShapeDtypeStruct((rows, layout.max_experts_per_row(k, experts_per_rank)), i32),
                   jax.ShapeDtypeStruct((capacity,), i32),
                   jax.ShapeDtypeStruct((experts_per_rank,), i32),
-                  jax.ShapeDtypeStruct((), i32))
+                  jax.ShapeDtypeStruct((), i32),
+                  jax.ShapeDtypeStruct((experts_per_rank,), i32))  # counts before capacity
         topk_rows = jax.lax.stop_gradient(topk_rows)  # integers: nothing to differentiate
         out = _varying_like(jax.ffi.ffi_call("jax_ep_expert_layout", shapes)(
             topk_rows, alignment=np.int32(alignment)), topk_rows)
-        return layout.ExpertMaps(*out)
+        return layout.ExpertMaps(*out[:5])

@@ -88,9 +88,29 @@ def quantize_fp8(x, round_scale):
         scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
         q = blocks / scale[..., None]
     else:
-        q = blocks * (FP8_MAX / amax)[..., None]  # a true division, as SPEC §3 says
-    q = q.astype(jnp.float8_e4m3fn).reshape(t, h)
+        # A true division (SPEC §3). Fused with the block max, XLA:GPU emits it through Triton,
+        # whose division is approximate; on its own it is IEEE.
+        amax = jax.lax.optimization_barrier(amax)
+        factor = jax.lax.optimization_barrier(FP8_MAX / amax)
+        q = blocks * factor[..., None]
+    q = float_to_e4m3(q).reshape(t, h)
     return _straight_through(x.dtype, x, q), jax.lax.stop_gradient(scale)
+
+
+def float_to_e4m3(v):
+    """float32 -> float8_e4m3fn, rounded to nearest even once, from the bits (XLA's own convert
+    may round through float16 first on some backends). Saturates at 448; NaN stays NaN."""
+    bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.uint32)
+    sign = ((bits >> 24) & 0x80).astype(jnp.uint8)
+    magnitude = bits & np.uint32(0x7FFFFFFF)
+    # Normal e4m3: keep 3 mantissa bits, ties to even, and re-bias the exponent (127 -> 7).
+    kept = (magnitude + np.uint32(0x7FFFF) + ((magnitude >> 20) & 1)) >> 20
+    normal = jnp.minimum(kept.astype(jnp.int32) - ((127 - 7) << 3), 0x7E)
+    # Below 2^-6: multiples of 2^-9 (jnp.round rounds half to even).
+    small = jnp.round(jax.lax.bitcast_convert_type(magnitude, jnp.float32) * 512.0)
+    code = jnp.where(magnitude < np.uint32(0x3C800000), small.astype(jnp.int32), normal)
+    code = jnp.where(magnitude > np.uint32(0x7F800000), 0x7F, code).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(sign | code, jnp.float8_e4m3fn)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -46,6 +46,16 @@ JAX_EP_HD bool row_has_expert(const int32_t* local_topk, int num_topk, int32_t e
   return false;
 }
 
+// Among a row's distinct local experts, how many are below e: the column of e in expert_rows.
+JAX_EP_HD int distinct_experts_below(const int32_t* local_topk, int num_topk, int32_t e) {
+  int n = 0;
+  for (int k = 0; k < num_topk; ++k) {
+    int32_t v = local_topk[k];
+    n += v >= 0 && v < e && !row_has_expert(local_topk, k, v);
+  }
+  return n;
+}
+
 // Expert-layout rows one received row can expand to.
 JAX_EP_HD int max_experts_per_row(int num_topk, int experts_per_rank) {
   return num_topk < experts_per_rank ? num_topk : experts_per_rank;

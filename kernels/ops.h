@@ -29,9 +29,9 @@ struct DispatchArgs {
   int32_t* num_dropped;          // [] rows beyond out_rows
   int32_t* num_invalid;          // [] this rank's expert ids outside [-1, E)
 
-  int experts_per_rank() const { return num_experts / num_ranks; }
-  int64_t x_out_row_bytes() const { return fp8 ? hidden : int64_t(hidden) * dtype_size(x_dtype); }
-  int scales_per_row() const { return hidden / 128; }
+  JAX_EP_HD int experts_per_rank() const { return num_experts / num_ranks; }
+  JAX_EP_HD int64_t x_out_row_bytes() const { return fp8 ? hidden : int64_t(hidden) * dtype_size(x_dtype); }
+  JAX_EP_HD int scales_per_row() const { return hidden / 128; }
 };
 
 // Rank-level combine: out[t] = bias[t] + sum over ranks d (in order) of rows_d[send_pos[t, d]],
@@ -56,7 +56,8 @@ struct ExpertLayoutArgs {
   int32_t* expert_of_row;        // [capacity] local expert of each expert row, -1 on padding
   int32_t* tokens_per_expert;    // [E_l] rows present per expert
   int32_t* num_dropped;          // [] (row, expert) items beyond capacity
-  int max_per_row() const { return num_topk < experts_per_rank ? num_topk : experts_per_rank; }
+  int32_t* expert_counts;        // [E_l] rows per expert before the capacity (scratch)
+  JAX_EP_HD int max_per_row() const { return num_topk < experts_per_rank ? num_topk : experts_per_rank; }
 };
 
 }  // namespace jax_ep

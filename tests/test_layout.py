@@ -87,3 +87,18 @@ def test_expand_and_reduce_are_adjoint():
     g = jax.grad(lambda v: jnp.vdot(layout.expand_rows(v, maps.expert_src, maps.expert_rows), b))(a)
     np.testing.assert_allclose(g, layout.reduce_expert_rows(b, None, maps.expert_src,
                                                             maps.expert_rows), rtol=1e-6)
+
+
+def test_e4m3_rounding_matches_ml_dtypes_everywhere():
+    """Every e4m3 value, every midpoint between two and its neighbours, and random floats."""
+    import ml_dtypes
+    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    codes = np.sort(codes[np.isfinite(codes)])
+    mids = (codes[1:] + codes[:-1]) / 2
+    values = np.concatenate([codes, mids, np.nextafter(mids, np.float32(np.inf)),
+                             np.nextafter(mids, -np.float32(np.inf)),
+                             np.random.default_rng(0).standard_normal(100000).astype(np.float32)
+                             * 100]).astype(np.float32)
+    values = values[np.abs(values) <= 448]
+    got = np.asarray(jax.jit(layout.float_to_e4m3)(values))
+    np.testing.assert_array_equal(bits(got), bits(values.astype(ml_dtypes.float8_e4m3fn)))

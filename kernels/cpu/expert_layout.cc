@@ -10,7 +10,8 @@ namespace jax_ep::cpu {
 // rank-layout order; whatever lands at or past `capacity` is dropped (and counted).
 void expert_layout(const ExpertLayoutArgs& a) {
   const int El = a.experts_per_rank, K = a.num_topk, M = a.max_per_row();
-  std::vector<int32_t> count(El, 0);
+  int32_t* count = a.expert_counts;
+  std::fill(count, count + El, 0);
   for (int r = 0; r < a.rows; ++r)
     for (int e = 0; e < El; ++e) count[e] += row_has_expert(a.topk_rows + int64_t(r) * K, K, e);
 
@@ -26,19 +27,18 @@ void expert_layout(const ExpertLayoutArgs& a) {
   std::fill(a.tokens_per_expert, a.tokens_per_expert + El, 0);
   int32_t dropped = 0;
   for (int r = 0; r < a.rows; ++r) {
-    int m = 0;
+    const int32_t* topk = a.topk_rows + int64_t(r) * K;
     for (int e = 0; e < El; ++e) {
-      if (!row_has_expert(a.topk_rows + int64_t(r) * K, K, e)) continue;
+      if (!row_has_expert(topk, K, e)) continue;
       int64_t pos = next[e]++;
       if (pos < a.capacity) {
         a.expert_src[pos] = r;
         a.expert_of_row[pos] = e;
-        a.expert_rows[int64_t(r) * M + m] = int32_t(pos);
+        a.expert_rows[int64_t(r) * M + distinct_experts_below(topk, K, e)] = int32_t(pos);
         ++a.tokens_per_expert[e];
       } else {
         ++dropped;
       }
-      ++m;
     }
   }
   *a.num_dropped = dropped;

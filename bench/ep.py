@@ -1,0 +1,241 @@
+"""Dispatch and combine: jax_ep against the JAX-native baselines, in one run (SPEC §6).
+
+    python -m bench.ep --config v3          # 4096 tokens/rank, H 7168, 256 experts, top-8
+    python -m bench.ep --config ll          # 128 tokens/rank, same model
+
+Each op runs many times inside one jitted fori_loop; the time per op is the difference between
+two loop lengths divided by the extra iterations (launch and sync cost cancel). Bytes follow
+DeepEP's convention: logical = rows received including the local ones, physical = rows that
+crossed NVLink; FP8 rows count H bytes + H/128 float32 scales, BF16 rows 2H bytes.
+Writes bench/results/<config>-<machine>-<date>.json and a PNG; prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_ep
+from bench.baselines import AllToAll, RaggedAllToAll
+
+CONFIGS = {
+    "v3": dict(tokens=4096, hidden=7168, num_experts=256, num_topk=8,
+               sweep=(128, 256, 512, 1024, 2048, 4096, 8192, 16384)),
+    "ll": dict(tokens=128, hidden=7168, num_experts=256, num_topk=8, sweep=(1, 8, 32, 128, 256)),
+}
+IMPLS = ("jax_ep", "lax_all_to_all", "lax_ragged_all_to_all")
+
+
+def routing(rng, num_ranks, tokens, num_experts, num_topk):
+    """Uniform random top-k (distinct experts per token), [R*T, K]."""
+    scores = rng.random((num_ranks * tokens, num_experts))
+    return np.argsort(-scores, axis=1)[:, :num_topk].astype(np.int32)
+
+
+def wire_rows(topk_idx, num_ranks, num_experts):
+    """rows[s, d]: tokens rank s sends to rank d (once per rank)."""
+    per_rank = topk_idx.reshape(num_ranks, -1, topk_idx.shape[1]) // (num_experts // num_ranks)
+    hit = (per_rank[..., None] == np.arange(num_ranks)).any(axis=2)       # [s, T, d]
+    return hit.sum(axis=1)
+
+
+class Timer:
+    """Per-iteration time of `step(carry) -> carry` inside one jitted fori_loop; the carry
+    comes from `prologue(x, topk_idx)`, run once per call (its time cancels out)."""
+
+    def __init__(self, mesh, prologue, step):
+        spec = P("ep")
+
+        def loop(n, x, idx):
+            carry = jax.lax.fori_loop(0, n, lambda i, c: step(c), prologue(x, idx))
+            # Everything the loop made is an output: nothing in it is dead code.
+            return jax.tree.map(lambda a: a.reshape((1,) + a.shape) if a.ndim == 0 else a, carry)
+
+        self.fn = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P(), spec, spec),
+                                        out_specs=spec))
+
+    def __call__(self, args, budget_s=0.3):  # args = (x, topk_idx)
+        run = lambda n: jax.block_until_ready(self.fn(jnp.int32(n), *args))  # noqa: E731
+        run(1)                                     # compile and warm up
+        start = time.perf_counter()
+        run(1)
+        once = time.perf_counter() - start
+        extra = int(min(200, max(3, budget_s / max(once, 1e-6))))
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            run(1)
+            t1 = time.perf_counter()
+            run(1 + extra)
+            t2 = time.perf_counter()
+            best = min(best, ((t2 - t1) - (t1 - t0)) / extra)
+        return best
+
+
+def repeat(op):
+    """A loop step running op(input, routing) again: the input goes through a barrier with the
+    last outputs, so XLA can neither hoist the op out of the loop nor drop it."""
+
+    def step(carry):
+        value, routing, _ = carry
+        out = op(value, routing)
+        value, out = jax.lax.optimization_barrier((value, out))
+        return value, routing, out
+
+    return step
+
+
+def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check):
+    num_ranks = mesh.size
+    hidden, num_experts, num_topk = cfg["hidden"], cfg["num_experts"], cfg["num_topk"]
+    sharding = NamedSharding(mesh, P("ep"))
+    idx_np = routing(rng, num_ranks, tokens, num_experts, num_topk)
+    x = jax.device_put(jnp.asarray(rng.standard_normal((num_ranks * tokens, hidden)),
+                                   jnp.bfloat16), sharding)
+    idx = jax.device_put(jnp.asarray(idx_np), sharding)
+    rows = wire_rows(idx_np, num_ranks, num_experts)
+    dispatch_row = hidden + hidden // 128 * 4 if fp8 else 2 * hidden
+    combine_row = 2 * hidden
+    received = rows.sum(axis=0).mean()                          # per rank, local rows included
+    crossed = (rows.sum() - np.trace(rows)) / num_ranks         # per rank, over NVLink
+    spec = P("ep")
+    results, outputs = [], {}
+    for impl in impls:
+        if impl == "jax_ep":
+            buf = jax_ep.Buffer(mesh, "ep", num_experts=num_experts, hidden=hidden,
+                                num_topk=num_topk, max_tokens_per_rank=tokens, num_sms=num_sms)
+
+            def dispatch(x, idx, buf=buf):
+                d = buf.dispatch(x, idx, fp8=fp8)
+                return d, (d.x, d.scales) if fp8 else (d.x,)
+
+            def combine(rows, d, buf=buf):
+                return buf.combine(rows, d.handle)
+
+            def expert_rows(d):
+                return (jax_ep.dequantize_fp8(d.x, d.scales) if fp8 else d.x).astype(jnp.bfloat16)
+        else:
+            base = (AllToAll if impl == "lax_all_to_all" else RaggedAllToAll)(
+                "ep", num_ranks, num_experts)
+
+            def dispatch(x, idx, base=base):
+                parts, ctx = base.dispatch(x, idx, fp8)
+                return (parts, ctx), tuple(parts)
+
+            def combine(rows, d, base=base):
+                return base.combine(rows, d[1])
+
+            def expert_rows(d):
+                parts = d[0]
+                if not fp8:
+                    return parts[0]
+                q = jax.lax.bitcast_convert_type(parts[0], jnp.float8_e4m3fn)
+                shape = q.shape
+                flat = jax_ep.dequantize_fp8(q.reshape(-1, shape[-1]),
+                                             parts[1].reshape(-1, shape[-1] // 128))
+                return flat.reshape(shape).astype(jnp.bfloat16)
+
+        def dispatch_outputs(x, idx, dispatch=dispatch):
+            return dispatch(x, idx)[1]
+
+        def dispatch_prologue(x, idx, op=dispatch_outputs):
+            return x, idx, op(x, idx)
+
+        # Combine needs the routing of a dispatch: one runs before the loop.
+        def combine_prologue(x, idx, dispatch=dispatch, expert_rows=expert_rows, combine=combine):
+            d, _ = dispatch(x, idx)
+            rows = expert_rows(d)
+            return rows, d, combine(rows, d)
+
+        def round_trip(x, idx, prologue=combine_prologue):
+            return prologue(x, idx)[2]
+
+        t_dispatch = Timer(mesh, dispatch_prologue, repeat(dispatch_outputs))((x, idx))
+        t_combine = Timer(mesh, combine_prologue, repeat(combine))((x, idx))
+        if check:
+            outputs[impl] = jax.jit(jax.shard_map(round_trip, mesh=mesh, in_specs=(spec, spec),
+                                                  out_specs=spec))(x, idx)
+        for op, seconds, row in (("dispatch", t_dispatch, dispatch_row),
+                                 ("combine", t_combine, combine_row)):
+            results.append(dict(
+                impl=impl, op=op, tokens_per_rank=tokens, time_us=seconds * 1e6,
+                logical_gbps=received * row / seconds / 1e9,
+                physical_gbps=crossed * row / seconds / 1e9,
+                num_sms=num_sms if impl == "jax_ep" else None,
+                dtype="fp8" if op == "dispatch" and fp8 else "bf16"))
+    if check:  # every implementation routed the same way: same round trip
+        ref = np.asarray(outputs[impls[0]], np.float32)
+        for r in results:
+            r["max_abs_diff_vs_" + impls[0]] = float(
+                np.abs(np.asarray(outputs[r["impl"]], np.float32) - ref).max())
+        for impl in impls:
+            diff = float(np.abs(np.asarray(outputs[impl], np.float32) - ref).max())
+            print(f"  check {impl}: max |round trip - {impls[0]}| = {diff:.3g}", flush=True)
+    return results
+
+
+def table(results):
+    lines = [f"{'impl':24s} {'op':9s} {'tokens':>7s} {'time us':>10s} {'logical':>9s} "
+             f"{'physical':>9s}"]
+    for r in results:
+        lines.append(f"{r['impl']:24s} {r['op']:9s} {r['tokens_per_rank']:7d} "
+                     f"{r['time_us']:10.1f} {r['logical_gbps']:9.1f} {r['physical_gbps']:9.1f}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="v3")
+    parser.add_argument("--tokens", default=None,
+                        help="comma-separated tokens per rank (default: the config's sweep)")
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--num-sms", type=int, default=24)
+    parser.add_argument("--bf16", action="store_true", help="BF16 dispatch instead of FP8")
+    parser.add_argument("--machine", default=os.environ.get("JAX_EP_MACHINE", "unknown"))
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    cfg = CONFIGS[args.config]
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
+    impls = tuple(args.impls.split(","))
+    sizes = ([int(t) for t in args.tokens.split(",")] if args.tokens else list(cfg["sweep"]))
+    p2p = p2p_both = None
+    if len(devices) > 1 and devices[0].platform == "gpu":
+        from jax_ep import _native
+        p2p = _native.peer_gbps(0, 1, 256 << 20, 0, -1, 20, False)
+        p2p_both = _native.peer_gbps(0, 1, 256 << 20, 0, -1, 20, True)
+        print(f"peer copy GPU0 -> GPU1 (copy engine): {p2p:.1f} GB/s; both directions at once: "
+              f"{p2p_both:.1f} GB/s each", flush=True)
+    rng = np.random.default_rng(0)
+    results = []
+    for i, tokens in enumerate(sizes):
+        print(f"tokens/rank {tokens} ...", flush=True)
+        results += bench_size(mesh, cfg, tokens, impls, args.num_sms, not args.bf16, rng,
+                              check=i == 0)
+    print(table(results))
+    record = dict(machine=args.machine, date=datetime.date.today().isoformat(),
+                  command="python -m bench.ep " + " ".join(sys.argv[1:] if argv is None else argv),
+                  config=args.config, num_ranks=len(devices), device=devices[0].device_kind,
+                  p2p_copy_gbps=p2p, p2p_copy_both_ways_gbps=p2p_both, hidden=cfg["hidden"], num_experts=cfg["num_experts"],
+                  num_topk=cfg["num_topk"], jax_version=jax.__version__, results=results)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{args.config}-{args.machine}-{record['date']}")
+    with open(stem + ".json", "w") as f:
+        json.dump(record, f, indent=1)
+    if not args.no_plot:
+        from bench.plot import plot
+        plot(record, stem + ".png")
+    print(f"wrote {stem}.json")
+
+
+if __name__ == "__main__":
+    main()

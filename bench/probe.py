@@ -1,0 +1,47 @@
+"""How many SMs does a peer transfer need? Raw GPU0 -> GPU1 bandwidth of each mechanism from
+a given number of SMs, and jax_ep's V3 dispatch/combine against num_sms.
+
+    python -m bench.probe [--blocks 8,16,24,32,48,64,132]
+"""
+from __future__ import annotations
+
+import argparse
+
+import jax
+import numpy as np
+
+from bench.ep import CONFIGS, bench_size
+
+MODES = {-1: "copy engine", 0: "push bulk-copy", 1: "push st.v4", 2: "pull bulk-copy",
+         3: "pull ld.v4"}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--blocks", default="8,16,24,32,48,64,132")
+    parser.add_argument("--tokens", type=int, default=4096)
+    args = parser.parse_args()
+    from jax_ep import _native
+
+    blocks = [int(b) for b in args.blocks.split(",")]
+    for both in (False, True):
+        print(f"\nGB/s per direction, {'both directions at once' if both else 'GPU0 -> GPU1'}; "
+              "columns: SMs (blocks)")
+        print(f"{'':16s}" + "".join(f"{b:>8d}" for b in blocks))
+        for mode, name in MODES.items():
+            row = [_native.peer_gbps(0, 1, 256 << 20, b, mode, 10, both) for b in blocks]
+            print(f"{name:16s}" + "".join(f"{g:8.1f}" for g in row), flush=True)
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
+    print(f"\njax_ep V3, {args.tokens} tokens/rank: time us (physical GB/s)")
+    for fp8 in (True, False):
+        for b in blocks:
+            res = bench_size(mesh, CONFIGS["v3"], args.tokens, ("jax_ep",), b, fp8,
+                             np.random.default_rng(0), check=False)
+            print(f"  num_sms {b:4d} {'fp8 ' if fp8 else 'bf16'} " + "  ".join(
+                f"{r['op']} {r['time_us']:7.1f} ({r['physical_gbps']:5.1f})" for r in res),
+                flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One session on a GPU machine of the device tool: install jax_ep (a wheel built beforehand in
+# .wheel/, else from source), run the GPU tests and the benchmark; logs and results under $OUT.
+#   bench/run_gpu.sh [tests|bench|probe|all] [extra bench/probe args...]
+set -u
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export JAX_EP_MACHINE=${JAX_EP_MACHINE:-nvidia-h200-x$(nvidia-smi -L | wc -l)}
+OUT=${OUT:-/tmp/jax_ep_out}
+mkdir -p "$OUT"
+what=${1:-all}
+shift || true
+{
+  nvidia-smi -L
+  nvidia-smi topo -m
+  python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+} > "$OUT/machine.txt" 2>&1
+if ls .wheel/*cp312*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index --force-reinstall .wheel/*cp312*.whl
+else
+  JAX_EP_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps .
+fi 2>&1 | tail -3
+python3 -c "import jax_ep, jax_ep._native as n; print('jax_ep with CUDA:', n.has_cuda)" || exit 1
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --timeout 200 -rA \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+fi
+if [ -n "${SCRATCH:-}" ]; then
+  timeout 120 python3 "$SCRATCH" 2>&1 | tee "$OUT/scratch.log" | tail -80
+fi
+if [ "$what" = probe ]; then
+  timeout ${BENCH_TIMEOUT:-480} python3 -m bench.probe "$@" 2>&1 | tee "$OUT/probe.log"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout ${BENCH_TIMEOUT:-480} python3 -m bench.ep --machine "$JAX_EP_MACHINE" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+  cp bench/results/*"$JAX_EP_MACHINE"* "$OUT/" 2>/dev/null
+fi

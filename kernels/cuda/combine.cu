@@ -1,0 +1,178 @@
+// Combine on NVLink GPUs: each rank pulls the rows of its own tokens from every rank's XLA buffer.
+//   publish   (1 thread)  bumps seq, publishes the address of this rank's rows;
+//   pull      (<= num_sms) each warp takes tokens and adds their rows from every rank (loaded
+//                          over NVLink for peers) in rank order, in float32, onto the bias, and
+//                          stores the result once; the last block tells every peer it is done
+//                          reading its rows;
+//   wait      (1 warp)    until every peer is done reading this rank's rows.
+#include "kernels/cuda/comm.cuh"
+#include "kernels/layout.h"
+
+namespace jax_ep::cuda {
+namespace {
+
+constexpr int kWarps = 16;
+constexpr int kUnroll = 8;  // 16-byte vectors per lane and rank in flight
+
+// Adds the 16-byte vector `v` of rows_dtype elements into acc[0..16/size).
+__device__ __forceinline__ void add_vector(float* acc, int4 v, Dtype t) {
+  if (t == Dtype::kF32) {
+    const float* f = reinterpret_cast<const float*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += f[i];
+  } else {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] += bf16_to_float(h[i]);
+  }
+}
+
+struct Params {
+  CombineArgs a;
+  Link link;
+};
+
+// n <= 8 consecutive elements at `index`, as float32: one 16-byte load when aligned.
+__device__ __forceinline__ void load_run(float* acc, const void* base, int64_t index, int n,
+                                         Dtype t) {
+  const int size = dtype_size(t);
+  if (n * size == 16 && (index * size) % 16 == 0) {
+    int4 v = *reinterpret_cast<const int4*>(static_cast<const uint8_t*>(base) + index * size);
+    for (int i = 0; i < n; ++i) acc[i] = 0.f;
+    add_vector(acc, v, t);
+    return;
+  }
+  for (int i = 0; i < n; ++i) acc[i] = load_float(base, index + i, t);
+}
+
+// The rounding to the output type happens here, once.
+__device__ __forceinline__ void store_run(void* base, int64_t index, const float* acc, int n,
+                                          Dtype t) {
+  uint8_t* at = static_cast<uint8_t*>(base) + index * dtype_size(t);
+  if (t == Dtype::kBF16 && n == 8 && (index * 2) % 16 == 0) {
+    uint16_t h[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) h[i] = float_to_bf16(acc[i]);
+    *reinterpret_cast<int4*>(at) = *reinterpret_cast<const int4*>(h);
+    return;
+  }
+  if (t == Dtype::kF32 && n % 4 == 0 && (index * 4) % 16 == 0) {
+    for (int i = 0; i < n; i += 4)
+      reinterpret_cast<float4*>(at)[i / 4] = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
+    return;
+  }
+  for (int i = 0; i < n; ++i) store_float(base, index + i, t, acc[i]);
+}
+
+// Each warp takes whole tokens: for every rank its row went to, in rank order, loads kUnroll
+// 16-byte vectors per lane from that rank's rows (NVLink for peers) and adds them in float32 onto
+// the bias; the sum is rounded once and stored.
+__global__ void __launch_bounds__(kWarps * 32, 1) pull_kernel(Params p) {
+  __shared__ const uint8_t* rows_of[kMaxRanks];
+  __shared__ const int4* row_at[kWarps][kMaxRanks];  // the current token's row on each rank
+  const CombineArgs& a = p.a;
+  const Link& link = p.link;
+  const int R = link.num_ranks, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint64_t seq = current_op(link.self);
+  if (threadIdx.x < R) {
+    void* ptrs[kMailboxPointers];
+    read_mailbox(link, threadIdx.x, seq, ptrs);
+    rows_of[threadIdx.x] = static_cast<const uint8_t*>(ptrs[0]);
+  }
+  __syncthreads();
+
+  const int in_size = dtype_size(a.rows_dtype);
+  const int per_vector = 16 / in_size;
+  const int64_t row_bytes = int64_t(a.width) * in_size;
+  const int vectors = int(row_bytes / 16);
+  for (int t = blockIdx.x * kWarps + warp; t < a.num_tokens; t += gridDim.x * kWarps) {
+    const int32_t pos = lane < R ? a.send_pos[int64_t(t) * R + lane] : -1;
+    const uint32_t sources = __ballot_sync(~0u, pos >= 0);
+    if (pos >= 0) row_at[warp][lane] = reinterpret_cast<const int4*>(rows_of[lane] + pos * row_bytes);
+    __syncwarp();
+    for (int v0 = 0; v0 < vectors; v0 += 32 * kUnroll) {
+      float acc[kUnroll][8] = {};
+      if (a.has_bias) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int v = v0 + u * 32 + lane;
+          if (v < vectors)
+            load_run(acc[u], a.bias, int64_t(t) * a.width + int64_t(v) * per_vector, per_vector,
+                     a.bias_dtype);
+        }
+      }
+      for (uint32_t m = sources; m; m &= m - 1) {  // rank order: the fixed summation order
+        const int4* src = row_at[warp][__ffs(m) - 1];
+        int4 w[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int v = v0 + u * 32 + lane;
+          w[u] = v < vectors ? src[v] : make_int4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) add_vector(acc[u], w[u], a.rows_dtype);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = v0 + u * 32 + lane;
+        if (v < vectors)
+          store_run(a.out, int64_t(t) * a.width + int64_t(v) * per_vector, acc[u], per_vector,
+                    a.out_dtype);
+      }
+    }
+    __syncwarp();
+  }
+
+  if (last_block_done(link.self) && threadIdx.x < R)
+    store_release(&link.peers[threadIdx.x]->released[link.rank], seq);
+}
+
+// Rows whose size is no multiple of 16 bytes: plain loads from the peers, same order.
+__global__ void pull_plain_kernel(Params p) {
+  __shared__ const uint8_t* rows_of[kMaxRanks];
+  const CombineArgs& a = p.a;
+  const Link& link = p.link;
+  const int R = link.num_ranks;
+  const uint64_t seq = current_op(link.self);
+  if (threadIdx.x < R) {
+    void* ptrs[kMailboxPointers];
+    read_mailbox(link, threadIdx.x, seq, ptrs);
+    rows_of[threadIdx.x] = static_cast<const uint8_t*>(ptrs[0]);
+  }
+  __syncthreads();
+  const int64_t n = int64_t(a.num_tokens) * a.width;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / a.width, c = i % a.width;
+    float acc = a.has_bias ? load_float(a.bias, i, a.bias_dtype) : 0.f;
+    for (int d = 0; d < R; ++d) {
+      const int32_t pos = a.send_pos[t * R + d];
+      if (pos >= 0) acc += load_float(rows_of[d], int64_t(pos) * a.width + c, a.rows_dtype);
+    }
+    store_float(a.out, i, a.out_dtype, acc);
+  }
+  if (last_block_done(link.self) && threadIdx.x < R)
+    store_release(&link.peers[threadIdx.x]->released[link.rank], seq);
+}
+
+}  // namespace
+
+std::string combine(Comm& comm, int device, cudaStream_t stream, const CombineArgs& a) {
+  Comm::Rank* rank = nullptr;
+  if (auto err = comm.rank_on(device, &rank); !err.empty()) return err;
+  const Params p{a, rank->link};
+  const int blocks = bandwidth_blocks(comm.knobs, device);
+  begin_and_publish<<<1, 1, 0, stream>>>(rank->link.self, const_cast<void*>(a.row_data), nullptr,
+                                         nullptr, nullptr);
+  if ((int64_t(a.width) * dtype_size(a.rows_dtype)) % 16 == 0) {
+    pull_kernel<<<blocks, kWarps * 32, 0, stream>>>(p);
+  } else {
+    pull_plain_kernel<<<blocks, 256, 0, stream>>>(p);
+  }
+  JAX_EP_CUDA_TRY(cudaGetLastError());
+  wait_all<<<1, 32, 0, stream>>>(rank->link, kWaitReleased);
+  JAX_EP_CUDA_TRY(cudaGetLastError());
+  return {};
+}
+
+}  // namespace jax_ep::cuda

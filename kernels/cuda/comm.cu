@@ -1,0 +1,120 @@
+#include <stdexcept>
+
+#include "kernels/cuda/comm.cuh"
+
+namespace jax_ep::cuda {
+
+__global__ void begin_and_publish(DeviceState* self, void* p0, void* p1, void* p2, void* p3) {
+  void* ptrs[kMailboxPointers] = {p0, p1, p2, p3};
+  publish(self, begin_op(self), ptrs);
+}
+
+__global__ void wait_all(Link link, int which) {
+  uint64_t seq = current_op(link.self);
+  int src = threadIdx.x;
+  if (src >= link.num_ranks) return;
+  const uint64_t* flags = which == kWaitArrived ? link.self->arrived : link.self->released;
+  wait_for(link, &flags[src], seq, Wait(which), src);
+}
+
+std::string enable_peer_access(int device, int peer) {
+  int can = 0;
+  JAX_EP_CUDA_TRY(cudaDeviceCanAccessPeer(&can, device, peer));
+  if (!can)
+    return "jax_ep: GPU " + std::to_string(device) + " cannot access GPU " +
+           std::to_string(peer) + " directly (no NVLink/PCIe peer access)";
+  JAX_EP_CUDA_TRY(cudaSetDevice(device));
+  cudaError_t err = cudaDeviceEnablePeerAccess(peer, 0);
+  if (err == cudaErrorPeerAccessAlreadyEnabled) return cudaGetLastError(), std::string();
+  JAX_EP_CUDA_TRY(err);
+  return {};
+}
+
+namespace {
+
+const char* wait_name(int what) {
+  switch (what) {
+    case kWaitCounts: return "its row counts";
+    case kWaitMailbox: return "its buffer addresses";
+    case kWaitArrived: return "its rows to arrive";
+    case kWaitReleased: return "it to finish reading";
+  }
+  return "it";
+}
+
+std::string connect_into(Comm& comm, const std::vector<std::vector<int>>& groups) {
+  for (const auto& group : groups) {
+    const int num_ranks = int(group.size());
+    if (num_ranks > kMaxRanks) return "jax_ep: at most 32 ranks per EP group";
+    std::vector<DeviceState*> states(num_ranks);
+    for (int r = 0; r < num_ranks; ++r) {
+      for (int peer : group)
+        if (peer != group[r])
+          if (auto err = enable_peer_access(group[r], peer); !err.empty()) return err;
+      JAX_EP_CUDA_TRY(cudaSetDevice(group[r]));
+      JAX_EP_CUDA_TRY(cudaMalloc(&states[r], sizeof(DeviceState)));
+      JAX_EP_CUDA_TRY(cudaMemset(states[r], 0, sizeof(DeviceState)));
+      JAX_EP_CUDA_TRY(cudaDeviceSynchronize());
+      Failure* failure = nullptr;
+      JAX_EP_CUDA_TRY(cudaHostAlloc(&failure, sizeof(Failure), cudaHostAllocMapped |
+                                                                  cudaHostAllocPortable));
+      *failure = Failure{};
+      Comm::Rank rank{group[r], failure, {}};
+      rank.link.self = states[r];
+      JAX_EP_CUDA_TRY(cudaHostGetDevicePointer(&rank.link.failure, failure, 0));
+      rank.link.num_ranks = num_ranks;
+      rank.link.rank = r;
+      rank.link.timeout_ns = uint64_t(comm.knobs.timeout_s * 1e9);
+      comm.ranks[group[r]] = rank;
+    }
+    for (int r = 0; r < num_ranks; ++r)
+      for (int p = 0; p < num_ranks; ++p) comm.ranks[group[r]].link.peers[p] = states[p];
+  }
+  return {};
+}
+
+}  // namespace
+
+std::shared_ptr<Comm> connect(const std::vector<std::vector<int>>& groups, Knobs knobs) {
+  auto comm = std::make_shared<Comm>();
+  comm->knobs = knobs;
+  int previous = 0;
+  cudaGetDevice(&previous);
+  std::string err = connect_into(*comm, groups);
+  cudaSetDevice(previous);
+  if (!err.empty()) throw std::runtime_error(err);
+  return comm;
+}
+
+Comm::~Comm() {
+  int previous = 0;
+  cudaGetDevice(&previous);
+  for (auto& [device, rank] : ranks) {  // kernels may still use the memory: wait for them
+    cudaSetDevice(device);
+    cudaDeviceSynchronize();
+    cudaFree(rank.link.self);
+    cudaFreeHost(rank.failure);
+  }
+  cudaSetDevice(previous);
+}
+
+std::string Comm::rank_on(int device, Rank** out) {
+  auto it = ranks.find(device);
+  if (it == ranks.end()) return "jax_ep: GPU " + std::to_string(device) + " is not in this Buffer";
+  const volatile Failure& f = *it->second.failure;  // written by kernels that timed out
+  if (f.code != 0)
+    return "jax_ep: rank " + std::to_string(f.rank) + " (GPU " + std::to_string(device) +
+           ") waited more than " + std::to_string(knobs.timeout_s) + " s at op " +
+           std::to_string(uint64_t(f.seq)) + " for rank " + std::to_string(f.peer) + " (" +
+           wait_name(f.what) + ") and stopped; the CUDA context is lost, restart the process";
+  *out = &it->second;
+  return {};
+}
+
+int bandwidth_blocks(const Knobs& knobs, int device) {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return knobs.num_sms < sms ? knobs.num_sms : sms;
+}
+
+}  // namespace jax_ep::cuda

@@ -1,0 +1,173 @@
+// The memory protocol between the GPUs of an EP group (see docs/ARCHITECTURE.md).
+//
+// Each rank owns one DeviceState in its own device memory; peers reach it over NVLink. Data never
+// passes through it: ranks publish the addresses of their XLA buffers in their mailbox and peers
+// write (dispatch) or read (combine) those buffers directly. Every op bumps the rank's sequence
+// number `seq` on device; flags carry the sequence number of the op they belong to, so nothing
+// on the host counts ops and CUDA-graph replays stay in step. Mailboxes and inboxes have two
+// slots, by op parity: a rank can be one op ahead of a peer, never two.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/layout.h"
+
+namespace jax_ep::cuda {
+
+constexpr int kMailboxPointers = 4;
+
+struct DeviceState {
+  uint64_t seq;                                   // ops this rank has started
+  uint32_t ticket;                                // blocks of the running kernel that finished
+  uint32_t reserved;
+  // Mailbox: written by this rank, read by peers.
+  uint64_t published[2];                          // = seq once `pointers` hold that op's buffers
+  void* pointers[2][kMailboxPointers];
+  // Inbox: written by peers.
+  uint64_t counts_seq[2][kMaxRanks];              // = seq once counts[.][src] holds that op's row
+  int32_t counts[2][kMaxRanks][kMaxRanks];        // rows src sends to each rank
+  uint64_t arrived[kMaxRanks];                    // src finished writing into my buffers
+  uint64_t released[kMaxRanks];                   // src finished reading my buffers
+};
+
+// Why a kernel gave up; kept in host-mapped memory so the host can read it without a sync.
+struct Failure {
+  int32_t code;        // 0: none, 1: timeout
+  int32_t peer;
+  int32_t what;        // which wait (see kWait*)
+  int32_t rank;
+  uint64_t seq;
+};
+
+enum Wait : int32_t { kWaitCounts = 1, kWaitMailbox = 2, kWaitArrived = 3, kWaitReleased = 4 };
+
+// What every kernel of an op needs to reach its peers.
+struct Link {
+  DeviceState* self;
+  DeviceState* peers[kMaxRanks];   // peers[rank] == self
+  Failure* failure;
+  int num_ranks, rank;
+  uint64_t timeout_ns;
+};
+
+// ---- PTX helpers (sm_90) ----
+
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t global_time_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Spins until *flag >= seq; past the timeout records why in host memory and traps (the CUDA
+// error then surfaces in XLA and the next jax_ep call reports the recorded failure).
+__device__ __forceinline__ void wait_for(const Link& link, const uint64_t* flag, uint64_t seq,
+                                         Wait what, int peer) {
+  if (load_acquire(flag) >= seq) return;
+  uint64_t start = global_time_ns();
+  while (load_acquire(flag) < seq) {
+    if (global_time_ns() - start > link.timeout_ns) {
+      Failure* f = link.failure;
+      f->peer = peer;
+      f->what = what;
+      f->rank = link.rank;
+      f->seq = seq;
+      __threadfence_system();
+      *reinterpret_cast<volatile int32_t*>(&f->code) = 1;
+      __threadfence_system();
+      __trap();
+    }
+  }
+}
+
+// The op's sequence number: the first kernel of an op bumps it, the later ones read it.
+__device__ __forceinline__ uint64_t begin_op(DeviceState* self) { return ++self->seq; }
+__device__ __forceinline__ uint64_t current_op(DeviceState* self) {
+  return *reinterpret_cast<volatile uint64_t*>(&self->seq);
+}
+
+// Publishes this rank's buffers for op `seq` (one thread).
+__device__ __forceinline__ void publish(DeviceState* self, uint64_t seq, void* const* ptrs) {
+  for (int i = 0; i < kMailboxPointers; ++i) self->pointers[seq & 1][i] = ptrs[i];
+  __threadfence_system();
+  store_release(&self->published[seq & 1], seq);
+}
+
+// A peer's published buffers for op `seq` (one thread).
+__device__ __forceinline__ void read_mailbox(const Link& link, int peer, uint64_t seq,
+                                             void** ptrs) {
+  DeviceState* st = link.peers[peer];
+  wait_for(link, &st->published[seq & 1], seq, kWaitMailbox, peer);
+  for (int i = 0; i < kMailboxPointers; ++i)
+    ptrs[i] = *reinterpret_cast<void* volatile*>(&st->pointers[seq & 1][i]);
+}
+
+// True in exactly one block: the last of the grid to finish (its earlier writes all fenced).
+__device__ __forceinline__ bool last_block_done(DeviceState* self) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    last = atomicAdd(&self->ticket, 1u) == gridDim.x - 1;
+    if (last) self->ticket = 0;
+  }
+  __syncthreads();
+  return last;
+}
+
+// ---- kernels shared by the ops ----
+
+// Begins an op whose only exchange before data moves is the mailbox.
+__global__ void begin_and_publish(DeviceState* self, void* p0, void* p1, void* p2, void* p3);
+// Waits until every peer has set flags[rank] (arrived or released) for the current op.
+__global__ void wait_all(Link link, int which);
+
+}  // namespace jax_ep::cuda
+
+// ---- host side ----
+#include <string>
+#include <unordered_map>
+
+#include "kernels/cuda/backend.h"
+
+namespace jax_ep::cuda {
+
+#define JAX_EP_CUDA_TRY(expr)                                                          \
+  do {                                                                                 \
+    cudaError_t err_ = (expr);                                                         \
+    if (err_ != cudaSuccess)                                                           \
+      return std::string("jax_ep: ") + #expr + ": " + cudaGetErrorString(err_);        \
+  } while (0)
+
+class Comm {
+ public:
+  struct Rank {
+    int device;
+    Failure* failure;   // host-mapped
+    Link link;          // self, peers, rank, timeout
+  };
+  Knobs knobs;
+  std::unordered_map<int, Rank> ranks;  // by device ordinal
+
+  ~Comm();
+  // The rank on `device`, or why it cannot run (unknown device, an earlier timeout).
+  std::string rank_on(int device, Rank** rank);
+};
+
+// Lets `device` read and write `peer`'s memory (idempotent); an error message if it cannot.
+std::string enable_peer_access(int device, int peer);
+
+// Grid size of the bandwidth kernels: the knob, at most one block per SM.
+int bandwidth_blocks(const Knobs& knobs, int device);
+
+}  // namespace jax_ep::cuda

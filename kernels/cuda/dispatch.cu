@@ -1,0 +1,334 @@
+// Dispatch on NVLink GPUs. Three kernels on the op's stream:
+//   route     (1 block)   bumps seq, publishes this rank's output buffers, gives every token its
+//                          slot per destination rank, all-gathers the per-rank row counts;
+//   send      (<= num_sms) each warp takes tokens, loads a row (FP8-quantising it when asked)
+//                          and stores it from registers straight into the output row of every
+//                          destination rank; the last block announces the rows arrived;
+//   finalize  (few)       waits until every peer's rows arrived, counts tokens per local expert.
+// A cached dispatch replaces route by a publish and finalize by a wait.
+#include <cuda_bf16.h>
+
+#include "kernels/cuda/comm.cuh"
+#include "kernels/fp8.h"
+#include "kernels/layout.h"
+
+namespace jax_ep::cuda {
+namespace {
+
+constexpr int kRouteThreads = 1024;
+constexpr int kSendWarps = 24;
+constexpr int kMaxScales = 1024;   // per row (hidden <= 131072 when fp8): 128 KB of staging
+
+struct Params {
+  DispatchArgs a;
+  Link link;
+};
+
+__global__ void __launch_bounds__(kRouteThreads) route_kernel(Params p) {
+  const DispatchArgs& a = p.a;
+  const int R = p.link.num_ranks, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  constexpr int kWarps = kRouteThreads / 32;
+  __shared__ int32_t warp_count[kWarps][kMaxRanks];
+  __shared__ int32_t running[kMaxRanks];
+  __shared__ int32_t invalid;
+  __shared__ uint64_t seq;
+  if (threadIdx.x == 0) {
+    seq = begin_op(p.link.self);
+    void* mine[kMailboxPointers] = {a.x_out, a.scales_out, a.topk_out, a.weights_out};
+    publish(p.link.self, seq, mine);
+    invalid = 0;
+  }
+  if (threadIdx.x < R) running[threadIdx.x] = 0;
+  for (int e = threadIdx.x; e < a.experts_per_rank(); e += blockDim.x) a.tokens_per_expert[e] = 0;
+  __syncthreads();
+
+  for (int base = 0; base < a.num_tokens; base += kRouteThreads) {
+    const int t = base + threadIdx.x;
+    uint32_t mask = 0;
+    if (t < a.num_tokens) {
+      const int32_t* topk = a.topk_idx + int64_t(t) * a.num_topk;
+      mask = dest_rank_mask(topk, a.num_topk, a.num_experts, a.experts_per_rank());
+      int bad = count_invalid(topk, a.num_topk, a.num_experts);
+      if (bad) atomicAdd(&invalid, bad);
+    }
+    // Slot of t among this rank's tokens for d: earlier chunks + earlier warps + earlier lanes.
+    uint32_t below[kMaxRanks];
+    for (int d = 0; d < R; ++d) {
+      uint32_t ballot = __ballot_sync(~0u, mask >> d & 1u);
+      below[d] = __popc(ballot & ((1u << lane) - 1u));
+      if (lane == 0) warp_count[warp][d] = __popc(ballot);
+    }
+    __syncthreads();
+    for (int d = 0; d < R; ++d) {
+      int before = running[d];
+      for (int w = 0; w < warp; ++w) before += warp_count[w][d];
+      if (t < a.num_tokens)
+        a.send_pos[int64_t(t) * R + d] = mask >> d & 1u ? int32_t(before + below[d]) : -1;
+    }
+    __syncthreads();
+    if (threadIdx.x < R) {
+      int total = 0;
+      for (int w = 0; w < kWarps; ++w) total += warp_count[w][threadIdx.x];
+      running[threadIdx.x] += total;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *a.num_invalid = invalid;
+  if (threadIdx.x < R) {  // my row of the count matrix, to every rank (myself included)
+    DeviceState* peer = p.link.peers[threadIdx.x];
+    int32_t* row = peer->counts[seq & 1][p.link.rank];
+    for (int d = 0; d < R; ++d) row[d] = running[d];
+    __threadfence_system();
+    store_release(&peer->counts_seq[seq & 1][p.link.rank], seq);
+  }
+}
+
+// How one lane walks a row: per step it loads kLoads 16-byte vectors (kElems elements) and
+// writes them, or their e4m3 bytes (16 per lane: 16 bytes), to every destination.
+template <typename T, bool kFp8>
+struct RowStep {
+  static constexpr int kLoads = kFp8 ? int(sizeof(T)) : 1;
+  static constexpr int kElems = kLoads * 16 / int(sizeof(T));
+  static constexpr int kStep = 32 * kElems;                    // elements per warp step
+  static constexpr int kLanesPerBlock = kFp8Block / kElems;    // lanes sharing one scale
+  static constexpr int kUnroll = 8 / kLoads;                  // steps with loads in flight
+};
+
+// The e4m3 bytes of one lane's 16 elements, with the scale of their 128-channel block.
+template <typename T>
+__device__ __forceinline__ int4 quantize16(const int4* v, bool round_scale, float* scale) {
+  constexpr int kLanesPerBlock = RowStep<T, true>::kLanesPerBlock;
+  float f[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(reinterpret_cast<const T*>(v)[i]);
+  float max_abs = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) max_abs = fmaxf(max_abs, fabsf(f[i]));
+#pragma unroll
+  for (int off = kLanesPerBlock / 2; off > 0; off /= 2)
+    max_abs = fmaxf(max_abs, __shfl_xor_sync(~0u, max_abs, off));
+  const Fp8Block block = Fp8Block::make(max_abs, round_scale);
+  *scale = block.scale;
+  uint8_t q[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) q[i] = float_to_e4m3(block.scaled(f[i]));
+  return *reinterpret_cast<const int4*>(q);
+}
+
+// Each warp takes whole tokens: loads its row (kUnroll steps of loads in flight per lane),
+// quantizes it when asked, and stores it from registers straight into the output row of every
+// destination rank (NVLink for peers); scales and expert ids follow with coalesced stores.
+template <typename T, bool kFp8>
+__global__ void __launch_bounds__(kSendWarps * 32, 1) send_kernel(Params p, bool aligned) {
+  using Step = RowStep<T, kFp8>;
+  extern __shared__ float scale_stage[];  // per warp: the scales of its current row
+  const DispatchArgs& a = p.a;
+  const Link& link = p.link;
+  const int R = link.num_ranks, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const uint64_t seq = current_op(link.self);
+  __shared__ int32_t first_row[kMaxRanks];
+  __shared__ void* dest[kMaxRanks][kMailboxPointers];
+  __shared__ int32_t present, received;
+  __shared__ uint8_t* out_rows_of[kSendWarps][kMaxRanks];  // the current token's row on each rank
+
+  if (threadIdx.x == 0) {
+    if (a.cached) {
+      received = present = *a.cached_num_recv;
+    } else {
+      received = 0;
+      for (int s = 0; s < R; ++s)
+        wait_for(link, &link.self->counts_seq[seq & 1][s], seq, kWaitCounts, s);
+      const volatile int32_t(*counts)[kMaxRanks] = link.self->counts[seq & 1];
+      for (int d = 0; d < R; ++d) {
+        int before = 0;
+        for (int s = 0; s < link.rank; ++s) before += counts[s][d];
+        first_row[d] = before;
+      }
+      for (int s = 0; s < R; ++s) received += counts[s][link.rank];
+      present = received < a.out_rows ? received : a.out_rows;
+      if (blockIdx.x == 0) {
+        for (int s = 0; s < R; ++s) a.recv_counts[s] = counts[s][link.rank];
+        *a.num_recv = present;
+        *a.num_dropped = received - present;
+      }
+    }
+  }
+  if (threadIdx.x < R) read_mailbox(link, threadIdx.x, seq, dest[threadIdx.x]);
+  __syncthreads();
+
+  const int64_t in_row = int64_t(a.hidden) * sizeof(T);
+  const int64_t out_row = a.x_out_row_bytes();
+  const int num_scales = kFp8 ? a.scales_per_row() : 0;
+  float* scales = scale_stage + warp * num_scales;
+
+  for (int t = blockIdx.x * kSendWarps + warp; t < a.num_tokens; t += gridDim.x * kSendWarps) {
+    // Lane d holds the token's row on rank d (-1: not sent there, or past the capacity).
+    int32_t pos = -1;
+    if (lane < R) {
+      int32_t* sp = a.send_pos + int64_t(t) * R + lane;
+      pos = *sp;
+      if (!a.cached && pos >= 0) {
+        pos += first_row[lane];
+        if (pos >= a.out_rows) pos = -1;
+        *sp = pos;
+      }
+    }
+    const uint32_t targets = __ballot_sync(~0u, pos >= 0);
+    if (!targets) continue;
+    const uint8_t* row = static_cast<const uint8_t*>(a.x) + t * in_row;
+    uint8_t** out = out_rows_of[warp];
+    if (pos >= 0) out[lane] = static_cast<uint8_t*>(dest[lane][0]) + int64_t(pos) * out_row;
+    __syncwarp();
+
+    if (!a.cached) {  // local expert ids and weights as each destination sees them
+      for (uint32_t m = targets; m; m &= m - 1) {
+        const int d = __ffs(m) - 1;
+        const int64_t at = int64_t(__shfl_sync(~0u, pos, d)) * a.num_topk;
+        for (int k = lane; k < a.num_topk; k += 32) {
+          const int32_t e = a.topk_idx[int64_t(t) * a.num_topk + k];
+          const int32_t local = local_expert_on(e, d, a.num_experts, a.experts_per_rank());
+          static_cast<int32_t*>(dest[d][2])[at + k] = local;
+          static_cast<float*>(dest[d][3])[at + k] =
+              local >= 0 ? a.topk_weights[int64_t(t) * a.num_topk + k] : 0.f;
+        }
+      }
+    }
+
+    if (!kFp8 && !aligned) {  // rows not 16-byte sized: element by element
+      for (uint32_t m = targets; m; m &= m - 1) {
+        const int d = __ffs(m) - 1;
+        for (int i = lane; i < a.hidden; i += 32)
+          reinterpret_cast<T*>(out[d])[i] = reinterpret_cast<const T*>(row)[i];
+      }
+      __syncwarp();
+      continue;
+    }
+
+    const int steps = (a.hidden + Step::kStep - 1) / Step::kStep;
+    for (int s0 = 0; s0 < steps; s0 += Step::kUnroll) {
+      int4 v[Step::kUnroll][Step::kLoads];
+#pragma unroll
+      for (int u = 0; u < Step::kUnroll; ++u) {
+        const int e = (s0 + u) * Step::kStep + lane * Step::kElems;
+#pragma unroll
+        for (int l = 0; l < Step::kLoads; ++l)
+          v[u][l] = s0 + u < steps && e < a.hidden
+                        ? __ldg(reinterpret_cast<const int4*>(row + e * sizeof(T)) + l)
+                        : make_int4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < Step::kUnroll; ++u) {
+        if (s0 + u >= steps) break;
+        const int e = (s0 + u) * Step::kStep + lane * Step::kElems;
+        int4 word = v[u][0];
+        if constexpr (kFp8) {
+          float scale;
+          word = quantize16<T>(v[u], a.round_scale, &scale);
+          if (e < a.hidden && lane % Step::kLanesPerBlock == 0) scales[e / kFp8Block] = scale;
+        }
+        if (e >= a.hidden) continue;
+        const int64_t at = kFp8 ? e : e * int64_t(sizeof(T));
+        for (uint32_t m = targets; m; m &= m - 1)
+          *reinterpret_cast<int4*>(out[__ffs(m) - 1] + at) = word;
+      }
+    }
+    if constexpr (kFp8) {
+      __syncwarp();
+      for (uint32_t m = targets; m; m &= m - 1) {
+        const int d = __ffs(m) - 1;
+        float* to = static_cast<float*>(dest[d][1]) + int64_t(__shfl_sync(~0u, pos, d)) * num_scales;
+        for (int i = lane; i < num_scales; i += 32) to[i] = scales[i];
+      }
+    }
+    __syncwarp();  // the warp's scale and row-address staging is free again
+  }
+
+  // Padding rows of this rank's own outputs: zeros, expert -1, weight 0.
+  const int64_t pad_rows = a.out_rows - present;
+  if (pad_rows > 0) {
+    const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+    const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    uint8_t* x_pad = static_cast<uint8_t*>(a.x_out) + present * out_row;
+    if (out_row % 16 == 0) {
+      for (int64_t i = tid; i < pad_rows * out_row / 16; i += stride)
+        reinterpret_cast<int4*>(x_pad)[i] = make_int4(0, 0, 0, 0);
+    } else {
+      for (int64_t i = tid; i < pad_rows * out_row; i += stride) x_pad[i] = 0;
+    }
+    if (kFp8)
+      for (int64_t i = tid; i < pad_rows * num_scales; i += stride)
+        a.scales_out[present * num_scales + i] = 0.f;
+    if (!a.cached)
+      for (int64_t i = tid; i < pad_rows * a.num_topk; i += stride) {
+        a.topk_out[present * a.num_topk + i] = -1;
+        a.weights_out[present * a.num_topk + i] = 0.f;
+      }
+  }
+
+  __threadfence_system();  // every thread's stores, before the last block announces them
+  if (last_block_done(link.self) && threadIdx.x < R)
+    store_release(&link.peers[threadIdx.x]->arrived[link.rank], seq);
+}
+
+__global__ void finalize_kernel(Params p) {
+  extern __shared__ int32_t histogram[];
+  const DispatchArgs& a = p.a;
+  const Link& link = p.link;
+  const int El = a.experts_per_rank();
+  const uint64_t seq = current_op(link.self);
+  if (threadIdx.x < link.num_ranks)
+    wait_for(link, &link.self->arrived[threadIdx.x], seq, kWaitArrived, threadIdx.x);
+  for (int e = threadIdx.x; e < El; e += blockDim.x) histogram[e] = 0;
+  __syncthreads();
+  const int rows = *a.num_recv;
+  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += gridDim.x * blockDim.x) {
+    const int32_t* topk = a.topk_out + int64_t(r) * a.num_topk;
+    for (int k = 0; k < a.num_topk; ++k)
+      if (topk[k] >= 0 && !row_has_expert(topk, k, topk[k])) atomicAdd(&histogram[topk[k]], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < El; e += blockDim.x)
+    if (histogram[e]) atomicAdd(&a.tokens_per_expert[e], histogram[e]);
+}
+
+template <typename T, bool kFp8>
+cudaError_t launch_send(const Params& p, int blocks, bool aligned, cudaStream_t stream) {
+  const size_t smem = kFp8 ? kSendWarps * p.a.scales_per_row() * sizeof(float) : 0;
+  auto kernel = send_kernel<T, kFp8>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<blocks, kSendWarps * 32, smem, stream>>>(p, aligned);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+std::string dispatch(Comm& comm, int device, cudaStream_t stream, const DispatchArgs& a) {
+  Comm::Rank* rank = nullptr;
+  if (auto err = comm.rank_on(device, &rank); !err.empty()) return err;
+  if (a.fp8 && a.scales_per_row() > kMaxScales) return "jax_ep: fp8 dispatch supports hidden <= 131072";
+  const Params p{a, rank->link};
+  const int blocks = bandwidth_blocks(comm.knobs, device);
+  if (a.cached)
+    begin_and_publish<<<1, 1, 0, stream>>>(rank->link.self, a.x_out, a.scales_out, nullptr, nullptr);
+  else
+    route_kernel<<<1, kRouteThreads, 0, stream>>>(p);
+  JAX_EP_CUDA_TRY(cudaGetLastError());
+
+  const bool aligned = (int64_t(a.hidden) * dtype_size(a.x_dtype)) % 16 == 0;
+  const bool bf16 = a.x_dtype == Dtype::kBF16;
+  JAX_EP_CUDA_TRY(a.fp8 ? (bf16 ? launch_send<__nv_bfloat16, true>(p, blocks, aligned, stream)
+                                : launch_send<float, true>(p, blocks, aligned, stream))
+                        : (bf16 ? launch_send<__nv_bfloat16, false>(p, blocks, aligned, stream)
+                                : launch_send<float, false>(p, blocks, aligned, stream)));
+  if (a.cached) {
+    wait_all<<<1, 32, 0, stream>>>(rank->link, kWaitArrived);
+  } else {
+    const int finalize_blocks = a.out_rows / 1024 + 1 < 32 ? a.out_rows / 1024 + 1 : 32;
+    finalize_kernel<<<finalize_blocks, 256, a.experts_per_rank() * sizeof(int32_t), stream>>>(p);
+  }
+  JAX_EP_CUDA_TRY(cudaGetLastError());
+  return {};
+}
+
+}  // namespace jax_ep::cuda

@@ -1,0 +1,170 @@
+// Peer bandwidth of the mechanisms a kernel can use to move bytes between two GPUs, from a given
+// number of SMs: the ceilings the dispatch and combine kernels are measured against (bench/).
+#include <chrono>
+#include <vector>
+
+#include "kernels/cuda/comm.cuh"
+#include "kernels/cuda/ptx.cuh"
+
+namespace jax_ep::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kChunk = 8192;
+constexpr int kDepth = 3;  // bulk copies in flight per warp
+
+// Each warp pushes chunks from its shared memory into `dst` (peer memory) with bulk copies.
+__global__ void __launch_bounds__(kWarps * 32) push_bulk(uint8_t* dst, int64_t bytes) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  uint8_t* mine = smem + warp * kDepth * kChunk;
+  for (int i = lane; i < kDepth * kChunk / 16; i += 32)
+    reinterpret_cast<int4*>(mine)[i] = make_int4(i, warp, 0, 0);
+  fence_shared_to_async();
+  __syncwarp();
+  const int64_t chunks = bytes / kChunk;
+  int slot = 0;
+  for (int64_t c = int64_t(blockIdx.x) * kWarps + warp; c < chunks; c += int64_t(gridDim.x) * kWarps) {
+    if (lane == 0) {
+      bulk_wait_read<kDepth - 1>();
+      bulk_store(dst + c * kChunk, mine + slot * kChunk, kChunk);
+      bulk_commit();
+    }
+    slot = (slot + 1) % kDepth;
+  }
+  if (lane == 0) bulk_wait_all();
+}
+
+// Plain 16-byte stores from registers into peer memory.
+__global__ void push_stores(int4* dst, int64_t vectors) {
+  const int4 v = make_int4(threadIdx.x, blockIdx.x, 1, 2);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < vectors;
+       i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = v;
+}
+
+// One warp bulk-loads chunks of peer memory into a ring of stages; the other warps release them.
+__global__ void __launch_bounds__((kWarps + 1) * 32) pull_bulk(const uint8_t* src, int64_t bytes,
+                                                               uint64_t timeout_ns) {
+  extern __shared__ __align__(128) uint8_t ring[];
+  constexpr int kStages = 12;
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kWarps);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  Link link{};
+  link.timeout_ns = timeout_ns;
+  const int64_t chunks = bytes / (2 * kChunk);
+  uint32_t item = 0;
+  for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x, ++item) {
+    const int stage = item % kStages;
+    if (warp == 0) {
+      if (lane == 0) {
+        mbar_wait(link, &empty[stage], ((item / kStages) & 1) ^ 1);
+        mbar_expect_tx(&full[stage], 2 * kChunk);
+        bulk_load(ring + stage * 2 * kChunk, src + c * 2 * kChunk, 2 * kChunk, &full[stage]);
+      }
+    } else {
+      mbar_wait(link, &full[stage], (item / kStages) & 1);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[stage]);
+    }
+  }
+}
+
+// Plain 16-byte loads from peer memory, eight in flight per thread.
+__global__ void pull_loads(const int4* src, int64_t vectors, int* sink) {
+  int acc = 0;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < vectors; i += 8 * stride) {
+    int4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) v[u] = i + u * stride < vectors ? src[i + u * stride] : int4{};
+#pragma unroll
+    for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].w;
+  }
+  if (acc == 0x12345678) *sink = acc;
+}
+
+}  // namespace
+
+namespace {
+
+// Moves `bytes` from a buffer on `from` to one on `to`, `iters` times, with the mechanism of
+// `mode` (-1: the copy engine); pushes run on `from`, pulls on `to`.
+struct Transfer {
+  int from, to, mode, blocks;
+  int64_t bytes;
+  void *src = nullptr, *dst = nullptr;
+  int* sink = nullptr;
+  cudaStream_t stream = nullptr;
+
+  int runner() const { return mode == 2 || mode == 3 ? to : from; }
+  bool setup() {
+    if (!enable_peer_access(from, to).empty() || !enable_peer_access(to, from).empty()) return false;
+    cudaSetDevice(to);
+    cudaMalloc(&dst, bytes);
+    cudaSetDevice(from);
+    cudaMalloc(&src, bytes);
+    cudaSetDevice(runner());
+    cudaMalloc(&sink, sizeof(int));
+    cudaStreamCreate(&stream);
+    cudaFuncSetAttribute(push_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         kWarps * kDepth * kChunk);
+    cudaFuncSetAttribute(pull_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, 12 * 2 * kChunk);
+    return cudaGetLastError() == cudaSuccess;
+  }
+  void launch() {
+    cudaSetDevice(runner());
+    switch (mode) {
+      case -1: cudaMemcpyPeerAsync(dst, to, src, from, bytes, stream); break;
+      case 0: push_bulk<<<blocks, kWarps * 32, kWarps * kDepth * kChunk, stream>>>(static_cast<uint8_t*>(dst), bytes); break;
+      case 1: push_stores<<<blocks, 512, 0, stream>>>(static_cast<int4*>(dst), bytes / 16); break;
+      case 2: pull_bulk<<<blocks, (kWarps + 1) * 32, 12 * 2 * kChunk, stream>>>(static_cast<const uint8_t*>(src), bytes, uint64_t(10e9)); break;
+      default: pull_loads<<<blocks, 512, 0, stream>>>(static_cast<const int4*>(src), bytes / 16, sink);
+    }
+  }
+  void finish() {
+    cudaSetDevice(runner());
+    cudaStreamSynchronize(stream);
+  }
+  void release() {
+    cudaSetDevice(runner());
+    cudaStreamDestroy(stream);
+    cudaFree(sink);
+    cudaSetDevice(from);
+    cudaFree(src);
+    cudaSetDevice(to);
+    cudaFree(dst);
+  }
+};
+
+}  // namespace
+
+double peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iters,
+                 bool both_ways) {
+  int previous = 0;
+  cudaGetDevice(&previous);
+  std::vector<Transfer> transfers{{src, dst, mode, blocks, bytes}};
+  if (both_ways) transfers.push_back({dst, src, mode, blocks, bytes});
+  bool ok = true;
+  for (auto& t : transfers) ok = ok && t.setup();
+  double seconds = 0;
+  if (ok) {
+    for (auto& t : transfers) t.launch(), t.finish();  // warm up
+    auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i)
+      for (auto& t : transfers) t.launch();
+    for (auto& t : transfers) t.finish();
+    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ok = cudaGetLastError() == cudaSuccess;
+  }
+  for (auto& t : transfers) t.release();
+  cudaSetDevice(previous);
+  return ok && seconds > 0 ? double(bytes) * iters / seconds / 1e9 : -1.0;
+}
+
+}  // namespace jax_ep::cuda
