@@ -3,8 +3,8 @@
     python -m bench.ep --config v3          # 4096 tokens/rank, H 7168, 256 experts, top-8
     python -m bench.ep --config ll          # 128 tokens/rank, same model
 
-Each op runs many times inside one jitted fori_loop; the time per op is the difference between
-two loop lengths divided by the extra iterations (launch and sync cost cancel). Bytes follow
+Each op runs many times back to back inside one jitted program; the time per op is the
+difference between two program lengths divided by the extra ops (launch and sync cost cancel). Bytes follow
 DeepEP's convention: logical = rows received including the local ones, physical = rows that
 crossed NVLink; FP8 rows count H bytes + H/128 float32 scales, BF16 rows 2H bytes.
 Writes bench/results/<config>-<machine>-<date>.json and a PNG; prints a table.
@@ -28,8 +28,9 @@ from bench.baselines import AllToAll, RaggedAllToAll
 
 CONFIGS = {
     "v3": dict(tokens=4096, hidden=7168, num_experts=256, num_topk=8,
-               sweep=(128, 256, 512, 1024, 2048, 4096, 8192, 16384)),
-    "ll": dict(tokens=128, hidden=7168, num_experts=256, num_topk=8, sweep=(1, 8, 32, 128, 256)),
+               sweep=(128, 256, 512, 1024, 2048, 4096, 8192, 16384), steps=(2, 12)),
+    "ll": dict(tokens=128, hidden=7168, num_experts=256, num_topk=8, sweep=(1, 8, 32, 128, 256),
+               steps=(4, 44)),
 }
 IMPLS = ("jax_ep", "lax_all_to_all", "lax_ragged_all_to_all")
 
@@ -48,52 +49,55 @@ def wire_rows(topk_idx, num_ranks, num_experts):
 
 
 class Timer:
-    """Per-iteration time of `step(carry) -> carry` inside one jitted fori_loop; the carry
-    comes from `prologue(x, topk_idx)`, run once per call (its time cancels out)."""
+    """Per-op time of `step(carry) -> carry`: two jitted programs run it `short` and `long`
+    times back to back after `prologue(x, topk_idx)`; the difference of their times over the
+    extra steps cancels launch, prologue and sync costs."""
 
-    def __init__(self, mesh, prologue, step):
+    def __init__(self, mesh, prologue, step, short=2, long=12):
         spec = P("ep")
 
-        def loop(n, x, idx):
-            carry = jax.lax.fori_loop(0, n, lambda i, c: step(c), prologue(x, idx))
-            # Everything the loop made is an output: nothing in it is dead code.
-            return jax.tree.map(lambda a: a.reshape((1,) + a.shape) if a.ndim == 0 else a, carry)
+        def program(n):
+            def body(x, idx):
+                carry = prologue(x, idx)
+                for _ in range(n):
+                    carry = step(carry)
+                # Everything the steps made is an output: nothing in it is dead code.
+                return jax.tree.map(lambda a: a.reshape((1,) + a.shape) if a.ndim == 0 else a,
+                                    carry)
 
-        self.fn = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P(), spec, spec),
-                                        out_specs=spec))
+            return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
 
-    def __call__(self, args, budget_s=0.3):  # args = (x, topk_idx)
-        run = lambda n: jax.block_until_ready(self.fn(jnp.int32(n), *args))  # noqa: E731
-        run(1)                                     # compile and warm up
-        start = time.perf_counter()
-        run(1)
-        once = time.perf_counter() - start
-        extra = int(min(200, max(3, budget_s / max(once, 1e-6))))
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            run(1)
-            t1 = time.perf_counter()
-            run(1 + extra)
-            t2 = time.perf_counter()
-            best = min(best, ((t2 - t1) - (t1 - t0)) / extra)
-        return best
+        self.steps = long - short
+        self.short, self.long = program(short), program(long)
+
+    def __call__(self, args, repeats=5):  # args = (x, topk_idx)
+        def seconds(fn):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            return time.perf_counter() - start
+
+        seconds(self.short), seconds(self.long)  # compile and warm up
+        short = min(seconds(self.short) for _ in range(repeats))
+        long = min(seconds(self.long) for _ in range(repeats))
+        return (long - short) / self.steps
 
 
 def repeat(op):
-    """A loop step running op(input, routing) again: the input goes through a barrier with the
-    last outputs, so XLA can neither hoist the op out of the loop nor drop it."""
+    """A step running op(input, routing) again. Every step's output stays a program output (no
+    step is dead code) and the next input depends on it through one element (no two steps are
+    the same computation, so XLA can neither merge nor reorder them)."""
 
     def step(carry):
-        value, routing, _ = carry
+        value, routing, outputs = carry
         out = op(value, routing)
-        value, out = jax.lax.optimization_barrier((value, out))
-        return value, routing, out
+        tick = jax.tree.leaves(out)[0].reshape(-1)[0].astype(jnp.float32) * 0
+        value = value.at[0, 0].add(tick.astype(value.dtype))
+        return value, routing, outputs + (out,)
 
     return step
 
 
-def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check):
+def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)):
     num_ranks = mesh.size
     hidden, num_experts, num_topk = cfg["hidden"], cfg["num_experts"], cfg["num_topk"]
     sharding = NamedSharding(mesh, P("ep"))
@@ -146,20 +150,20 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check):
         def dispatch_outputs(x, idx, dispatch=dispatch):
             return dispatch(x, idx)[1]
 
-        def dispatch_prologue(x, idx, op=dispatch_outputs):
-            return x, idx, op(x, idx)
+        def dispatch_prologue(x, idx):
+            return x, idx, ()
 
-        # Combine needs the routing of a dispatch: one runs before the loop.
-        def combine_prologue(x, idx, dispatch=dispatch, expert_rows=expert_rows, combine=combine):
+        # Combine needs the routing of a dispatch: one runs first.
+        def combine_prologue(x, idx, dispatch=dispatch, expert_rows=expert_rows):
             d, _ = dispatch(x, idx)
-            rows = expert_rows(d)
-            return rows, d, combine(rows, d)
+            return expert_rows(d), d, ()
 
-        def round_trip(x, idx, prologue=combine_prologue):
-            return prologue(x, idx)[2]
+        def round_trip(x, idx, prologue=combine_prologue, combine=combine):
+            rows, d, _ = prologue(x, idx)
+            return combine(rows, d)
 
-        t_dispatch = Timer(mesh, dispatch_prologue, repeat(dispatch_outputs))((x, idx))
-        t_combine = Timer(mesh, combine_prologue, repeat(combine))((x, idx))
+        t_dispatch = Timer(mesh, dispatch_prologue, repeat(dispatch_outputs), *steps)((x, idx))
+        t_combine = Timer(mesh, combine_prologue, repeat(combine), *steps)((x, idx))
         if check:
             outputs[impl] = jax.jit(jax.shard_map(round_trip, mesh=mesh, in_specs=(spec, spec),
                                                   out_specs=spec))(x, idx)
@@ -220,7 +224,7 @@ def main(argv=None):
     for i, tokens in enumerate(sizes):
         print(f"tokens/rank {tokens} ...", flush=True)
         results += bench_size(mesh, cfg, tokens, impls, args.num_sms, not args.bf16, rng,
-                              check=i == 0)
+                              check=i == 0, steps=cfg["steps"])
     print(table(results))
     record = dict(machine=args.machine, date=datetime.date.today().isoformat(),
                   command="python -m bench.ep " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -233,7 +237,7 @@ def main(argv=None):
         json.dump(record, f, indent=1)
     if not args.no_plot:
         from bench.plot import plot
-        plot(record, stem + ".png")
+        plot([record], stem + ".png")
     print(f"wrote {stem}.json")
 
 

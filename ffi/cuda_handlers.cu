@@ -66,9 +66,9 @@ Targets cuda_targets() {
           {"expert_layout", jax_ep_cuda_expert_layout}};
 }
 
-std::shared_ptr<void> cuda_connect(const std::vector<std::vector<int>>& groups, int num_sms,
-                                   double timeout_s) {
-  return cuda::connect(groups, cuda::Knobs{num_sms, timeout_s});
+std::shared_ptr<void> cuda_connect(const std::vector<std::vector<int>>& groups,
+                                   int experts_per_rank, int num_sms, double timeout_s) {
+  return cuda::connect(groups, experts_per_rank, cuda::Knobs{num_sms, timeout_s});
 }
 
 double cuda_peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iters,

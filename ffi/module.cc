@@ -35,7 +35,7 @@ int64_t create_buffer(const std::string& platform, const std::vector<std::vector
       state->cpu_groups.push_back(std::make_unique<cpu::Group>(state->num_ranks));
   } else if (platform == "cuda") {
 #ifdef JAX_EP_WITH_CUDA
-    state->cuda = cuda_connect(groups, num_sms, timeout_s);
+    state->cuda = cuda_connect(groups, num_experts / state->num_ranks, num_sms, timeout_s);
 #else
     throw std::runtime_error("jax_ep was built without its CUDA backend (set JAX_EP_CUDA=ON)");
 #endif

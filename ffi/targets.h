@@ -17,8 +17,8 @@ Targets cpu_targets();
 #ifdef JAX_EP_WITH_CUDA
 Targets cuda_targets();
 // Allocates each device's communication memory and connects the peers of every group.
-std::shared_ptr<void> cuda_connect(const std::vector<std::vector<int>>& groups, int num_sms,
-                                   double timeout_s);
+std::shared_ptr<void> cuda_connect(const std::vector<std::vector<int>>& groups,
+                                   int experts_per_rank, int num_sms, double timeout_s);
 // Peer bandwidth of a transfer mechanism, GB/s per direction (kernels/cuda/backend.h).
 double cuda_peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iters,
                       bool both_ways);

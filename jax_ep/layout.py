@@ -88,13 +88,37 @@ def quantize_fp8(x, round_scale):
         scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
         q = blocks / scale[..., None]
     else:
-        # A true division (SPEC §3). Fused with the block max, XLA:GPU emits it through Triton,
-        # whose division is approximate; on its own it is IEEE.
-        amax = jax.lax.optimization_barrier(amax)
-        factor = jax.lax.optimization_barrier(FP8_MAX / amax)
-        q = blocks * factor[..., None]
+        q = blocks * divide_rounded(jnp.full_like(amax, FP8_MAX), amax)[..., None]
     q = float_to_e4m3(q).reshape(t, h)
     return _straight_through(x.dtype, x, q), jax.lax.stop_gradient(scale)
+
+
+def divide_rounded(a, b):
+    """a / b correctly rounded (IEEE), for positive normal float32 a, b with a normal quotient.
+
+    SPEC §3 asks for a true division; XLA:GPU divides approximately (within 2 ulp), so the
+    quotient is computed here by long division of the significands, on integers.
+    """
+    ua = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    ub = jax.lax.bitcast_convert_type(b, jnp.uint32)
+    implicit = np.uint32(1 << 23)
+    ma, mb = (ua & np.uint32(0x7FFFFF)) | implicit, (ub & np.uint32(0x7FFFFF)) | implicit
+    exponent = ((ua >> 23) & 0xFF).astype(jnp.int32) - ((ub >> 23) & 0xFF).astype(jnp.int32) + 127
+    below_one = ma < mb                      # quotient significand < 1: shift in one more bit
+    rest = jnp.where(below_one, ma << 1, ma)
+    exponent = exponent - below_one.astype(jnp.int32)
+    quotient = jnp.zeros_like(ma)
+    for _ in range(25):                      # 24 significand bits and one guard bit
+        bit = rest >= mb
+        quotient = (quotient << 1) | bit.astype(jnp.uint32)
+        rest = jnp.where(bit, rest - mb, rest) << 1
+    guard, quotient = quotient & 1, quotient >> 1
+    quotient = quotient + (guard & ((rest != 0) | (quotient & 1)).astype(jnp.uint32))  # to even
+    carry = quotient >> 24                   # rounding overflowed into the next power of two
+    quotient, exponent = quotient >> carry, exponent + carry.astype(jnp.int32)
+    bits = (exponent.astype(jnp.uint32) << 23) | (quotient & np.uint32(0x7FFFFF))
+    exact = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return jnp.where(jnp.isfinite(a) & jnp.isfinite(b), exact, a / b)
 
 
 def float_to_e4m3(v):

@@ -102,3 +102,13 @@ def test_e4m3_rounding_matches_ml_dtypes_everywhere():
     values = values[np.abs(values) <= 448]
     got = np.asarray(jax.jit(layout.float_to_e4m3)(values))
     np.testing.assert_array_equal(bits(got), bits(values.astype(ml_dtypes.float8_e4m3fn)))
+
+
+def test_divide_rounded_is_ieee_division():
+    rng = np.random.default_rng(4)
+    a = np.concatenate([np.full(4096, 448.0), rng.random(20000) * 1e3 + 1e-3]).astype(np.float32)
+    b = np.concatenate([np.exp(rng.uniform(np.log(1e-4), np.log(1e30), 4096)),
+                        rng.random(20000) * 7 + 1e-4]).astype(np.float32)
+    b[:8] = [1e-4, 1.0, 2.0, 448.0, 3.0, 0.1, 7.0, 1.5]   # exact and inexact quotients
+    got = np.asarray(jax.jit(layout.divide_rounded)(a, b))
+    np.testing.assert_array_equal(got, a / b)

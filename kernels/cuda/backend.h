@@ -17,7 +17,8 @@ struct Knobs {
 
 // The communication memory of one Buffer on every device of its groups, peers connected.
 class Comm;
-std::shared_ptr<Comm> connect(const std::vector<std::vector<int>>& groups, Knobs knobs);
+std::shared_ptr<Comm> connect(const std::vector<std::vector<int>>& groups, int experts_per_rank,
+                              Knobs knobs);
 
 // Each returns an empty string once the kernels are enqueued on `stream`, else the error.
 std::string dispatch(Comm& comm, int device, cudaStream_t stream, const DispatchArgs& a);

@@ -1,10 +1,8 @@
 // Combine on NVLink GPUs: each rank pulls the rows of its own tokens from every rank's XLA buffer.
-//   publish   (1 thread)  bumps seq, publishes the address of this rank's rows;
-//   pull      (<= num_sms) each warp takes tokens and adds their rows from every rank (loaded
-//                          over NVLink for peers) in rank order, in float32, onto the bias, and
-//                          stores the result once; the last block tells every peer it is done
-//                          reading its rows;
-//   wait      (1 warp)    until every peer is done reading this rank's rows.
+// One kernel (<= num_sms blocks): block 0 publishes the address of this rank's rows; each warp
+// takes tokens and adds their rows from every rank (loaded over NVLink for peers) in rank order,
+// in float32, onto the bias, and stores the result once; the last block tells every peer it is
+// done reading its rows and waits until every peer is done reading this rank's.
 #include "kernels/cuda/comm.cuh"
 #include "kernels/layout.h"
 
@@ -31,6 +29,21 @@ struct Params {
   CombineArgs a;
   Link link;
 };
+
+// Block 0 publishes this rank's rows; every block learns where each rank's rows are.
+__device__ __forceinline__ void share_rows(const Link& link, uint64_t seq, const void* mine,
+                                           const uint8_t** rows_of) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    void* ptrs[kMailboxPointers] = {const_cast<void*>(mine), nullptr, nullptr, nullptr};
+    publish(link.self, seq, ptrs);
+  }
+  if (threadIdx.x < link.num_ranks) {
+    void* ptrs[kMailboxPointers];
+    read_mailbox(link, threadIdx.x, seq, ptrs);
+    rows_of[threadIdx.x] = static_cast<const uint8_t*>(ptrs[0]);
+  }
+  __syncthreads();
+}
 
 // n <= 8 consecutive elements at `index`, as float32: one 16-byte load when aligned.
 __device__ __forceinline__ void load_run(float* acc, const void* base, int64_t index, int n,
@@ -73,13 +86,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) pull_kernel(Params p) {
   const CombineArgs& a = p.a;
   const Link& link = p.link;
   const int R = link.num_ranks, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const uint64_t seq = current_op(link.self);
-  if (threadIdx.x < R) {
-    void* ptrs[kMailboxPointers];
-    read_mailbox(link, threadIdx.x, seq, ptrs);
-    rows_of[threadIdx.x] = static_cast<const uint8_t*>(ptrs[0]);
-  }
-  __syncthreads();
+  const uint64_t seq = this_op(link.self);
+  share_rows(link, seq, a.row_data, rows_of);
 
   const int in_size = dtype_size(a.rows_dtype);
   const int per_vector = 16 / in_size;
@@ -123,8 +131,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) pull_kernel(Params p) {
     __syncwarp();
   }
 
-  if (last_block_done(link.self) && threadIdx.x < R)
-    store_release(&link.peers[threadIdx.x]->released[link.rank], seq);
+  if (last_block_done(link.self)) finish_op(link, seq, kWaitReleased);
 }
 
 // Rows whose size is no multiple of 16 bytes: plain loads from the peers, same order.
@@ -133,13 +140,8 @@ __global__ void pull_plain_kernel(Params p) {
   const CombineArgs& a = p.a;
   const Link& link = p.link;
   const int R = link.num_ranks;
-  const uint64_t seq = current_op(link.self);
-  if (threadIdx.x < R) {
-    void* ptrs[kMailboxPointers];
-    read_mailbox(link, threadIdx.x, seq, ptrs);
-    rows_of[threadIdx.x] = static_cast<const uint8_t*>(ptrs[0]);
-  }
-  __syncthreads();
+  const uint64_t seq = this_op(link.self);
+  share_rows(link, seq, a.row_data, rows_of);
   const int64_t n = int64_t(a.num_tokens) * a.width;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -151,8 +153,7 @@ __global__ void pull_plain_kernel(Params p) {
     }
     store_float(a.out, i, a.out_dtype, acc);
   }
-  if (last_block_done(link.self) && threadIdx.x < R)
-    store_release(&link.peers[threadIdx.x]->released[link.rank], seq);
+  if (last_block_done(link.self)) finish_op(link, seq, kWaitReleased);
 }
 
 }  // namespace
@@ -162,15 +163,11 @@ std::string combine(Comm& comm, int device, cudaStream_t stream, const CombineAr
   if (auto err = comm.rank_on(device, &rank); !err.empty()) return err;
   const Params p{a, rank->link};
   const int blocks = bandwidth_blocks(comm.knobs, device);
-  begin_and_publish<<<1, 1, 0, stream>>>(rank->link.self, const_cast<void*>(a.row_data), nullptr,
-                                         nullptr, nullptr);
   if ((int64_t(a.width) * dtype_size(a.rows_dtype)) % 16 == 0) {
     pull_kernel<<<blocks, kWarps * 32, 0, stream>>>(p);
   } else {
     pull_plain_kernel<<<blocks, 256, 0, stream>>>(p);
   }
-  JAX_EP_CUDA_TRY(cudaGetLastError());
-  wait_all<<<1, 32, 0, stream>>>(rank->link, kWaitReleased);
   JAX_EP_CUDA_TRY(cudaGetLastError());
   return {};
 }

@@ -4,19 +4,6 @@
 
 namespace jax_ep::cuda {
 
-__global__ void begin_and_publish(DeviceState* self, void* p0, void* p1, void* p2, void* p3) {
-  void* ptrs[kMailboxPointers] = {p0, p1, p2, p3};
-  publish(self, begin_op(self), ptrs);
-}
-
-__global__ void wait_all(Link link, int which) {
-  uint64_t seq = current_op(link.self);
-  int src = threadIdx.x;
-  if (src >= link.num_ranks) return;
-  const uint64_t* flags = which == kWaitArrived ? link.self->arrived : link.self->released;
-  wait_for(link, &flags[src], seq, Wait(which), src);
-}
-
 std::string enable_peer_access(int device, int peer) {
   int can = 0;
   JAX_EP_CUDA_TRY(cudaDeviceCanAccessPeer(&can, device, peer));
@@ -42,7 +29,8 @@ const char* wait_name(int what) {
   return "it";
 }
 
-std::string connect_into(Comm& comm, const std::vector<std::vector<int>>& groups) {
+std::string connect_into(Comm& comm, const std::vector<std::vector<int>>& groups,
+                         int experts_per_rank) {
   for (const auto& group : groups) {
     const int num_ranks = int(group.size());
     if (num_ranks > kMaxRanks) return "jax_ep: at most 32 ranks per EP group";
@@ -52,9 +40,12 @@ std::string connect_into(Comm& comm, const std::vector<std::vector<int>>& groups
         if (peer != group[r])
           if (auto err = enable_peer_access(group[r], peer); !err.empty()) return err;
       JAX_EP_CUDA_TRY(cudaSetDevice(group[r]));
+      DeviceState initial{};
+      const size_t tally = sizeof(int32_t) * num_ranks * experts_per_rank;
+      JAX_EP_CUDA_TRY(cudaMalloc(&initial.expert_tally, tally));
+      JAX_EP_CUDA_TRY(cudaMalloc(&initial.expert_inbox, 2 * tally));
       JAX_EP_CUDA_TRY(cudaMalloc(&states[r], sizeof(DeviceState)));
-      JAX_EP_CUDA_TRY(cudaMemset(states[r], 0, sizeof(DeviceState)));
-      JAX_EP_CUDA_TRY(cudaDeviceSynchronize());
+      JAX_EP_CUDA_TRY(cudaMemcpy(states[r], &initial, sizeof(DeviceState), cudaMemcpyHostToDevice));
       Failure* failure = nullptr;
       JAX_EP_CUDA_TRY(cudaHostAlloc(&failure, sizeof(Failure), cudaHostAllocMapped |
                                                                   cudaHostAllocPortable));
@@ -64,6 +55,9 @@ std::string connect_into(Comm& comm, const std::vector<std::vector<int>>& groups
       JAX_EP_CUDA_TRY(cudaHostGetDevicePointer(&rank.link.failure, failure, 0));
       rank.link.num_ranks = num_ranks;
       rank.link.rank = r;
+      rank.link.experts_per_rank = experts_per_rank;
+      rank.tally = initial.expert_tally;
+      rank.inbox = initial.expert_inbox;
       rank.link.timeout_ns = uint64_t(comm.knobs.timeout_s * 1e9);
       comm.ranks[group[r]] = rank;
     }
@@ -75,12 +69,13 @@ std::string connect_into(Comm& comm, const std::vector<std::vector<int>>& groups
 
 }  // namespace
 
-std::shared_ptr<Comm> connect(const std::vector<std::vector<int>>& groups, Knobs knobs) {
+std::shared_ptr<Comm> connect(const std::vector<std::vector<int>>& groups, int experts_per_rank,
+                              Knobs knobs) {
   auto comm = std::make_shared<Comm>();
   comm->knobs = knobs;
   int previous = 0;
   cudaGetDevice(&previous);
-  std::string err = connect_into(*comm, groups);
+  std::string err = connect_into(*comm, groups, experts_per_rank);
   cudaSetDevice(previous);
   if (!err.empty()) throw std::runtime_error(err);
   return comm;
@@ -93,6 +88,8 @@ Comm::~Comm() {
     cudaSetDevice(device);
     cudaDeviceSynchronize();
     cudaFree(rank.link.self);
+    cudaFree(rank.tally);
+    cudaFree(rank.inbox);
     cudaFreeHost(rank.failure);
   }
   cudaSetDevice(previous);

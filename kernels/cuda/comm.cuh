@@ -2,10 +2,11 @@
 //
 // Each rank owns one DeviceState in its own device memory; peers reach it over NVLink. Data never
 // passes through it: ranks publish the addresses of their XLA buffers in their mailbox and peers
-// write (dispatch) or read (combine) those buffers directly. Every op bumps the rank's sequence
-// number `seq` on device; flags carry the sequence number of the op they belong to, so nothing
-// on the host counts ops and CUDA-graph replays stay in step. Mailboxes and inboxes have two
-// slots, by op parity: a rank can be one op ahead of a peer, never two.
+// write (dispatch) or read (combine) those buffers directly. Ops are numbered on device: every
+// kernel of an op works on op `seq + 1`, and the op's last kernel, once every peer is done with
+// this rank's buffers, commits `seq`. Flags carry the number of the op they belong to, so
+// nothing on the host counts ops and CUDA-graph replays stay in step. Mailboxes and inboxes have
+// two slots, by op parity: a rank can be one op ahead of a peer, never two.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -18,9 +19,11 @@ namespace jax_ep::cuda {
 constexpr int kMailboxPointers = 4;
 
 struct DeviceState {
-  uint64_t seq;                                   // ops this rank has started
+  uint64_t seq;                                   // ops this rank has completed
   uint32_t ticket;                                // blocks of the running kernel that finished
   uint32_t reserved;
+  int32_t* expert_tally;                          // [R][E_l]: rows this rank sends, per expert
+  int32_t* expert_inbox;                          // [2][R][E_l]: the tallies peers sent here
   // Mailbox: written by this rank, read by peers.
   uint64_t published[2];                          // = seq once `pointers` hold that op's buffers
   void* pointers[2][kMailboxPointers];
@@ -47,7 +50,7 @@ struct Link {
   DeviceState* self;
   DeviceState* peers[kMaxRanks];   // peers[rank] == self
   Failure* failure;
-  int num_ranks, rank;
+  int num_ranks, rank, experts_per_rank;
   uint64_t timeout_ns;
 };
 
@@ -90,10 +93,9 @@ __device__ __forceinline__ void wait_for(const Link& link, const uint64_t* flag,
   }
 }
 
-// The op's sequence number: the first kernel of an op bumps it, the later ones read it.
-__device__ __forceinline__ uint64_t begin_op(DeviceState* self) { return ++self->seq; }
-__device__ __forceinline__ uint64_t current_op(DeviceState* self) {
-  return *reinterpret_cast<volatile uint64_t*>(&self->seq);
+// The number of the op a kernel belongs to: one past the last op this rank completed.
+__device__ __forceinline__ uint64_t this_op(const DeviceState* self) {
+  return *reinterpret_cast<const volatile uint64_t*>(&self->seq) + 1;
 }
 
 // Publishes this rank's buffers for op `seq` (one thread).
@@ -125,12 +127,22 @@ __device__ __forceinline__ bool last_block_done(DeviceState* self) {
   return last;
 }
 
-// ---- kernels shared by the ops ----
-
-// Begins an op whose only exchange before data moves is the mailbox.
-__global__ void begin_and_publish(DeviceState* self, void* p0, void* p1, void* p2, void* p3);
-// Waits until every peer has set flags[rank] (arrived or released) for the current op.
-__global__ void wait_all(Link link, int which);
+// The end of an op, in its last kernel's last block: tell every peer this rank is done with its
+// buffers (flag: arrived or released), wait until every peer is done with this rank's, commit.
+__device__ __forceinline__ void finish_op(const Link& link, uint64_t seq, Wait what) {
+  const int peer = threadIdx.x;
+  if (peer < link.num_ranks) {
+    uint64_t* theirs = what == kWaitArrived ? link.peers[peer]->arrived : link.peers[peer]->released;
+    store_release(&theirs[link.rank], seq);
+    const uint64_t* mine = what == kWaitArrived ? link.self->arrived : link.self->released;
+    wait_for(link, &mine[peer], seq, what, peer);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    link.self->seq = seq;
+  }
+}
 
 }  // namespace jax_ep::cuda
 
@@ -154,6 +166,7 @@ class Comm {
   struct Rank {
     int device;
     Failure* failure;   // host-mapped
+    int32_t *tally, *inbox;  // device arrays DeviceState points to
     Link link;          // self, peers, rank, timeout
   };
   Knobs knobs;

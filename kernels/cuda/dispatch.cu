@@ -1,11 +1,12 @@
-// Dispatch on NVLink GPUs. Three kernels on the op's stream:
-//   route     (1 block)   bumps seq, publishes this rank's output buffers, gives every token its
-//                          slot per destination rank, all-gathers the per-rank row counts;
-//   send      (<= num_sms) each warp takes tokens, loads a row (FP8-quantising it when asked)
-//                          and stores it from registers straight into the output row of every
-//                          destination rank; the last block announces the rows arrived;
-//   finalize  (few)       waits until every peer's rows arrived, counts tokens per local expert.
-// A cached dispatch replaces route by a publish and finalize by a wait.
+// Dispatch on NVLink GPUs. Two kernels on the op's stream:
+//   route  (1 block)    publishes this rank's output buffers, gives every token its slot per
+//                        destination rank, all-gathers the per-rank row counts;
+//   send   (<= num_sms) each warp takes tokens, loads a row (FP8-quantising it when asked) and
+//                        stores it from registers straight into the output row of every
+//                        destination rank, tallying rows per destination expert; the last block
+//                        hands each rank its tally, announces the rows arrived, waits for every
+//                        peer's rows and totals tokens per local expert.
+// A cached dispatch is the send kernel alone (its block 0 publishes the output buffers).
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/comm.cuh"
@@ -33,13 +34,14 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(Params p) {
   __shared__ int32_t invalid;
   __shared__ uint64_t seq;
   if (threadIdx.x == 0) {
-    seq = begin_op(p.link.self);
+    seq = this_op(p.link.self);
     void* mine[kMailboxPointers] = {a.x_out, a.scales_out, a.topk_out, a.weights_out};
     publish(p.link.self, seq, mine);
     invalid = 0;
   }
   if (threadIdx.x < R) running[threadIdx.x] = 0;
-  for (int e = threadIdx.x; e < a.experts_per_rank(); e += blockDim.x) a.tokens_per_expert[e] = 0;
+  for (int i = threadIdx.x; i < R * a.experts_per_rank(); i += blockDim.x)
+    p.link.self->expert_tally[i] = 0;
   __syncthreads();
 
   for (int base = 0; base < a.num_tokens; base += kRouteThreads) {
@@ -125,7 +127,7 @@ __global__ void __launch_bounds__(kSendWarps * 32, 1) send_kernel(Params p, bool
   const DispatchArgs& a = p.a;
   const Link& link = p.link;
   const int R = link.num_ranks, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const uint64_t seq = current_op(link.self);
+  const uint64_t seq = this_op(link.self);
   __shared__ int32_t first_row[kMaxRanks];
   __shared__ void* dest[kMaxRanks][kMailboxPointers];
   __shared__ int32_t present, received;
@@ -152,6 +154,10 @@ __global__ void __launch_bounds__(kSendWarps * 32, 1) send_kernel(Params p, bool
         *a.num_dropped = received - present;
       }
     }
+  }
+  if (a.cached && blockIdx.x == 0 && threadIdx.x == 0) {
+    void* mine[kMailboxPointers] = {a.x_out, a.scales_out, nullptr, nullptr};
+    publish(link.self, seq, mine);
   }
   if (threadIdx.x < R) read_mailbox(link, threadIdx.x, seq, dest[threadIdx.x]);
   __syncthreads();
@@ -181,15 +187,19 @@ __global__ void __launch_bounds__(kSendWarps * 32, 1) send_kernel(Params p, bool
     __syncwarp();
 
     if (!a.cached) {  // local expert ids and weights as each destination sees them
+      const int32_t* topk = a.topk_idx + int64_t(t) * a.num_topk;
       for (uint32_t m = targets; m; m &= m - 1) {
         const int d = __ffs(m) - 1;
         const int64_t at = int64_t(__shfl_sync(~0u, pos, d)) * a.num_topk;
         for (int k = lane; k < a.num_topk; k += 32) {
-          const int32_t e = a.topk_idx[int64_t(t) * a.num_topk + k];
-          const int32_t local = local_expert_on(e, d, a.num_experts, a.experts_per_rank());
+          const int32_t local = local_expert_on(topk[k], d, a.num_experts, a.experts_per_rank());
           static_cast<int32_t*>(dest[d][2])[at + k] = local;
           static_cast<float*>(dest[d][3])[at + k] =
               local >= 0 ? a.topk_weights[int64_t(t) * a.num_topk + k] : 0.f;
+          bool repeated = false;  // the same expert in an earlier slot: the pair counts once
+          for (int j = 0; j < k; ++j) repeated |= topk[j] == topk[k];
+          if (local >= 0 && !repeated)
+            atomicAdd(&link.self->expert_tally[d * a.experts_per_rank() + local], 1);
         }
       }
     }
@@ -266,29 +276,22 @@ __global__ void __launch_bounds__(kSendWarps * 32, 1) send_kernel(Params p, bool
   }
 
   __threadfence_system();  // every thread's stores, before the last block announces them
-  if (last_block_done(link.self) && threadIdx.x < R)
-    store_release(&link.peers[threadIdx.x]->arrived[link.rank], seq);
-}
-
-__global__ void finalize_kernel(Params p) {
-  extern __shared__ int32_t histogram[];
-  const DispatchArgs& a = p.a;
-  const Link& link = p.link;
+  if (!last_block_done(link.self)) return;
   const int El = a.experts_per_rank();
-  const uint64_t seq = current_op(link.self);
-  if (threadIdx.x < link.num_ranks)
-    wait_for(link, &link.self->arrived[threadIdx.x], seq, kWaitArrived, threadIdx.x);
-  for (int e = threadIdx.x; e < El; e += blockDim.x) histogram[e] = 0;
+  if (!a.cached)  // each destination gets this rank's tally of the rows it was sent
+    for (int i = threadIdx.x; i < R * El; i += blockDim.x)
+      link.peers[i / El]->expert_inbox[((seq & 1) * R + link.rank) * El + i % El] =
+          link.self->expert_tally[i];
+  __threadfence_system();
   __syncthreads();
-  const int rows = *a.num_recv;
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += gridDim.x * blockDim.x) {
-    const int32_t* topk = a.topk_out + int64_t(r) * a.num_topk;
-    for (int k = 0; k < a.num_topk; ++k)
-      if (topk[k] >= 0 && !row_has_expert(topk, k, topk[k])) atomicAdd(&histogram[topk[k]], 1);
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < El; e += blockDim.x)
-    if (histogram[e]) atomicAdd(&a.tokens_per_expert[e], histogram[e]);
+  finish_op(link, seq, kWaitArrived);
+  if (!a.cached)
+    for (int e = threadIdx.x; e < El; e += blockDim.x) {
+      int total = 0;
+      for (int src = 0; src < R; ++src)
+        total += static_cast<volatile int32_t*>(link.self->expert_inbox)[((seq & 1) * R + src) * El + e];
+      a.tokens_per_expert[e] = total;
+    }
 }
 
 template <typename T, bool kFp8>
@@ -309,11 +312,10 @@ std::string dispatch(Comm& comm, int device, cudaStream_t stream, const Dispatch
   if (a.fp8 && a.scales_per_row() > kMaxScales) return "jax_ep: fp8 dispatch supports hidden <= 131072";
   const Params p{a, rank->link};
   const int blocks = bandwidth_blocks(comm.knobs, device);
-  if (a.cached)
-    begin_and_publish<<<1, 1, 0, stream>>>(rank->link.self, a.x_out, a.scales_out, nullptr, nullptr);
-  else
+  if (!a.cached) {
     route_kernel<<<1, kRouteThreads, 0, stream>>>(p);
-  JAX_EP_CUDA_TRY(cudaGetLastError());
+    JAX_EP_CUDA_TRY(cudaGetLastError());
+  }
 
   const bool aligned = (int64_t(a.hidden) * dtype_size(a.x_dtype)) % 16 == 0;
   const bool bf16 = a.x_dtype == Dtype::kBF16;
@@ -321,13 +323,6 @@ std::string dispatch(Comm& comm, int device, cudaStream_t stream, const Dispatch
                                 : launch_send<float, true>(p, blocks, aligned, stream))
                         : (bf16 ? launch_send<__nv_bfloat16, false>(p, blocks, aligned, stream)
                                 : launch_send<float, false>(p, blocks, aligned, stream)));
-  if (a.cached) {
-    wait_all<<<1, 32, 0, stream>>>(rank->link, kWaitArrived);
-  } else {
-    const int finalize_blocks = a.out_rows / 1024 + 1 < 32 ? a.out_rows / 1024 + 1 : 32;
-    finalize_kernel<<<finalize_blocks, 256, a.experts_per_rank() * sizeof(int32_t), stream>>>(p);
-  }
-  JAX_EP_CUDA_TRY(cudaGetLastError());
   return {};
 }
 
