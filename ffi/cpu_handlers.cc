@@ -27,13 +27,34 @@ struct CtxDecoding<jax_ep::CpuContext> {
 namespace jax_ep {
 namespace {
 
+// The call completes once the rank that completes the op has run it (see kernels/cpu).
+ffi::Future join(BufferState& state, Place place, int64_t key, cpu::Call call) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  call.done = [promise](const std::string& error) mutable {
+    if (error.empty())
+      promise.SetAvailable();
+    else
+      promise.SetError(ffi::Error(ffi::ErrorCode::kInternal, error));
+  };
+  state.cpu_groups[place.group]->join(place.rank, key, std::move(call));
+  return future;
+}
+
 struct CpuBackend {
   using Context = CpuContext;
-  static std::string dispatch(const Context&, BufferState& s, Place p, const DispatchArgs& a) {
-    return cpu::dispatch(*s.cpu_groups[p.group], a, s.timeout_s);
+  using Result = ffi::Future;
+  static ffi::Future error(ffi::Error error) {
+    ffi::Promise promise;
+    ffi::Future future(promise);
+    promise.SetError(std::move(error));
+    return future;
   }
-  static std::string combine(const Context&, BufferState& s, Place p, const CombineArgs& a) {
-    return cpu::combine(*s.cpu_groups[p.group], a, s.timeout_s);
+  static ffi::Future dispatch(const Context&, BufferState& s, Place p, const DispatchArgs& a) {
+    return join(s, p, a.op_key, cpu::Call{cpu::Call::kDispatch, a, {}, {}});
+  }
+  static ffi::Future combine(const Context&, BufferState& s, Place p, const CombineArgs& a) {
+    return join(s, p, a.op_key, cpu::Call{cpu::Call::kCombine, {}, a, {}});
   }
   static std::string expert_layout(const Context&, const ExpertLayoutArgs& a) {
     cpu::expert_layout(a);

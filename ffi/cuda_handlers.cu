@@ -35,11 +35,13 @@ cuda::Comm& comm_of(BufferState& state) { return *static_cast<cuda::Comm*>(state
 
 struct CudaBackend {
   using Context = CudaContext;
-  static std::string dispatch(const Context& c, BufferState& s, Place, const DispatchArgs& a) {
-    return cuda::dispatch(comm_of(s), c.device, c.stream, a);
+  using Result = ffi::Error;  // kernels are enqueued: the handler is done
+  static ffi::Error error(ffi::Error error) { return error; }
+  static ffi::Error dispatch(const Context& c, BufferState& s, Place, const DispatchArgs& a) {
+    return to_error(cuda::dispatch(comm_of(s), c.device, c.stream, a));
   }
-  static std::string combine(const Context& c, BufferState& s, Place, const CombineArgs& a) {
-    return cuda::combine(comm_of(s), c.device, c.stream, a);
+  static ffi::Error combine(const Context& c, BufferState& s, Place, const CombineArgs& a) {
+    return to_error(cuda::combine(comm_of(s), c.device, c.stream, a));
   }
   static std::string expert_layout(const Context& c, const ExpertLayoutArgs& a) {
     return cuda::expert_layout(c.stream, a);

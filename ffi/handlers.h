@@ -1,6 +1,8 @@
 // The XLA FFI signatures of jax_ep's custom calls, written once for every backend.
-// A backend supplies a Context (decoded from the call's execution context) and functions that
-// run the ops of kernels/ops.h; the handlers here only decode and check buffers and attributes.
+// A backend supplies a Context (decoded from the call's execution context), the Result its
+// cross-rank handlers return (an ffi::Error, or an ffi::Future when the handler completes
+// asynchronously) and functions that run the ops of kernels/ops.h; the handlers here only
+// decode and check buffers and attributes.
 #pragma once
 #include <string>
 
@@ -29,25 +31,30 @@ ffi::Error with_place(const typename Backend::Context& ctx, int64_t buffer_id,
   return err.empty() ? ffi::Error::Success() : ffi::Error(ffi::ErrorCode::kNotFound, err);
 }
 
+template <class Backend>
+using Result = typename Backend::Result;
+
 inline ffi::Error to_error(const std::string& err) {
   return err.empty() ? ffi::Error::Success() : ffi::Error(ffi::ErrorCode::kInternal, err);
 }
 
 // ---- dispatch (fresh routing) ----
 template <class Backend>
-ffi::Error Dispatch(typename Backend::Context ctx, ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 2> topk_idx,
+Result<Backend> Dispatch(typename Backend::Context ctx, ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 2> topk_idx,
                     ffi::Buffer<ffi::F32, 2> topk_weights, ffi::Result<ffi::AnyBuffer> x_out,
                     ffi::Result<ffi::AnyBuffer> scales_out, ffi::ResultBuffer<ffi::S32, 2> topk_out,
                     ffi::ResultBuffer<ffi::F32, 2> weights_out, ffi::ResultBuffer<ffi::S32, 2> send_pos,
                     ffi::ResultBuffer<ffi::S32, 1> recv_counts,
                     ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert,
                     ffi::ResultBuffer<ffi::S32, 0> num_recv, ffi::ResultBuffer<ffi::S32, 0> num_dropped,
-                    ffi::ResultBuffer<ffi::S32, 0> num_invalid, int64_t buffer_id, int32_t out_rows,
-                    bool fp8, bool round_scale) {
+                    ffi::ResultBuffer<ffi::S32, 0> num_invalid, int64_t buffer_id, int64_t op_key,
+                    int32_t out_rows, bool fp8, bool round_scale) {
   std::shared_ptr<BufferState> state;
   Place place;
-  if (auto err = with_place<Backend>(ctx, buffer_id, &state, &place); err.failure()) return err;
+  if (auto err = with_place<Backend>(ctx, buffer_id, &state, &place); err.failure())
+    return Backend::error(std::move(err));
   DispatchArgs a{};
+  a.op_key = op_key;
   a.num_ranks = state->num_ranks;
   a.rank = place.rank;
   a.num_experts = state->num_experts;
@@ -57,9 +64,11 @@ ffi::Error Dispatch(typename Backend::Context ctx, ffi::AnyBuffer x, ffi::Buffer
   a.out_rows = out_rows;
   a.fp8 = fp8;
   a.round_scale = round_scale;
-  if (!to_dtype(x.element_type(), &a.x_dtype)) return invalid("dispatch: x must be float32 or bfloat16");
+  if (!to_dtype(x.element_type(), &a.x_dtype))
+    return Backend::error(invalid("dispatch: x must be float32 or bfloat16"));
   if (topk_idx.dimensions()[0] != a.num_tokens || topk_weights.dimensions()[0] != a.num_tokens)
-    return invalid("dispatch: x, topk_idx and topk_weights disagree on the number of tokens");
+    return Backend::error(
+        invalid("dispatch: x, topk_idx and topk_weights disagree on the number of tokens"));
   a.x = x.untyped_data();
   a.topk_idx = topk_idx.typed_data();
   a.topk_weights = topk_weights.typed_data();
@@ -73,7 +82,7 @@ ffi::Error Dispatch(typename Backend::Context ctx, ffi::AnyBuffer x, ffi::Buffer
   a.num_recv = num_recv->typed_data();
   a.num_dropped = num_dropped->typed_data();
   a.num_invalid = num_invalid->typed_data();
-  return to_error(Backend::dispatch(ctx, *state, place, a));
+  return Backend::dispatch(ctx, *state, place, a);
 }
 
 template <class Backend>
@@ -94,6 +103,7 @@ constexpr auto dispatch_binding() {
       .template Ret<ffi::Buffer<ffi::S32, 0>>()
       .template Ret<ffi::Buffer<ffi::S32, 0>>()
       .template Attr<int64_t>("buffer_id")
+      .template Attr<int64_t>("op_key")
       .template Attr<int32_t>("out_rows")
       .template Attr<bool>("fp8")
       .template Attr<bool>("round_scale");
@@ -101,14 +111,17 @@ constexpr auto dispatch_binding() {
 
 // ---- dispatch with the routing of an earlier one (send_pos, num_recv): only x moves ----
 template <class Backend>
-ffi::Error DispatchCached(typename Backend::Context ctx, ffi::AnyBuffer x,
+Result<Backend> DispatchCached(typename Backend::Context ctx, ffi::AnyBuffer x,
                           ffi::Buffer<ffi::S32, 2> send_pos, ffi::Buffer<ffi::S32, 0> num_recv,
                           ffi::Result<ffi::AnyBuffer> x_out, ffi::Result<ffi::AnyBuffer> scales_out,
-                          int64_t buffer_id, int32_t out_rows, bool fp8, bool round_scale) {
+                          int64_t buffer_id, int64_t op_key, int32_t out_rows, bool fp8,
+                          bool round_scale) {
   std::shared_ptr<BufferState> state;
   Place place;
-  if (auto err = with_place<Backend>(ctx, buffer_id, &state, &place); err.failure()) return err;
+  if (auto err = with_place<Backend>(ctx, buffer_id, &state, &place); err.failure())
+    return Backend::error(std::move(err));
   DispatchArgs a{};
+  a.op_key = op_key;
   a.num_ranks = state->num_ranks;
   a.rank = place.rank;
   a.num_experts = state->num_experts;
@@ -118,15 +131,16 @@ ffi::Error DispatchCached(typename Backend::Context ctx, ffi::AnyBuffer x,
   a.fp8 = fp8;
   a.round_scale = round_scale;
   a.cached = true;
-  if (!to_dtype(x.element_type(), &a.x_dtype)) return invalid("dispatch: x must be float32 or bfloat16");
+  if (!to_dtype(x.element_type(), &a.x_dtype))
+    return Backend::error(invalid("dispatch: x must be float32 or bfloat16"));
   if (send_pos.dimensions()[0] != a.num_tokens || send_pos.dimensions()[1] != a.num_ranks)
-    return invalid("dispatch: the handle does not match x");
+    return Backend::error(invalid("dispatch: the handle does not match x"));
   a.x = x.untyped_data();
   a.send_pos = const_cast<int32_t*>(send_pos.typed_data());
   a.cached_num_recv = num_recv.typed_data();
   a.x_out = x_out->untyped_data();
   a.scales_out = fp8 ? static_cast<float*>(scales_out->untyped_data()) : nullptr;
-  return to_error(Backend::dispatch(ctx, *state, place, a));
+  return Backend::dispatch(ctx, *state, place, a);
 }
 
 template <class Backend>
@@ -139,6 +153,7 @@ constexpr auto dispatch_cached_binding() {
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()
       .template Attr<int64_t>("buffer_id")
+      .template Attr<int64_t>("op_key")
       .template Attr<int32_t>("out_rows")
       .template Attr<bool>("fp8")
       .template Attr<bool>("round_scale");
@@ -146,13 +161,15 @@ constexpr auto dispatch_cached_binding() {
 
 // ---- combine: out[t] = bias[t] + sum_d rows_d[send_pos[t, d]] ----
 template <class Backend>
-ffi::Error Combine(typename Backend::Context ctx, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32, 2> send_pos,
+Result<Backend> Combine(typename Backend::Context ctx, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32, 2> send_pos,
                    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int64_t buffer_id,
-                   bool has_bias) {
+                   int64_t op_key, bool has_bias) {
   std::shared_ptr<BufferState> state;
   Place place;
-  if (auto err = with_place<Backend>(ctx, buffer_id, &state, &place); err.failure()) return err;
+  if (auto err = with_place<Backend>(ctx, buffer_id, &state, &place); err.failure())
+    return Backend::error(std::move(err));
   CombineArgs a{};
+  a.op_key = op_key;
   a.num_ranks = state->num_ranks;
   a.rank = place.rank;
   a.num_tokens = int(send_pos.dimensions()[0]);
@@ -161,13 +178,14 @@ ffi::Error Combine(typename Backend::Context ctx, ffi::AnyBuffer rows, ffi::Buff
   a.has_bias = has_bias;
   if (!to_dtype(rows.element_type(), &a.rows_dtype) || !to_dtype(out->element_type(), &a.out_dtype) ||
       (has_bias && !to_dtype(bias.element_type(), &a.bias_dtype)))
-    return invalid("combine: rows, bias and output must be float32 or bfloat16");
-  if (send_pos.dimensions()[1] != a.num_ranks) return invalid("combine: the handle does not match");
+    return Backend::error(invalid("combine: rows, bias and output must be float32 or bfloat16"));
+  if (send_pos.dimensions()[1] != a.num_ranks)
+    return Backend::error(invalid("combine: the handle does not match"));
   a.row_data = rows.untyped_data();
   a.send_pos = send_pos.typed_data();
   a.bias = has_bias ? bias.untyped_data() : nullptr;
   a.out = out->untyped_data();
-  return to_error(Backend::combine(ctx, *state, place, a));
+  return Backend::combine(ctx, *state, place, a);
 }
 
 template <class Backend>
@@ -179,6 +197,7 @@ constexpr auto combine_binding() {
       .template Arg<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()
       .template Attr<int64_t>("buffer_id")
+      .template Attr<int64_t>("op_key")
       .template Attr<bool>("has_bias");
 }
 

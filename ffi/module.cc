@@ -18,21 +18,15 @@ nb::dict as_capsules(const Targets& targets) {
 }
 
 int64_t create_buffer(const std::string& platform, const std::vector<std::vector<int>>& groups,
-                      int num_experts, int num_topk, int hidden, int max_tokens, double timeout_s,
-                      int num_sms) {
+                      int num_experts, double timeout_s, int num_sms) {
   auto state = std::make_shared<BufferState>();
   state->num_ranks = int(groups.at(0).size());
   state->num_experts = num_experts;
-  state->num_topk = num_topk;
-  state->hidden = hidden;
-  state->max_tokens = max_tokens;
-  state->timeout_s = timeout_s;
-  state->num_sms = num_sms;
   for (int g = 0; g < int(groups.size()); ++g)
     for (int r = 0; r < int(groups[g].size()); ++r) state->places[groups[g][r]] = Place{g, r};
   if (platform == "cpu") {
     for (size_t g = 0; g < groups.size(); ++g)
-      state->cpu_groups.push_back(std::make_unique<cpu::Group>(state->num_ranks));
+      state->cpu_groups.push_back(std::make_unique<cpu::Group>(state->num_ranks, timeout_s));
   } else if (platform == "cuda") {
 #ifdef JAX_EP_WITH_CUDA
     state->cuda = cuda_connect(groups, num_experts / state->num_ranks, num_sms, timeout_s);
@@ -59,7 +53,6 @@ NB_MODULE(_native, m) {
   m.attr("has_cuda") = false;
 #endif
   m.def("create_buffer", &create_buffer, nb::arg("platform"), nb::arg("groups"),
-        nb::arg("num_experts"), nb::arg("num_topk"), nb::arg("hidden"), nb::arg("max_tokens"),
-        nb::arg("timeout_s"), nb::arg("num_sms"));
+        nb::arg("num_experts"), nb::arg("timeout_s"), nb::arg("num_sms"));
   m.def("destroy_buffer", &unregister_buffer, nb::arg("buffer_id"));
 }

@@ -17,9 +17,7 @@ struct Place {
 };
 
 struct BufferState {
-  int num_ranks, num_experts, num_topk, hidden, max_tokens;
-  double timeout_s;
-  int num_sms;
+  int num_ranks, num_experts;
   std::unordered_map<int, Place> places;           // by device ordinal
   std::vector<std::unique_ptr<cpu::Group>> cpu_groups;
   std::shared_ptr<void> cuda;                      // the CUDA backend's per-device state

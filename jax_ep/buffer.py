@@ -75,7 +75,6 @@ class Buffer:
         platform = devices.flat[0].platform
         self._buffer_id = _native.create_buffer(
             "cpu" if platform == "cpu" else "cuda", groups, num_experts=self.num_experts,
-            num_topk=self.num_topk, hidden=self.hidden, max_tokens=self.max_tokens_per_rank,
             timeout_s=float(timeout_s), num_sms=int(num_sms))
         return Ffi(self._buffer_id, self.num_ranks, self.num_experts)
 

@@ -4,6 +4,7 @@ combine, the backward of combine is a cached dispatch."""
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import NamedTuple
 
 import jax
@@ -60,8 +61,17 @@ def _varying_like(outputs, *inputs):
     return jax.tree.map(vary, outputs)
 
 
+_op_keys = itertools.count(1)
+
+
+def _op_key():
+    """A fresh id per traced custom call: the same on every device running the compiled program,
+    so the CPU backend can match the ranks' calls whatever order each device runs them in."""
+    return np.int64(next(_op_keys))
+
+
 def _attrs(cfg: _Move):
-    return dict(buffer_id=np.int64(cfg.buffer_id), out_rows=np.int32(cfg.rows),
+    return dict(buffer_id=np.int64(cfg.buffer_id), op_key=_op_key(), out_rows=np.int32(cfg.rows),
                 fp8=bool(cfg.fp8), round_scale=bool(cfg.round_scale))
 
 
@@ -102,8 +112,8 @@ def _combine_call(cfg: _Sum, row_data, send_pos, bias):
     no_bias = jnp.zeros((0,), jnp.float32)
     bias = no_bias if bias is None else bias
     return _varying_like(jax.ffi.ffi_call("jax_ep_combine", shape, has_side_effect=True)(
-        row_data, send_pos, bias, buffer_id=np.int64(cfg.buffer_id), has_bias=cfg.bias_dtype
-        is not None), row_data, send_pos, bias)
+        row_data, send_pos, bias, buffer_id=np.int64(cfg.buffer_id), op_key=_op_key(),
+        has_bias=cfg.bias_dtype is not None), row_data, send_pos, bias)
 
 
 # ---------------------------------------------------------------- differentiation

@@ -8,6 +8,7 @@ namespace jax_ep {
 // Rank-level dispatch: every token goes once to each rank holding one of its experts and lands
 // in row `send_pos[t, d]` there; rows are ordered by (source rank, source token).
 struct DispatchArgs {
+  int64_t op_key;    // names the op the same way on every rank (a trace-time id)
   int num_ranks, rank, num_experts, num_topk, hidden, num_tokens;
   int out_rows;      // rows of the receiving buffer (the capacity); later rows are dropped
   bool fp8, round_scale;
@@ -37,6 +38,7 @@ struct DispatchArgs {
 // Rank-level combine: out[t] = bias[t] + sum over ranks d (in order) of rows_d[send_pos[t, d]],
 // accumulated in float32 and rounded once.
 struct CombineArgs {
+  int64_t op_key;    // names the op the same way on every rank (a trace-time id)
   int num_ranks, rank, num_tokens, width;
   int rows;                      // rows of each rank's `rows` buffer
   Dtype rows_dtype, out_dtype, bias_dtype;
