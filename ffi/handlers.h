@@ -5,6 +5,7 @@
 // decode and check buffers and attributes.
 #pragma once
 #include <string>
+#include <utility>
 
 #include "ffi/registry.h"
 #include "kernels/ops.h"
@@ -34,6 +35,34 @@ ffi::Error with_place(const typename Backend::Context& ctx, int64_t buffer_id,
 template <class Backend>
 using Result = typename Backend::Result;
 
+// What both dispatch handlers take from the buffer, the rank and the attributes.
+inline ffi::Error dispatch_common(const BufferState& state, Place place, ffi::AnyBuffer x,
+                                  int64_t op_key, int32_t out_rows, bool fp8, bool round_scale,
+                                  DispatchArgs* a) {
+  a->op_key = op_key;
+  a->num_ranks = state.num_ranks;
+  a->rank = place.rank;
+  a->num_experts = state.num_experts;
+  a->hidden = int(x.dimensions()[1]);
+  a->num_tokens = int(x.dimensions()[0]);
+  a->out_rows = out_rows;
+  a->fp8 = fp8;
+  a->round_scale = round_scale;
+  a->x = x.untyped_data();
+  if (!to_dtype(x.element_type(), &a->x_dtype))
+    return invalid("dispatch: x must be float32 or bfloat16");
+  return ffi::Error::Success();
+}
+
+template <class Binding>
+constexpr auto dispatch_attrs(Binding binding) {
+  return std::move(binding).template Attr<int64_t>("buffer_id")
+      .template Attr<int64_t>("op_key")
+      .template Attr<int32_t>("out_rows")
+      .template Attr<bool>("fp8")
+      .template Attr<bool>("round_scale");
+}
+
 inline ffi::Error to_error(const std::string& err) {
   return err.empty() ? ffi::Error::Success() : ffi::Error(ffi::ErrorCode::kInternal, err);
 }
@@ -54,22 +83,13 @@ Result<Backend> Dispatch(typename Backend::Context ctx, ffi::AnyBuffer x, ffi::B
   if (auto err = with_place<Backend>(ctx, buffer_id, &state, &place); err.failure())
     return Backend::error(std::move(err));
   DispatchArgs a{};
-  a.op_key = op_key;
-  a.num_ranks = state->num_ranks;
-  a.rank = place.rank;
-  a.num_experts = state->num_experts;
+  if (auto err = dispatch_common(*state, place, x, op_key, out_rows, fp8, round_scale, &a);
+      err.failure())
+    return Backend::error(std::move(err));
   a.num_topk = int(topk_idx.dimensions()[1]);
-  a.hidden = int(x.dimensions()[1]);
-  a.num_tokens = int(x.dimensions()[0]);
-  a.out_rows = out_rows;
-  a.fp8 = fp8;
-  a.round_scale = round_scale;
-  if (!to_dtype(x.element_type(), &a.x_dtype))
-    return Backend::error(invalid("dispatch: x must be float32 or bfloat16"));
   if (topk_idx.dimensions()[0] != a.num_tokens || topk_weights.dimensions()[0] != a.num_tokens)
     return Backend::error(
         invalid("dispatch: x, topk_idx and topk_weights disagree on the number of tokens"));
-  a.x = x.untyped_data();
   a.topk_idx = topk_idx.typed_data();
   a.topk_weights = topk_weights.typed_data();
   a.x_out = x_out->untyped_data();
@@ -87,7 +107,7 @@ Result<Backend> Dispatch(typename Backend::Context ctx, ffi::AnyBuffer x, ffi::B
 
 template <class Backend>
 constexpr auto dispatch_binding() {
-  return ffi::Ffi::Bind()
+  return dispatch_attrs(ffi::Ffi::Bind()
       .template Ctx<typename Backend::Context>()
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::S32, 2>>()
@@ -101,12 +121,7 @@ constexpr auto dispatch_binding() {
       .template Ret<ffi::Buffer<ffi::S32, 1>>()
       .template Ret<ffi::Buffer<ffi::S32, 0>>()
       .template Ret<ffi::Buffer<ffi::S32, 0>>()
-      .template Ret<ffi::Buffer<ffi::S32, 0>>()
-      .template Attr<int64_t>("buffer_id")
-      .template Attr<int64_t>("op_key")
-      .template Attr<int32_t>("out_rows")
-      .template Attr<bool>("fp8")
-      .template Attr<bool>("round_scale");
+      .template Ret<ffi::Buffer<ffi::S32, 0>>());
 }
 
 // ---- dispatch with the routing of an earlier one (send_pos, num_recv): only x moves ----
@@ -121,21 +136,12 @@ Result<Backend> DispatchCached(typename Backend::Context ctx, ffi::AnyBuffer x,
   if (auto err = with_place<Backend>(ctx, buffer_id, &state, &place); err.failure())
     return Backend::error(std::move(err));
   DispatchArgs a{};
-  a.op_key = op_key;
-  a.num_ranks = state->num_ranks;
-  a.rank = place.rank;
-  a.num_experts = state->num_experts;
-  a.hidden = int(x.dimensions()[1]);
-  a.num_tokens = int(x.dimensions()[0]);
-  a.out_rows = out_rows;
-  a.fp8 = fp8;
-  a.round_scale = round_scale;
+  if (auto err = dispatch_common(*state, place, x, op_key, out_rows, fp8, round_scale, &a);
+      err.failure())
+    return Backend::error(std::move(err));
   a.cached = true;
-  if (!to_dtype(x.element_type(), &a.x_dtype))
-    return Backend::error(invalid("dispatch: x must be float32 or bfloat16"));
   if (send_pos.dimensions()[0] != a.num_tokens || send_pos.dimensions()[1] != a.num_ranks)
     return Backend::error(invalid("dispatch: the handle does not match x"));
-  a.x = x.untyped_data();
   a.send_pos = const_cast<int32_t*>(send_pos.typed_data());
   a.cached_num_recv = num_recv.typed_data();
   a.x_out = x_out->untyped_data();
@@ -145,18 +151,13 @@ Result<Backend> DispatchCached(typename Backend::Context ctx, ffi::AnyBuffer x,
 
 template <class Backend>
 constexpr auto dispatch_cached_binding() {
-  return ffi::Ffi::Bind()
-      .template Ctx<typename Backend::Context>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::S32, 2>>()
-      .template Arg<ffi::Buffer<ffi::S32, 0>>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Attr<int64_t>("buffer_id")
-      .template Attr<int64_t>("op_key")
-      .template Attr<int32_t>("out_rows")
-      .template Attr<bool>("fp8")
-      .template Attr<bool>("round_scale");
+  return dispatch_attrs(ffi::Ffi::Bind()
+                            .template Ctx<typename Backend::Context>()
+                            .template Arg<ffi::AnyBuffer>()
+                            .template Arg<ffi::Buffer<ffi::S32, 2>>()
+                            .template Arg<ffi::Buffer<ffi::S32, 0>>()
+                            .template Ret<ffi::AnyBuffer>()
+                            .template Ret<ffi::AnyBuffer>());
 }
 
 // ---- combine: out[t] = bias[t] + sum_d rows_d[send_pos[t, d]] ----

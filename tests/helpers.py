@@ -130,3 +130,14 @@ def pipeline(buf, layout="rank", expert_alignment=1, fp8=False, round_scale=Fals
                                 expert_rows=h.expert_rows))
 
     return step
+
+
+def assert_matches_reference(step, *args):
+    """Runs pipeline `step` on both paths: dispatch outputs bitwise equal, combine within
+    calc_diff < 5e-6, and the custom-call path bitwise equal run to run."""
+    want = step["reference"](*args)
+    got = step["ffi"](*args)
+    for part in ("d", "handle", "cached_x", "cached_scales", "expert_out"):
+        assert_bitwise_equal(got[part], want[part], part)
+    assert calc_diff(got["y"].astype(jnp.float32), want["y"].astype(jnp.float32)) < 5e-6
+    assert_bitwise_equal(step["ffi"](*args), got, "run to run")

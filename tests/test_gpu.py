@@ -1,5 +1,6 @@
 """The CUDA backend on the GPUs of this machine (EP = number of GPUs; 1 GPU gives EP=1), against
-the reference path running on the same GPUs. Skipped where JAX sees no GPU (CI)."""
+the reference path running on the same GPUs. Skipped where JAX sees no GPU (CI).
+Run there with bench/run_gpu.sh tests."""
 import functools
 import os
 import subprocess
@@ -11,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_bitwise_equal, buffers, calc_diff, make_mesh, pipeline, random_inputs, run
+from helpers import (assert_bitwise_equal, assert_matches_reference, buffers, calc_diff, make_mesh,
+                     pipeline, random_inputs, run)
 
 pytestmark = pytest.mark.gpu
 E, K = 16, 4
@@ -52,13 +54,7 @@ def test_cuda_matches_reference(case, kind):
     x, idx, w = random_inputs(rng, mesh.size, tokens, hidden, E, K, mesh.size, kind)
     bias = jnp.asarray(rng.standard_normal(x.shape), x.dtype)
     x2 = jnp.asarray(rng.standard_normal(x.shape), x.dtype)
-    want = step["reference"](x, idx, w, bias, x2)
-    got = step["ffi"](x, idx, w, bias, x2)
-    for part in ("d", "handle", "cached_x", "cached_scales", "expert_out"):
-        assert_bitwise_equal(got[part], want[part], part)
-    assert calc_diff(got["y"].astype(jnp.float32), want["y"].astype(jnp.float32)) < 5e-6
-    again = step["ffi"](x, idx, w, bias, x2)
-    assert_bitwise_equal(again, got, "run to run")
+    assert_matches_reference(step, x, idx, w, bias, x2)
 
 
 def test_cuda_float32_and_odd_widths():
