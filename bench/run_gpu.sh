@@ -24,9 +24,6 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --timeout 200 -rA \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 fi
-if [ -n "${SCRATCH:-}" ]; then
-  timeout 120 python3 "$SCRATCH" 2>&1 | tee "$OUT/scratch.log" | tail -80
-fi
 if [ "$what" = probe ]; then
   timeout ${BENCH_TIMEOUT:-480} python3 -m bench.probe "$@" 2>&1 | tee "$OUT/probe.log"
 fi

@@ -118,13 +118,10 @@ def _combine_call(cfg: _Sum, row_data, send_pos, bias):
 
 # ---------------------------------------------------------------- differentiation
 
-def _sum_of(cfg: _Move, dtype) -> _Sum:
-    return _Sum(cfg.buffer_id, cfg.num_ranks, dtype, dtype, None)
-
-
 def _back_to_tokens(cfg: _Move, ct_rows, send_pos, num_rows, dtype):
     """The adjoint of moving rows: every token gets the sum of its rows' cotangents."""
-    return _combine(_sum_of(cfg, dtype), ct_rows.astype(dtype), send_pos, num_rows, None)
+    cfg_sum = _Sum(cfg.buffer_id, cfg.num_ranks, dtype, dtype, None)
+    return _combine(cfg_sum, ct_rows.astype(dtype), send_pos, num_rows, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -50,7 +50,7 @@ std::string connect_into(Comm& comm, const std::vector<std::vector<int>>& groups
       JAX_EP_CUDA_TRY(cudaHostAlloc(&failure, sizeof(Failure), cudaHostAllocMapped |
                                                                   cudaHostAllocPortable));
       *failure = Failure{};
-      Comm::Rank rank{group[r], failure, {}};
+      Comm::Rank rank{failure, nullptr, nullptr, {}};
       rank.link.self = states[r];
       JAX_EP_CUDA_TRY(cudaHostGetDevicePointer(&rank.link.failure, failure, 0));
       rank.link.num_ranks = num_ranks;

@@ -164,7 +164,6 @@ namespace jax_ep::cuda {
 class Comm {
  public:
   struct Rank {
-    int device;
     Failure* failure;   // host-mapped
     int32_t *tally, *inbox;  // device arrays DeviceState points to
     Link link;          // self, peers, rank, timeout
