@@ -4,7 +4,8 @@
     python -m bench.ep --config ll          # 128 tokens/rank, same model
 
 Each op runs many times back to back inside one jitted program; the time per op is the
-difference between two program lengths divided by the extra ops (launch and sync cost cancel). Bytes follow
+difference between two program lengths divided by the extra ops (launch and sync cost cancel),
+less the per-step cost of the harness itself (measured in the same run). Bytes follow
 DeepEP's convention: logical = rows received including the local ones, physical = rows that
 crossed NVLink; FP8 rows count H bytes + H/128 float32 scales, BF16 rows 2H bytes.
 Writes bench/results/<config>-<machine>-<date>.json and a PNG; prints a table.
@@ -33,6 +34,11 @@ CONFIGS = {
                steps=(4, 44)),
 }
 IMPLS = ("jax_ep", "lax_all_to_all", "lax_ragged_all_to_all")
+GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,COLLECTIVES --xla_gpu_graph_min_graph_size=1"
+# jax_ep variants: (mode, layout). "jax_ep" lets the Buffer choose (low-latency kernels up to 256
+# tokens per rank); the others force one family or time the expert_padded decode layout.
+JAX_EP = {"jax_ep": ("auto", "rank"), "jax_ep_normal": ("normal", "rank"),
+          "jax_ep_low_latency": ("low_latency", "rank"), "jax_ep_padded": ("auto", "expert_padded")}
 
 
 def routing(rng, num_ranks, tokens, num_experts, num_topk):
@@ -97,6 +103,12 @@ def repeat(op):
     return step
 
 
+def harness_seconds(mesh, x, idx, steps):
+    """Per-step time of the timing harness itself (the step's tick, an op that only slices):
+    subtracted from every implementation's time."""
+    return Timer(mesh, lambda x, i: (x, i, ()), repeat(lambda v, i: (v[:1],)), *steps)((x, idx))
+
+
 def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)):
     num_ranks = mesh.size
     hidden, num_experts, num_topk = cfg["hidden"], cfg["num_experts"], cfg["num_topk"]
@@ -112,20 +124,28 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
     crossed = (rows.sum() - np.trace(rows)) / num_ranks         # per rank, over NVLink
     spec = P("ep")
     results, outputs = [], {}
+    harness = harness_seconds(mesh, x, idx, steps)
+    print(f"  harness: {harness * 1e6:.1f} us per step (subtracted)", flush=True)
     for impl in impls:
-        if impl == "jax_ep":
+        if impl in JAX_EP:
+            mode, lay = JAX_EP[impl]
             buf = jax_ep.Buffer(mesh, "ep", num_experts=num_experts, hidden=hidden,
                                 num_topk=num_topk, max_tokens_per_rank=tokens, num_sms=num_sms)
 
-            def dispatch(x, idx, buf=buf):
-                d = buf.dispatch(x, idx, fp8=fp8)
+            def dispatch(x, idx, buf=buf, mode=mode, lay=lay):
+                d = buf.dispatch(x, idx, fp8=fp8, mode=mode, layout=lay)
                 return d, (d.x, d.scales) if fp8 else (d.x,)
 
             def combine(rows, d, buf=buf):
-                return buf.combine(rows, d.handle)
+                weights = None if d.handle.layout == "rank" else d.topk_weights
+                return buf.combine(rows, d.handle, topk_weights=weights)
 
             def expert_rows(d):
-                return (jax_ep.dequantize_fp8(d.x, d.scales) if fp8 else d.x).astype(jnp.bfloat16)
+                if not fp8:
+                    return d.x
+                flat = jax_ep.dequantize_fp8(d.x.reshape(-1, hidden),
+                                             d.scales.reshape(-1, hidden // 128))
+                return flat.reshape(d.x.shape).astype(jnp.bfloat16)
         else:
             base = (AllToAll if impl == "lax_all_to_all" else RaggedAllToAll)(
                 "ep", num_ranks, num_experts)
@@ -162,28 +182,88 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
             rows, d, _ = prologue(x, idx)
             return combine(rows, d)
 
-        t_dispatch = Timer(mesh, dispatch_prologue, repeat(dispatch_outputs), *steps)((x, idx))
-        t_combine = Timer(mesh, combine_prologue, repeat(combine), *steps)((x, idx))
-        if check:
+        raw_dispatch = Timer(mesh, dispatch_prologue, repeat(dispatch_outputs), *steps)((x, idx))
+        raw_combine = Timer(mesh, combine_prologue, repeat(combine), *steps)((x, idx))
+        if check and impl != "jax_ep_padded":  # weighted (by 0): not the same round trip
             outputs[impl] = jax.jit(jax.shard_map(round_trip, mesh=mesh, in_specs=(spec, spec),
                                                   out_specs=spec))(x, idx)
-        for op, seconds, row in (("dispatch", t_dispatch, dispatch_row),
-                                 ("combine", t_combine, combine_row)):
+        for op, raw, row in (("dispatch", raw_dispatch, dispatch_row),
+                             ("combine", raw_combine, combine_row)):
+            seconds = raw - harness
             results.append(dict(
                 impl=impl, op=op, tokens_per_rank=tokens, time_us=seconds * 1e6,
+                raw_time_us=raw * 1e6, harness_us=harness * 1e6,
                 logical_gbps=received * row / seconds / 1e9,
                 physical_gbps=crossed * row / seconds / 1e9,
-                num_sms=num_sms if impl == "jax_ep" else None,
+                num_sms=num_sms if impl in JAX_EP else None,
+                mode=JAX_EP.get(impl, (None,))[0], layout=JAX_EP.get(impl, (None, None))[1],
                 dtype="fp8" if op == "dispatch" and fp8 else "bf16"))
     if check:  # every implementation routed the same way: same round trip
         ref = np.asarray(outputs[impls[0]], np.float32)
         for r in results:
-            r["max_abs_diff_vs_" + impls[0]] = float(
-                np.abs(np.asarray(outputs[r["impl"]], np.float32) - ref).max())
-        for impl in impls:
+            if r["impl"] in outputs:
+                r["max_abs_diff_vs_" + impls[0]] = float(
+                    np.abs(np.asarray(outputs[r["impl"]], np.float32) - ref).max())
+        for impl in outputs:
             diff = float(np.abs(np.asarray(outputs[impl], np.float32) - ref).max())
             print(f"  check {impl}: max |round trip - {impls[0]}| = {diff:.3g}", flush=True)
     return results
+
+
+def bench_overlap(mesh, cfg, tokens, num_sms, fp8, rng, steps, collective_stream, matmul=2048):
+    """Split dispatch and combine with a matmul between each send and recv, against the two
+    alone: the overlap saves what `apart - together` says. On XLA's compute stream and, when
+    asked, with the halves on the collective stream."""
+    num_ranks, hidden = mesh.size, cfg["hidden"]
+    sharding = NamedSharding(mesh, P("ep"))
+    idx = jax.device_put(jnp.asarray(routing(rng, num_ranks, tokens, cfg["num_experts"],
+                                             cfg["num_topk"])), sharding)
+    x = jax.device_put(jnp.asarray(rng.standard_normal((num_ranks * tokens, hidden)),
+                                   jnp.bfloat16), sharding)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=cfg["num_experts"], hidden=hidden,
+                        num_topk=cfg["num_topk"], max_tokens_per_rank=tokens, num_sms=num_sms)
+    weight = jnp.full((matmul, matmul), 0.01, jnp.bfloat16)
+
+    def busy(value):  # compute that does not depend on the communication
+        return (jnp.broadcast_to(value[:1, :1], (matmul, matmul)) + weight) @ weight
+
+    def layer(place, comm=True, work=True):
+        def op(value, idx):
+            out = ()
+            p = place(lambda: buf.dispatch_send(value, idx, fp8=fp8)) if comm else None
+            if work:
+                out += (busy(value),)
+            if comm:
+                d = place(lambda: buf.dispatch_recv(p))
+                rows = (jax_ep.dequantize_fp8(d.x, d.scales) if fp8 else d.x).astype(jnp.bfloat16)
+                p = place(lambda: buf.combine_send(rows, d.handle))
+                if work:
+                    out += (busy(rows),)
+                out += (place(lambda: buf.combine_recv(p)),)
+            elif work:
+                out += (busy(value),)
+            return out
+        return op
+
+    harness = harness_seconds(mesh, x, idx, steps)
+
+    def time(op):
+        return (Timer(mesh, lambda x, i: (x, i, ()), repeat(op), *steps)((x, idx)) - harness) * 1e6
+
+    streams = {"compute": lambda fn: fn()}
+    if collective_stream:
+        streams["collective"] = lambda fn: jax_ep.on_collective_stream(fn)()
+    out = dict(tokens_per_rank=tokens, matmul=matmul, harness_us=harness * 1e6,
+               comm_us=time(layer(streams["compute"], work=False)),
+               matmuls_us=time(layer(streams["compute"], comm=False)))
+    for name, stream in streams.items():
+        try:
+            out[f"together_{name}_stream_us"] = time(layer(stream))
+        except Exception as e:  # noqa: BLE001  (a jax without the collective stream)
+            out[f"together_{name}_stream_us"] = None
+            out[f"{name}_stream_error"] = str(e)[:300]
+    print("  overlap:", json.dumps(out), flush=True)
+    return out
 
 
 def table(results):
@@ -206,8 +286,16 @@ def main(argv=None):
     parser.add_argument("--machine", default=os.environ.get("JAX_EP_MACHINE", "unknown"))
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--graphs", action="store_true",
+                        help="run under XLA command buffers (CUDA graphs), as decode loops do")
+    parser.add_argument("--overlap", action="store_true",
+                        help="also time split ops around a matmul (the config's token count)")
+    parser.add_argument("--collective-stream", action="store_true",
+                        help="--overlap also with the halves on XLA's collective stream")
     args = parser.parse_args(argv)
     cfg = CONFIGS[args.config]
+    if args.graphs:  # before the backend starts
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + GRAPH_FLAGS).strip()
     devices = jax.devices()
     mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
     impls = tuple(args.impls.split(","))
@@ -226,13 +314,18 @@ def main(argv=None):
         results += bench_size(mesh, cfg, tokens, impls, args.num_sms, not args.bf16, rng,
                               check=i == 0, steps=cfg["steps"])
     print(table(results))
+    overlap = (bench_overlap(mesh, cfg, cfg["tokens"], args.num_sms, not args.bf16, rng,
+                             cfg["steps"], args.collective_stream) if args.overlap else None)
     record = dict(machine=args.machine, date=datetime.date.today().isoformat(),
                   command="python -m bench.ep " + " ".join(sys.argv[1:] if argv is None else argv),
                   config=args.config, num_ranks=len(devices), device=devices[0].device_kind,
                   p2p_copy_gbps=p2p, p2p_copy_both_ways_gbps=p2p_both, hidden=cfg["hidden"], num_experts=cfg["num_experts"],
-                  num_topk=cfg["num_topk"], jax_version=jax.__version__, results=results)
+                  num_topk=cfg["num_topk"], jax_version=jax.__version__, results=results,
+                  command_buffers=args.graphs,
+                  overlap=overlap)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{args.config}-{args.machine}-{record['date']}")
+    stem = os.path.join(args.out, f"{args.config}-{args.machine}-{record['date']}"
+                                  + ("-graphs" if args.graphs else ""))
     with open(stem + ".json", "w") as f:
         json.dump(record, f, indent=1)
     if not args.no_plot:

@@ -54,6 +54,48 @@ inline ffi::Error dispatch_common(const BufferState& state, Place place, ffi::An
   return ffi::Error::Success();
 }
 
+// What both combine handlers take from the buffer, the rank, the rows, the bias and the output.
+inline ffi::Error combine_common(const BufferState& state, Place place, ffi::AnyBuffer rows,
+                                 ffi::Buffer<ffi::S32, 2> send_pos, ffi::AnyBuffer bias,
+                                 ffi::AnyBuffer out, bool has_bias, CombineArgs* a) {
+  a->num_ranks = state.num_ranks;
+  a->rank = place.rank;
+  a->num_tokens = int(send_pos.dimensions()[0]);
+  a->rows = int(rows.dimensions()[0]);
+  a->width = int(rows.dimensions()[1]);
+  a->has_bias = has_bias;
+  if (!to_dtype(rows.element_type(), &a->rows_dtype) || !to_dtype(out.element_type(), &a->out_dtype) ||
+      (has_bias && !to_dtype(bias.element_type(), &a->bias_dtype)))
+    return invalid("combine: rows, bias and output must be float32 or bfloat16");
+  if (send_pos.dimensions()[1] != a->num_ranks) return invalid("combine: the handle does not match");
+  a->row_data = rows.untyped_data();
+  a->send_pos = send_pos.typed_data();
+  a->bias = has_bias ? bias.untyped_data() : nullptr;
+  a->out = out.untyped_data();
+  return ffi::Error::Success();
+}
+
+// Where a fresh dispatch writes its rows and routing (both dispatch signatures return these).
+inline void dispatch_outputs(ffi::Result<ffi::AnyBuffer> x_out,
+                             ffi::Result<ffi::AnyBuffer> scales_out,
+                             ffi::ResultBuffer<ffi::S32, 2> topk_out,
+                             ffi::ResultBuffer<ffi::F32, 2> weights_out,
+                             ffi::ResultBuffer<ffi::S32, 1> recv_counts,
+                             ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert,
+                             ffi::ResultBuffer<ffi::S32, 0> num_recv,
+                             ffi::ResultBuffer<ffi::S32, 0> num_dropped,
+                             ffi::ResultBuffer<ffi::S32, 0> num_invalid, DispatchArgs* a) {
+  a->x_out = x_out->untyped_data();
+  a->scales_out = a->fp8 ? static_cast<float*>(scales_out->untyped_data()) : nullptr;
+  a->topk_out = topk_out->typed_data();
+  a->weights_out = weights_out->typed_data();
+  a->recv_counts = recv_counts->typed_data();
+  a->tokens_per_expert = tokens_per_expert->typed_data();
+  a->num_recv = num_recv->typed_data();
+  a->num_dropped = num_dropped->typed_data();
+  a->num_invalid = num_invalid->typed_data();
+}
+
 template <class Binding>
 constexpr auto dispatch_attrs(Binding binding) {
   return std::move(binding).template Attr<int64_t>("buffer_id")
@@ -92,16 +134,9 @@ Result<Backend> Dispatch(typename Backend::Context ctx, ffi::AnyBuffer x, ffi::B
         invalid("dispatch: x, topk_idx and topk_weights disagree on the number of tokens"));
   a.topk_idx = topk_idx.typed_data();
   a.topk_weights = topk_weights.typed_data();
-  a.x_out = x_out->untyped_data();
-  a.scales_out = fp8 ? static_cast<float*>(scales_out->untyped_data()) : nullptr;
-  a.topk_out = topk_out->typed_data();
-  a.weights_out = weights_out->typed_data();
   a.send_pos = send_pos->typed_data();
-  a.recv_counts = recv_counts->typed_data();
-  a.tokens_per_expert = tokens_per_expert->typed_data();
-  a.num_recv = num_recv->typed_data();
-  a.num_dropped = num_dropped->typed_data();
-  a.num_invalid = num_invalid->typed_data();
+  dispatch_outputs(x_out, scales_out, topk_out, weights_out, recv_counts, tokens_per_expert,
+                   num_recv, num_dropped, num_invalid, &a);
   return Backend::dispatch(ctx, *state, place, a);
 }
 
@@ -171,21 +206,9 @@ Result<Backend> Combine(typename Backend::Context ctx, ffi::AnyBuffer rows, ffi:
     return Backend::error(std::move(err));
   CombineArgs a{};
   a.op_key = op_key;
-  a.num_ranks = state->num_ranks;
-  a.rank = place.rank;
-  a.num_tokens = int(send_pos.dimensions()[0]);
-  a.rows = int(rows.dimensions()[0]);
-  a.width = int(rows.dimensions()[1]);
-  a.has_bias = has_bias;
-  if (!to_dtype(rows.element_type(), &a.rows_dtype) || !to_dtype(out->element_type(), &a.out_dtype) ||
-      (has_bias && !to_dtype(bias.element_type(), &a.bias_dtype)))
-    return Backend::error(invalid("combine: rows, bias and output must be float32 or bfloat16"));
-  if (send_pos.dimensions()[1] != a.num_ranks)
-    return Backend::error(invalid("combine: the handle does not match"));
-  a.row_data = rows.untyped_data();
-  a.send_pos = send_pos.typed_data();
-  a.bias = has_bias ? bias.untyped_data() : nullptr;
-  a.out = out->untyped_data();
+  if (auto err = combine_common(*state, place, rows, send_pos, bias, *out, has_bias, &a);
+      err.failure())
+    return Backend::error(std::move(err));
   return Backend::combine(ctx, *state, place, a);
 }
 
@@ -210,12 +233,14 @@ ffi::Error ExpertLayout(typename Backend::Context ctx, ffi::Buffer<ffi::S32, 2> 
                         ffi::ResultBuffer<ffi::S32, 1> expert_of_row,
                         ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert,
                         ffi::ResultBuffer<ffi::S32, 0> num_dropped,
-                        ffi::ResultBuffer<ffi::S32, 1> expert_counts, int32_t alignment) {
+                        ffi::ResultBuffer<ffi::S32, 1> expert_counts, int32_t alignment,
+                        int32_t block_rows) {
   ExpertLayoutArgs a{};
   a.rows = int(topk_rows.dimensions()[0]);
   a.num_topk = int(topk_rows.dimensions()[1]);
   a.experts_per_rank = int(tokens_per_expert->dimensions()[0]);
   a.alignment = alignment;
+  a.block_rows = block_rows;
   a.capacity = int(expert_src->dimensions()[0]);
   if (expert_rows->dimensions()[0] != a.rows || expert_rows->dimensions()[1] != a.max_per_row())
     return invalid("expert layout: expert_rows has the wrong shape");
@@ -240,7 +265,8 @@ constexpr auto expert_layout_binding() {
       .template Ret<ffi::Buffer<ffi::S32, 1>>()
       .template Ret<ffi::Buffer<ffi::S32, 0>>()
       .template Ret<ffi::Buffer<ffi::S32, 1>>()
-      .template Attr<int32_t>("alignment");
+      .template Attr<int32_t>("alignment")
+      .template Attr<int32_t>("block_rows");
 }
 
 }  // namespace jax_ep

@@ -18,7 +18,8 @@ nb::dict as_capsules(const Targets& targets) {
 }
 
 int64_t create_buffer(const std::string& platform, const std::vector<std::vector<int>>& groups,
-                      int num_experts, double timeout_s, int num_sms) {
+                      int num_experts, double timeout_s, int num_sms, int hidden, int num_topk,
+                      int low_latency_tokens) {
   auto state = std::make_shared<BufferState>();
   state->num_ranks = int(groups.at(0).size());
   state->num_experts = num_experts;
@@ -29,7 +30,8 @@ int64_t create_buffer(const std::string& platform, const std::vector<std::vector
       state->cpu_groups.push_back(std::make_unique<cpu::Group>(state->num_ranks, timeout_s));
   } else if (platform == "cuda") {
 #ifdef JAX_EP_WITH_CUDA
-    state->cuda = cuda_connect(groups, num_experts / state->num_ranks, num_sms, timeout_s);
+    state->cuda = cuda_connect(groups, num_experts / state->num_ranks, hidden, num_topk,
+                               low_latency_tokens, num_sms, timeout_s);
 #else
     throw std::runtime_error("jax_ep was built without its CUDA backend (set JAX_EP_CUDA=ON)");
 #endif
@@ -46,6 +48,7 @@ NB_MODULE(_native, m) {
 #ifdef JAX_EP_WITH_CUDA
   m.attr("has_cuda") = true;
   m.def("cuda_targets", [] { return as_capsules(cuda_targets()); });
+  m.def("cuda_handler_calls", &cuda_handler_calls);
   m.def("peer_gbps", &cuda_peer_gbps, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"),
         nb::arg("blocks"), nb::arg("mode"), nb::arg("iters"), nb::arg("both_ways"),
         nb::call_guard<nb::gil_scoped_release>());
@@ -53,6 +56,7 @@ NB_MODULE(_native, m) {
   m.attr("has_cuda") = false;
 #endif
   m.def("create_buffer", &create_buffer, nb::arg("platform"), nb::arg("groups"),
-        nb::arg("num_experts"), nb::arg("timeout_s"), nb::arg("num_sms"));
+        nb::arg("num_experts"), nb::arg("timeout_s"), nb::arg("num_sms"), nb::arg("hidden"),
+        nb::arg("num_topk"), nb::arg("low_latency_tokens"));
   m.def("destroy_buffer", &unregister_buffer, nb::arg("buffer_id"));
 }

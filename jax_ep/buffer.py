@@ -1,16 +1,24 @@
 """jax_ep.Buffer: dispatch and combine of SPEC §3, built from the primitives of a backend."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import layout
 from jax_ep.reference import Reference
-from jax_ep.types import DispatchResult, Handle
+from jax_ep.types import DispatchResult, Handle, Pending
 
-_LAYOUTS = ("rank", "expert")
+_LAYOUTS = ("rank", "expert", "expert_padded")
+_MODES = ("auto", "normal", "low_latency")
+_MAX_LOW_LATENCY_TOKENS = 1024
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def _identity(value):
+    return value
 
 
 def _fail(message):
@@ -35,11 +43,13 @@ class Buffer:
     Create it outside jit; call dispatch/combine inside jax.shard_map(..., mesh=mesh) on the
     per-rank shards. impl: "ffi" (custom calls; "auto" is the same) or "reference" (jax.lax).
     num_sms bounds the multiprocessors the CUDA kernels use; timeout_s bounds every wait for a
-    peer (then an error, never a hang).
+    peer (then an error, never a hang). low_latency_tokens (default min(N, 256), at most 1024,
+    0 = none) is the largest T the low-latency kernels take; the CUDA backend reserves
+    2 * R * low_latency_tokens * (8 H + H / 32 + 8 K) bytes per GPU for them (see docs).
     """
 
     def __init__(self, mesh, axis_name, *, num_experts, hidden, num_topk, max_tokens_per_rank,
-                 impl="auto", num_sms=24, timeout_s=100.0):
+                 impl="auto", num_sms=24, timeout_s=100.0, low_latency_tokens=None):
         if axis_name not in mesh.axis_names:
             _fail(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
         num_ranks = mesh.shape[axis_name]
@@ -50,6 +60,12 @@ class Buffer:
                             ("max_tokens_per_rank", max_tokens_per_rank), ("num_sms", num_sms)):
             if int(value) != value or value < 1:
                 _fail(f"{name} must be a positive integer, got {value!r}")
+        if low_latency_tokens is None:
+            low_latency_tokens = min(max_tokens_per_rank, 256)
+        if int(low_latency_tokens) != low_latency_tokens or not 0 <= low_latency_tokens <= min(
+                max_tokens_per_rank, _MAX_LOW_LATENCY_TOKENS):
+            _fail(f"low_latency_tokens must be an integer in [0, min(max_tokens_per_rank, "
+                  f"{_MAX_LOW_LATENCY_TOKENS})], got {low_latency_tokens!r}")
         if impl not in ("auto", "ffi", "reference"):
             _fail(f"impl must be 'auto', 'ffi' or 'reference', got {impl!r}")
         self.mesh, self.axis_name = mesh, axis_name
@@ -60,22 +76,26 @@ class Buffer:
         self.max_tokens_per_rank = max_tokens_per_rank
         self.impl = "ffi" if impl == "auto" else impl
         self._buffer_id = None
+        self._low_latency_tokens = 0  # the reference and CPU paths have one set of kernels
         if self.impl == "reference":
             self._ops = Reference(axis_name, num_ranks, num_experts)
         else:
-            self._ops = self._connect(num_sms, timeout_s)
+            self._ops = self._connect(num_sms, timeout_s, int(low_latency_tokens))
 
-    def _connect(self, num_sms, timeout_s):
+    def _connect(self, num_sms, timeout_s, low_latency_tokens):
         from jax_ep import _native
         from jax_ep.ffi_path import Ffi
 
         # One group per coordinate of the other axes, in rank order along axis_name.
         devices = np.moveaxis(self.mesh.devices, self.mesh.axis_names.index(self.axis_name), -1)
         groups = [[d.local_hardware_id for d in row] for row in devices.reshape(-1, self.num_ranks)]
-        platform = devices.flat[0].platform
+        platform = "cpu" if devices.flat[0].platform == "cpu" else "cuda"
+        if platform == "cuda":
+            self._low_latency_tokens = low_latency_tokens
         self._buffer_id = _native.create_buffer(
-            "cpu" if platform == "cpu" else "cuda", groups, num_experts=self.num_experts,
-            timeout_s=float(timeout_s), num_sms=int(num_sms))
+            platform, groups, num_experts=self.num_experts, timeout_s=float(timeout_s),
+            num_sms=int(num_sms), hidden=self.hidden, num_topk=self.num_topk,
+            low_latency_tokens=self._low_latency_tokens)
         return Ffi(self._buffer_id, self.num_ranks, self.num_experts)
 
     def close(self):
@@ -94,12 +114,37 @@ class Buffer:
     # ------------------------------------------------------------ dispatch
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, *, handle=None, layout="rank",
-                 expert_alignment=1, fp8=False, round_scale=False, capacity=None):
-        """Sends every token to the ranks of its experts. See SPEC §3 for the fields."""
+                 expert_alignment=1, fp8=False, round_scale=False, capacity=None, mode="auto"):
+        """Sends every token to the ranks of its experts. See SPEC §3 for the fields.
+
+        layout: "rank", "expert" or "expert_padded" (x [E_l, capacity, H], capacity rows per
+        expert, default R*N, rows by (source rank, token)). mode: "auto" (the low-latency kernels
+        when the backend has them and T <= low_latency_tokens), "normal" or "low_latency".
+        """
+        arrays, finish = self._dispatch_start(False, x, topk_idx, topk_weights, handle, layout,
+                                              expert_alignment, fp8, round_scale, capacity, mode)
+        return finish(arrays)
+
+    def dispatch_send(self, x, topk_idx=None, topk_weights=None, *, handle=None, layout="rank",
+                      expert_alignment=1, fp8=False, round_scale=False, capacity=None,
+                      mode="auto"):
+        """The first half of dispatch: returns once the tokens are on their way. Run other work,
+        then dispatch_recv(pending). Not differentiable (use dispatch under grad)."""
+        return Pending(*self._dispatch_start(True, x, topk_idx, topk_weights, handle, layout,
+                                             expert_alignment, fp8, round_scale, capacity, mode),
+                       kind="dispatch")
+
+    def dispatch_recv(self, pending):
+        """Waits for the tokens of dispatch_send(...) and returns its DispatchResult."""
+        return self._finish(pending, "dispatch")
+
+    def _dispatch_start(self, split, x, topk_idx, topk_weights, handle, layout_name, alignment,
+                        fp8, round_scale, capacity, mode):
         self._require_shard_map()
         tokens = self._check_x(x, fp8, round_scale)
+        low_latency = self._low_latency(mode, tokens)
         if handle is not None:
-            return self._dispatch_cached(x, handle, fp8, round_scale, tokens)
+            return self._dispatch_cached(split, x, handle, fp8, round_scale, tokens)
         if topk_idx is None:
             _fail("dispatch needs topk_idx (or handle= for a cached dispatch)")
         _check(topk_idx, "topk_idx", (tokens, self.num_topk), (jnp.int32,))
@@ -108,74 +153,127 @@ class Buffer:
             _check(topk_weights, "topk_weights", (tokens, self.num_topk), (jnp.float32,))
         else:
             topk_weights = jnp.zeros(topk_idx.shape, jnp.float32)
-        if layout not in _LAYOUTS:
-            _fail(f"layout must be 'rank' or 'expert', got {layout!r}")
-        if int(expert_alignment) != expert_alignment or expert_alignment < 1:
-            _fail(f"expert_alignment must be a positive integer, got {expert_alignment!r}")
-        capacity = self._capacity(layout, expert_alignment, capacity)
-        if layout == "rank":
-            return self._dispatch_rank(x, topk_idx, topk_weights, has_weights, expert_alignment,
-                                       capacity, fp8, round_scale)
-        return self._dispatch_expert(x, topk_idx, topk_weights, has_weights, expert_alignment,
-                                     capacity, fp8, round_scale)
+        if layout_name not in _LAYOUTS:
+            _fail(f"layout must be one of {', '.join(map(repr, _LAYOUTS))}, got {layout_name!r}")
+        if int(alignment) != alignment or alignment < 1:
+            _fail(f"expert_alignment must be a positive integer, got {alignment!r}")
+        if layout_name == "expert_padded" and alignment != 1:
+            _fail(f"expert_alignment must be 1 in the expert_padded layout (every expert's block "
+                  f"has `capacity` rows), got {alignment!r}")
+        capacity = self._capacity(layout_name, alignment, capacity)
+        args = (x, topk_idx, topk_weights, has_weights, alignment, capacity, fp8, round_scale,
+                low_latency, split)
+        if layout_name == "rank":
+            return self._dispatch_rank(*args)
+        return self._dispatch_expert(layout_name, *args)
+
+    def _run(self, split, name, *args, **kwargs):
+        """(arrays, finish) of a rank-level primitive: split, or the whole op up front."""
+        if split:
+            return getattr(self._ops, name + "_send")(*args, **kwargs)
+        return getattr(self._ops, name)(*args, **kwargs), _identity
 
     def _dispatch_rank(self, x, topk_idx, topk_weights, has_weights, alignment, capacity, fp8,
-                       round_scale):
-        rows, routing = self._ops.dispatch(x, topk_idx, topk_weights, rows=capacity, fp8=fp8,
-                                           round_scale=round_scale)
-        result = (rows.topk_idx, rows.topk_weights if has_weights else None,
-                  routing.tokens_per_expert,
-                  layout.align_up(routing.tokens_per_expert, alignment),
-                  routing.num_recv, routing.num_dropped, routing.num_invalid)
-        handle = Handle(routing.send_pos, routing.recv_counts, routing.num_recv, None, None, result,
-                        layout="rank", rows=capacity, capacity=capacity)
-        return DispatchResult(rows.x, rows.scales, *result, handle)
+                       round_scale, low_latency, split):
+        arrays, moved = self._run(split, "dispatch", x, topk_idx, topk_weights, rows=capacity,
+                                  fp8=fp8, round_scale=round_scale, low_latency=low_latency)
 
-    def _dispatch_expert(self, x, topk_idx, topk_weights, has_weights, alignment, capacity, fp8,
-                         round_scale):
+        def finish(arrays):
+            rows, routing = moved(arrays)
+            result = (rows.topk_idx, rows.topk_weights if has_weights else None,
+                      routing.tokens_per_expert,
+                      layout.align_up(routing.tokens_per_expert, alignment),
+                      routing.num_recv, routing.num_dropped, routing.num_invalid)
+            handle = Handle(routing.send_pos, routing.recv_counts, routing.num_recv, None, None,
+                            result, layout="rank", rows=capacity, capacity=capacity,
+                            low_latency=low_latency)
+            return DispatchResult(rows.x, rows.scales, *result, handle)
+
+        return arrays, finish
+
+    def _dispatch_expert(self, layout_name, x, topk_idx, topk_weights, has_weights, alignment,
+                         capacity, fp8, round_scale, low_latency, split):
         # On the wire a token goes once per rank; the receiver expands it to its experts' rows.
         staging = self.num_ranks * x.shape[0]
-        rows, routing = self._ops.dispatch(x, topk_idx, topk_weights, rows=staging, fp8=fp8,
-                                           round_scale=round_scale)
-        maps = self._ops.expert_layout(rows.topk_idx, experts_per_rank=self.num_local_experts,
-                                       alignment=alignment, capacity=capacity)
-        group_sizes = layout.align_up(maps.tokens_per_expert, alignment)
-        weights = (layout.expert_weights(rows.topk_weights, rows.topk_idx, maps.expert_src,
-                                         maps.expert_of_row) if has_weights else None)
-        result = (maps.expert_of_row, weights, maps.tokens_per_expert, group_sizes,
-                  group_sizes.sum(dtype=jnp.int32), routing.num_dropped + maps.num_dropped,
-                  routing.num_invalid)
-        handle = Handle(routing.send_pos, routing.recv_counts, routing.num_recv, maps.expert_src,
-                        maps.expert_rows, result, layout="expert", rows=staging,
-                        capacity=capacity)
-        return DispatchResult(*self._expand(rows.x, rows.scales, handle), *result, handle)
+        arrays, moved = self._run(split, "dispatch", x, topk_idx, topk_weights, rows=staging,
+                                  fp8=fp8, round_scale=round_scale, low_latency=low_latency)
+        padded = layout_name == "expert_padded"
+        rows_out = capacity * self.num_local_experts if padded else capacity
+
+        def finish(arrays):
+            rows, routing = moved(arrays)
+            maps = self._ops.expert_layout(rows.topk_idx, experts_per_rank=self.num_local_experts,
+                                           alignment=alignment, capacity=rows_out,
+                                           block_rows=capacity if padded else 0)
+            group_sizes = layout.align_up(maps.tokens_per_expert, alignment)
+            weights = (layout.expert_weights(rows.topk_weights, rows.topk_idx, maps.expert_src,
+                                             maps.expert_of_row) if has_weights else None)
+            handle = Handle(routing.send_pos, routing.recv_counts, routing.num_recv,
+                            maps.expert_src, maps.expert_rows, (), layout=layout_name,
+                            rows=staging, capacity=rows_out, low_latency=low_latency)
+            result = (self._blocks(handle, maps.expert_of_row), self._blocks(handle, weights),
+                      maps.tokens_per_expert, group_sizes, group_sizes.sum(dtype=jnp.int32),
+                      routing.num_dropped + maps.num_dropped, routing.num_invalid)
+            handle = dataclasses.replace(handle, result=result)
+            return DispatchResult(*self._expand(rows.x, rows.scales, handle), *result, handle)
+
+        return arrays, finish
+
+    def _blocks(self, handle, rows):
+        """expert_padded: [E_l * B, ...] expert rows -> [E_l, B, ...]."""
+        if rows is None or handle.layout != "expert_padded":
+            return rows
+        return rows.reshape((self.num_local_experts, -1) + rows.shape[1:])
 
     def _expand(self, x_rows, scales, handle):
         if handle.layout == "rank":
             return x_rows, scales
         if scales is not None:
             scales = layout.expand_rows(scales, handle.expert_src, handle.expert_rows)
-        return layout.expand_rows(x_rows, handle.expert_src, handle.expert_rows), scales
+        x = layout.expand_rows(x_rows, handle.expert_src, handle.expert_rows)
+        return self._blocks(handle, x), self._blocks(handle, scales)
 
-    def _dispatch_cached(self, x, handle, fp8, round_scale, tokens):
+    def _dispatch_cached(self, split, x, handle, fp8, round_scale, tokens):
         if not isinstance(handle, Handle):
             _fail(f"handle must be the handle of an earlier dispatch, got {type(handle).__name__}")
         if handle.send_pos.shape != (tokens, self.num_ranks):
             _fail(f"x has {tokens} tokens but the handle routed {handle.send_pos.shape[0]}")
-        x_rows, scales = self._ops.dispatch_cached(
-            x, handle.send_pos, handle.num_rows, handle.recv_counts, rows=handle.rows, fp8=fp8,
-            round_scale=round_scale)
-        return DispatchResult(*self._expand(x_rows, scales, handle), *handle.result, handle)
+        arrays, moved = self._run(split, "dispatch_cached", x, handle.send_pos, handle.num_rows,
+                                  handle.recv_counts, rows=handle.rows, fp8=fp8,
+                                  round_scale=round_scale, low_latency=handle.low_latency)
+
+        def finish(arrays):
+            x_rows, scales = moved(arrays)
+            return DispatchResult(*self._expand(x_rows, scales, handle), *handle.result, handle)
+
+        return arrays, finish
 
     # ------------------------------------------------------------ combine
 
     def combine(self, expert_out, handle, topk_weights=None, bias=None):
         """y[t] = bias[t] + sum over the rows from token t of w * expert_out[row] -> [T, H]."""
+        arrays, finish = self._combine_start(False, expert_out, handle, topk_weights, bias)
+        return finish(arrays)
+
+    def combine_send(self, expert_out, handle, topk_weights=None, bias=None):
+        """The first half of combine: returns once the rows are on their way back. Run other
+        work, then combine_recv(pending). Not differentiable (use combine under grad)."""
+        return Pending(*self._combine_start(True, expert_out, handle, topk_weights, bias),
+                       kind="combine")
+
+    def combine_recv(self, pending):
+        """Waits for the rows of combine_send(...) and returns y [T, H]."""
+        return self._finish(pending, "combine")
+
+    def _combine_start(self, split, expert_out, handle, topk_weights, bias):
         self._require_shard_map()
         if not isinstance(handle, Handle):
             _fail(f"handle must be the handle of a dispatch, got {type(handle).__name__}")
         tokens = handle.send_pos.shape[0]
-        _check(expert_out, "expert_out", (handle.capacity, self.hidden), _FLOATS)
+        rows_shape = (handle.capacity,)
+        if handle.layout == "expert_padded":
+            rows_shape = (self.num_local_experts, handle.capacity // self.num_local_experts)
+        _check(expert_out, "expert_out", rows_shape + (self.hidden,), _FLOATS)
         if bias is not None:
             _check(bias, "bias", (tokens, self.hidden), _FLOATS)
         if handle.layout == "rank":
@@ -185,11 +283,18 @@ class Buffer:
             row_data = expert_out
         else:
             if topk_weights is not None:
-                _check(topk_weights, "topk_weights", (handle.capacity,), (jnp.float32,))
-            row_data = layout.reduce_expert_rows(expert_out, topk_weights, handle.expert_src,
-                                                 handle.expert_rows)
-        return self._ops.combine(row_data, handle.send_pos, handle.num_rows, handle.recv_counts,
-                                 bias, out_dtype=expert_out.dtype)
+                _check(topk_weights, "topk_weights", rows_shape, (jnp.float32,))
+                topk_weights = topk_weights.reshape(-1)
+            row_data = layout.reduce_expert_rows(expert_out.reshape(-1, self.hidden), topk_weights,
+                                                 handle.expert_src, handle.expert_rows)
+        return self._run(split, "combine", row_data, handle.send_pos, handle.num_rows,
+                         handle.recv_counts, bias, out_dtype=expert_out.dtype,
+                         low_latency=handle.low_latency)
+
+    def _finish(self, pending, kind):
+        if not isinstance(pending, Pending) or pending.kind != kind:
+            _fail(f"{kind}_recv needs the result of {kind}_send, got {type(pending).__name__}")
+        return pending.finish(pending.arrays)
 
     # ------------------------------------------------------------ checks
 
@@ -216,6 +321,14 @@ class Buffer:
         if round_scale and not fp8:
             _fail("round_scale=True needs fp8=True")
         return tokens
+
+    def _low_latency(self, mode, tokens):
+        if mode not in _MODES:
+            _fail(f"mode must be one of {', '.join(map(repr, _MODES))}, got {mode!r}")
+        if mode == "low_latency" and self._low_latency_tokens and tokens > self._low_latency_tokens:
+            _fail(f"mode='low_latency' takes at most low_latency_tokens="
+                  f"{self._low_latency_tokens} tokens per rank, x has {tokens}")
+        return mode != "normal" and tokens <= self._low_latency_tokens
 
     def _capacity(self, layout_name, alignment, capacity):
         if capacity is None:

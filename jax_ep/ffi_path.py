@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _native, layout
-from jax_ep.primitives import RankRows, Routing
+from jax_ep.primitives import RankRows, Routing, Unsplit
 
 
 
@@ -33,6 +33,7 @@ class _Move(NamedTuple):  # static configuration of a dispatch
     fp8: bool
     round_scale: bool
     x_dtype: str
+    low_latency: bool
 
 
 class _Sum(NamedTuple):  # static configuration of a combine
@@ -41,6 +42,7 @@ class _Sum(NamedTuple):  # static configuration of a combine
     rows_dtype: str
     out_dtype: str
     bias_dtype: str | None
+    low_latency: bool
 
 
 def _varying_axes(value):
@@ -83,6 +85,8 @@ def _x_rows_shapes(cfg: _Move, hidden):
 
 
 def _dispatch_call(cfg: _Move, x, topk_idx, topk_weights):
+    if cfg.low_latency:
+        return _ll_dispatch_recv(cfg, _ll_dispatch_send(cfg, BOTH, x, topk_idx, topk_weights))
     (t, hidden), k = x.shape, topk_idx.shape[1]
     i32 = jnp.int32
     shapes = (*_x_rows_shapes(cfg, hidden),
@@ -99,7 +103,9 @@ def _dispatch_call(cfg: _Move, x, topk_idx, topk_weights):
     return RankRows(x_rows, scales, out[2], out[3]), Routing(*out[4:])
 
 
-def _dispatch_cached_call(cfg: _Move, x, send_pos, num_rows):
+def _dispatch_cached_call(cfg: _Move, x, send_pos, num_rows, recv_counts):
+    if cfg.low_latency:
+        return _ll_cached_recv(cfg, _ll_cached_send(cfg, BOTH, x, send_pos, num_rows, recv_counts))
     x_rows, scales = _varying_like(
         jax.ffi.ffi_call("jax_ep_dispatch_cached", _x_rows_shapes(cfg, x.shape[1]),
                          has_side_effect=True)(x, send_pos, num_rows, **_attrs(cfg)),
@@ -107,21 +113,129 @@ def _dispatch_cached_call(cfg: _Move, x, send_pos, num_rows):
     return x_rows, scales if cfg.fp8 else None
 
 
-def _combine_call(cfg: _Sum, row_data, send_pos, bias):
+def _combine_call(cfg: _Sum, row_data, send_pos, num_rows, recv_counts, bias):
+    if cfg.low_latency:
+        return _ll_combine_recv(cfg, _ll_combine_send(cfg, BOTH, row_data, send_pos, num_rows,
+                                                      recv_counts, bias))
     shape = jax.ShapeDtypeStruct((send_pos.shape[0], row_data.shape[1]), cfg.out_dtype)
-    no_bias = jnp.zeros((0,), jnp.float32)
-    bias = no_bias if bias is None else bias
+    bias = _no_bias() if bias is None else bias
     return _varying_like(jax.ffi.ffi_call("jax_ep_combine", shape, has_side_effect=True)(
         row_data, send_pos, bias, buffer_id=np.int64(cfg.buffer_id), op_key=_op_key(),
         has_bias=cfg.bias_dtype is not None), row_data, send_pos, bias)
 
 
+def _no_bias():
+    return jnp.zeros((0,), jnp.float32)
+
+
+# ---------------------------------------------------------------- low-latency calls (CUDA)
+# One custom call per op, or split in two (send: returns once the data is on its way, with a
+# ticket naming the op on device; recv: waits for the peers, lays the rows out). The same call
+# target serves every phase; outputs a phase does not produce are empty.
+
+SEND, RECV, BOTH = 1, 2, 3
+_TICKET = jax.ShapeDtypeStruct((1,), jnp.int32)
+
+
+def _empty(*shape, dtype=jnp.int32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+class _LLSent(NamedTuple):  # what a low-latency send half leaves for its recv half
+    inputs: tuple    # the call's operands (the recv half passes them again, with the ticket)
+    ticket: Any      # [1] int32 op number, or None when both halves run in one call
+    outputs: tuple   # the send half's other outputs (send_pos, num_invalid)
+
+
+def _ll_dispatch_ffi(cfg: _Move, phase, inputs, ticket, tokens, hidden, k, cached):
+    send, recv = phase & SEND, phase & RECV
+    rows = cfg.rows if recv else 0
+    x_dtype = jnp.float8_e4m3fn if cfg.fp8 else cfg.x_dtype
+    fresh_rows = rows if not cached else 0
+    shapes = (_TICKET if phase == SEND else _empty(0),
+              _empty(tokens if send and not cached else 0, cfg.num_ranks),   # send_pos
+              _empty(),                                                      # num_invalid
+              _empty(rows, hidden, dtype=x_dtype),
+              _empty(rows if cfg.fp8 else 0, hidden // layout.FP8_BLOCK, dtype=jnp.float32),
+              _empty(fresh_rows, k), _empty(fresh_rows, k, dtype=jnp.float32),
+              _empty(cfg.num_ranks if recv and not cached else 0),          # recv_counts
+              _empty(cfg.experts_per_rank if recv and not cached else 0),   # tokens_per_expert
+              _empty(), _empty())                                           # num_recv, dropped
+    ticket = jnp.zeros((0,), jnp.int32) if ticket is None else ticket
+    out = jax.ffi.ffi_call("jax_ep_ll_dispatch", shapes, has_side_effect=True)(
+        *inputs, ticket, buffer_id=np.int64(cfg.buffer_id), half=np.int32(phase),
+        cached=bool(cached), out_rows=np.int32(cfg.rows), fp8=bool(cfg.fp8),
+        round_scale=bool(cfg.round_scale))
+    return _varying_like(out, *inputs)
+
+
+def _ll_dispatch_send(cfg: _Move, phase, x, topk_idx, topk_weights):
+    none = jnp.zeros((0, cfg.num_ranks), jnp.int32), jnp.zeros((0,), jnp.int32)
+    inputs = (x, topk_idx, topk_weights, *none)
+    out = _ll_dispatch_ffi(cfg, phase, inputs, None, x.shape[0], x.shape[1], topk_idx.shape[1],
+                           False)
+    sent = _LLSent(inputs, out[0] if phase == SEND else None, (out[1], out[2]))
+    return sent, out if phase == BOTH else None
+
+
+def _ll_dispatch_recv(cfg: _Move, sent_and_out):
+    sent, out = sent_and_out
+    if out is None:
+        x = sent.inputs[0]
+        out = _ll_dispatch_ffi(cfg, RECV, sent.inputs, sent.ticket, x.shape[0], x.shape[1],
+                               sent.inputs[1].shape[1], False)
+    send_pos, num_invalid = sent.outputs
+    rows = RankRows(out[3], out[4] if cfg.fp8 else None, out[5], out[6])
+    return rows, Routing(send_pos, out[7], out[8], out[9], out[10], num_invalid)
+
+
+def _ll_cached_send(cfg: _Move, phase, x, send_pos, num_rows, recv_counts):
+    no_topk = jnp.zeros((0, 0), jnp.int32), jnp.zeros((0, 0), jnp.float32)
+    inputs = (x, *no_topk, send_pos, recv_counts)
+    out = _ll_dispatch_ffi(cfg, phase, inputs, None, x.shape[0], x.shape[1], 0, True)
+    return _LLSent(inputs, out[0] if phase == SEND else None, ()), (
+        out if phase == BOTH else None)
+
+
+def _ll_cached_recv(cfg: _Move, sent_and_out):
+    sent, out = sent_and_out
+    if out is None:
+        x = sent.inputs[0]
+        out = _ll_dispatch_ffi(cfg, RECV, sent.inputs, sent.ticket, x.shape[0], x.shape[1], 0,
+                               True)
+    return out[3], out[4] if cfg.fp8 else None
+
+
+def _ll_combine_ffi(cfg: _Sum, phase, inputs, ticket):
+    row_data, send_pos = inputs[0], inputs[1]
+    tokens = send_pos.shape[0] if phase & RECV else 0
+    shapes = (_empty(tokens, row_data.shape[1], dtype=cfg.out_dtype),
+              _TICKET if phase == SEND else _empty(0))
+    ticket = jnp.zeros((0,), jnp.int32) if ticket is None else ticket
+    out = jax.ffi.ffi_call("jax_ep_ll_combine", shapes, has_side_effect=True)(
+        *inputs, ticket, buffer_id=np.int64(cfg.buffer_id), half=np.int32(phase),
+        has_bias=cfg.bias_dtype is not None)
+    return _varying_like(out, *inputs)
+
+
+def _ll_combine_send(cfg: _Sum, phase, row_data, send_pos, num_rows, recv_counts, bias):
+    inputs = (row_data, send_pos, recv_counts, num_rows, _no_bias() if bias is None else bias)
+    out = _ll_combine_ffi(cfg, phase, inputs, None)
+    return _LLSent(inputs, out[1] if phase == SEND else None, ()), (
+        out[0] if phase == BOTH else None)
+
+
+def _ll_combine_recv(cfg: _Sum, sent_and_out):
+    sent, out = sent_and_out
+    return _ll_combine_ffi(cfg, RECV, sent.inputs, sent.ticket)[0] if out is None else out
+
+
 # ---------------------------------------------------------------- differentiation
 
-def _back_to_tokens(cfg: _Move, ct_rows, send_pos, num_rows, dtype):
+def _back_to_tokens(cfg: _Move, ct_rows, send_pos, num_rows, recv_counts, dtype):
     """The adjoint of moving rows: every token gets the sum of its rows' cotangents."""
-    cfg_sum = _Sum(cfg.buffer_id, cfg.num_ranks, dtype, dtype, None)
-    return _combine(cfg_sum, ct_rows.astype(dtype), send_pos, num_rows, None)
+    cfg_sum = _Sum(cfg.buffer_id, cfg.num_ranks, dtype, dtype, None, cfg.low_latency)
+    return _combine(cfg_sum, ct_rows.astype(dtype), send_pos, num_rows, recv_counts, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -131,18 +245,19 @@ def _dispatch(cfg, x, topk_idx, topk_weights):
 
 def _dispatch_fwd(cfg, x, topk_idx, topk_weights):
     rows, routing = _dispatch_call(cfg, x, topk_idx, topk_weights)
-    return (rows, routing), (routing.send_pos, routing.num_recv, rows.topk_idx)
+    return (rows, routing), (routing.send_pos, routing.num_recv, routing.recv_counts,
+                             rows.topk_idx)
 
 
 def _dispatch_bwd(cfg, res, ct):
-    send_pos, num_rows, topk_rows = res
+    send_pos, num_rows, recv_counts, topk_rows = res
     ct_rows = ct[0]
-    grad_x = _back_to_tokens(cfg, ct_rows.x, send_pos, num_rows, cfg.x_dtype)
+    grad_x = _back_to_tokens(cfg, ct_rows.x, send_pos, num_rows, recv_counts, cfg.x_dtype)
     # Each (token, slot) weight lives in exactly one rank's row; elsewhere the slot is -1.
     ct_w = jnp.where(topk_rows >= 0, ct_rows.topk_weights, 0.0)
     k = ct_w.shape[1]
     padded = jnp.pad(ct_w, ((0, 0), (0, layout.align_up(k, 4) - k)))  # 16-byte rows
-    grad_w = _back_to_tokens(cfg, padded, send_pos, num_rows, "float32")[:, :k]
+    grad_w = _back_to_tokens(cfg, padded, send_pos, num_rows, recv_counts, "float32")[:, :k]
     return grad_x, None, grad_w
 
 
@@ -150,66 +265,106 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dispatch_cached(cfg, x, send_pos, num_rows):
-    return _dispatch_cached_call(cfg, x, send_pos, num_rows)
+def _dispatch_cached(cfg, x, send_pos, num_rows, recv_counts):
+    return _dispatch_cached_call(cfg, x, send_pos, num_rows, recv_counts)
 
 
-def _dispatch_cached_fwd(cfg, x, send_pos, num_rows):
-    return _dispatch_cached_call(cfg, x, send_pos, num_rows), (send_pos, num_rows)
+def _dispatch_cached_fwd(cfg, x, send_pos, num_rows, recv_counts):
+    return (_dispatch_cached_call(cfg, x, send_pos, num_rows, recv_counts),
+            (send_pos, num_rows, recv_counts))
 
 
 def _dispatch_cached_bwd(cfg, res, ct):
-    send_pos, num_rows = res
-    return _back_to_tokens(cfg, ct[0], send_pos, num_rows, cfg.x_dtype), None, None
+    send_pos, num_rows, recv_counts = res
+    grad_x = _back_to_tokens(cfg, ct[0], send_pos, num_rows, recv_counts, cfg.x_dtype)
+    return grad_x, None, None, None
 
 
 _dispatch_cached.defvjp(_dispatch_cached_fwd, _dispatch_cached_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _combine(cfg, row_data, send_pos, num_rows, bias):
-    return _combine_call(cfg, row_data, send_pos, bias)
+def _combine(cfg, row_data, send_pos, num_rows, recv_counts, bias):
+    return _combine_call(cfg, row_data, send_pos, num_rows, recv_counts, bias)
 
 
-def _combine_fwd(cfg, row_data, send_pos, num_rows, bias):
-    return _combine_call(cfg, row_data, send_pos, bias), (send_pos, num_rows, row_data.shape[0])
+def _combine_fwd(cfg, row_data, send_pos, num_rows, recv_counts, bias):
+    return (_combine_call(cfg, row_data, send_pos, num_rows, recv_counts, bias),
+            (send_pos, num_rows, recv_counts, row_data.shape[0]))
 
 
 def _combine_bwd(cfg, res, ct):
-    send_pos, num_rows, rows = res
-    move = _Move(cfg.buffer_id, cfg.num_ranks, 0, rows, False, False, cfg.out_dtype)
-    ct_rows, _ = _dispatch_cached(move, ct, send_pos, num_rows)
+    send_pos, num_rows, recv_counts, rows = res
+    move = _Move(cfg.buffer_id, cfg.num_ranks, 0, rows, False, False, cfg.out_dtype,
+                 cfg.low_latency)
+    ct_rows, _ = _dispatch_cached(move, ct, send_pos, num_rows, recv_counts)
     ct_bias = None if cfg.bias_dtype is None else ct.astype(cfg.bias_dtype)
-    return ct_rows.astype(cfg.rows_dtype), None, None, ct_bias
+    return ct_rows.astype(cfg.rows_dtype), None, None, None, ct_bias
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
-class Ffi:
-    """Custom-call implementations of the primitives (see primitives.py)."""
+class Ffi(Unsplit):
+    """Custom-call implementations of the primitives (see primitives.py). The low-latency
+    kernels split for real; the others do the whole op in the send half."""
 
     def __init__(self, buffer_id, num_ranks, num_experts):
         self.buffer_id = buffer_id
         self.num_ranks = num_ranks
         self.experts_per_rank = num_experts // num_ranks
 
-    def _move(self, x, rows, fp8, round_scale):
+    def _move(self, x, rows, fp8, round_scale, low_latency):
         return _Move(self.buffer_id, self.num_ranks, self.experts_per_rank, rows, bool(fp8),
-                     bool(round_scale), x.dtype.name)
+                     bool(round_scale), x.dtype.name, bool(low_latency))
 
-    def dispatch(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale):
-        return _dispatch(self._move(x, rows, fp8, round_scale), x, topk_idx, topk_weights)
+    def _sum(self, row_data, bias, out_dtype, low_latency):
+        return _Sum(self.buffer_id, self.num_ranks, row_data.dtype.name,
+                    jnp.dtype(out_dtype).name, None if bias is None else bias.dtype.name,
+                    bool(low_latency))
 
-    def dispatch_cached(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale):
-        return _dispatch_cached(self._move(x, rows, fp8, round_scale), x, send_pos, num_rows)
+    def dispatch(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):
+        return _dispatch(self._move(x, rows, fp8, round_scale, low_latency), x, topk_idx,
+                         topk_weights)
 
-    def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype):
-        cfg = _Sum(self.buffer_id, self.num_ranks, row_data.dtype.name, jnp.dtype(out_dtype).name,
-                   None if bias is None else bias.dtype.name)
-        return _combine(cfg, row_data, send_pos, num_rows, bias)
+    def dispatch_send(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):
+        if not low_latency:
+            return super().dispatch_send(x, topk_idx, topk_weights, rows=rows, fp8=fp8,
+                                         round_scale=round_scale, low_latency=False)
+        cfg = self._move(x, rows, fp8, round_scale, True)
+        return (_ll_dispatch_send(cfg, SEND, x, topk_idx, topk_weights),
+                functools.partial(_ll_dispatch_recv, cfg))
 
-    def expert_layout(self, topk_rows, *, experts_per_rank, alignment, capacity):
+    def dispatch_cached(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale,
+                        low_latency=False):
+        return _dispatch_cached(self._move(x, rows, fp8, round_scale, low_latency), x, send_pos,
+                                num_rows, recv_counts)
+
+    def dispatch_cached_send(self, x, send_pos, num_rows, recv_counts, *, rows, fp8,
+                             round_scale, low_latency):
+        if not low_latency:
+            return super().dispatch_cached_send(x, send_pos, num_rows, recv_counts, rows=rows,
+                                                fp8=fp8, round_scale=round_scale,
+                                                low_latency=False)
+        cfg = self._move(x, rows, fp8, round_scale, True)
+        return (_ll_cached_send(cfg, SEND, x, send_pos, num_rows, recv_counts),
+                functools.partial(_ll_cached_recv, cfg))
+
+    def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype,
+                low_latency=False):
+        return _combine(self._sum(row_data, bias, out_dtype, low_latency), row_data, send_pos,
+                        num_rows, recv_counts, bias)
+
+    def combine_send(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype,
+                     low_latency):
+        if not low_latency:
+            return super().combine_send(row_data, send_pos, num_rows, recv_counts, bias,
+                                        out_dtype=out_dtype, low_latency=False)
+        cfg = self._sum(row_data, bias, out_dtype, True)
+        return (_ll_combine_send(cfg, SEND, row_data, send_pos, num_rows, recv_counts, bias),
+                functools.partial(_ll_combine_recv, cfg))
+
+    def expert_layout(self, topk_rows, *, experts_per_rank, alignment, capacity, block_rows=0):
         rows, k = topk_rows.shape
         i32 = jnp.int32
         shapes = (jax.ShapeDtypeStruct((capacity,), i32),
@@ -220,5 +375,6 @@ class Ffi:
                   jax.ShapeDtypeStruct((experts_per_rank,), i32))  # counts before capacity
         topk_rows = jax.lax.stop_gradient(topk_rows)  # integers: nothing to differentiate
         out = _varying_like(jax.ffi.ffi_call("jax_ep_expert_layout", shapes)(
-            topk_rows, alignment=np.int32(alignment)), topk_rows)
+            topk_rows, alignment=np.int32(alignment), block_rows=np.int32(block_rows)),
+            topk_rows)
         return layout.ExpertMaps(*out[:5])

@@ -25,8 +25,9 @@ def exclusive_cumsum(values, axis=0):
 
 
 def default_capacity(layout, num_ranks, max_tokens, num_topk, experts_per_rank, alignment):
-    """Output rows when the caller gives no capacity: the worst case, so nothing is dropped."""
-    if layout == "rank":
+    """Output rows when the caller gives no capacity: the worst case, so nothing is dropped.
+    (expert_padded: rows per expert.)"""
+    if layout in ("rank", "expert_padded"):
         return num_ranks * max_tokens
     worst = num_ranks * max_tokens * min(num_topk, experts_per_rank)
     return align_up(worst + (alignment - 1) * experts_per_rank, alignment)
@@ -169,16 +170,26 @@ class ExpertMaps(NamedTuple):
     num_dropped: jax.Array        # [] (row, expert) items beyond the capacity
 
 
-def expert_layout(topk_rows, experts_per_rank, alignment, capacity):
-    """Expert layout of rank-level rows: by local expert, then rank-level row order; each
-    expert's block starts at a multiple of `alignment`; items at or past `capacity` drop."""
+def expert_layout(topk_rows, experts_per_rank, alignment, capacity, block_rows=0):
+    """Expert layout of rank-level rows: by local expert, then rank-level row order.
+
+    Packed (block_rows == 0): each expert's block starts at a multiple of `alignment` right after
+    the previous one; items at or past `capacity` drop. Padded (block_rows > 0, the
+    expert_padded layout): expert e's block is rows [e * block_rows, (e + 1) * block_rows);
+    items past its end drop.
+    """
     rows, num_topk = topk_rows.shape
     per_row = max_experts_per_row(num_topk, experts_per_rank)
     has = has_expert(topk_rows, experts_per_rank)                     # [S, E_l]
     count = has.sum(axis=0, dtype=jnp.int32)
-    start = exclusive_cumsum(align_up(count, alignment))
-    pos = start[None, :] + exclusive_cumsum(has, axis=0)              # [S, E_l]
-    kept = has & (pos < capacity)
+    within = exclusive_cumsum(has, axis=0)                            # [S, E_l]
+    if block_rows:
+        start = jnp.arange(experts_per_rank, dtype=jnp.int32) * block_rows
+        kept = has & (within < block_rows)
+    else:
+        start = exclusive_cumsum(align_up(count, alignment))
+        kept = has & (start[None, :] + within < capacity)
+    pos = start[None, :] + within
     target = jnp.where(kept, pos, capacity)                           # capacity = dropped
     row_id = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], has.shape)
     expert_id = jnp.broadcast_to(jnp.arange(experts_per_rank, dtype=jnp.int32), has.shape)

@@ -7,6 +7,11 @@ Rank level (crosses ranks):
 Receiver-local:
   expert_layout(topk_rows)              -> layout.ExpertMaps   rank-level rows -> expert rows
 
+The three cross-rank primitives also come split, as X_send(...) -> (arrays, finish) with
+finish(arrays) -> the result of X: the send half returns once the data is on its way, finish
+waits for the peers. Backends that cannot split (Unsplit) do the whole op in the send half.
+low_latency picks the backend's latency kernels where it has them; results are identical.
+
 Two backends: reference.Reference (jax.lax.all_to_all) and ffi_path.Ffi (custom calls).
 """
 from __future__ import annotations
@@ -30,3 +35,20 @@ class Routing(NamedTuple):
     num_recv: Array           # []
     num_dropped: Array        # []
     num_invalid: Array        # []
+
+
+def _done(result):
+    return result
+
+
+class Unsplit:
+    """The split primitives of a backend whose ops cannot be split: the send half does it all."""
+
+    def dispatch_send(self, *args, **kwargs):
+        return self.dispatch(*args, **kwargs), _done
+
+    def dispatch_cached_send(self, *args, **kwargs):
+        return self.dispatch_cached(*args, **kwargs), _done
+
+    def combine_send(self, *args, **kwargs):
+        return self.combine(*args, **kwargs), _done

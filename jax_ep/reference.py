@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import layout
-from jax_ep.primitives import RankRows, Routing
+from jax_ep.primitives import RankRows, Routing, Unsplit
 
 
 def _kept_slot(send_pos):
@@ -40,15 +40,16 @@ def _place(received, recv_counts, rows, fill):
     return out.at[target].set(received.reshape((num_ranks * t,) + received.shape[2:]), mode="drop")
 
 
-class Reference:
-    """jax.lax implementations of the rank-level primitives (see primitives.py)."""
+class Reference(Unsplit):
+    """jax.lax implementations of the rank-level primitives (see primitives.py); one set of
+    kernels, so low_latency changes nothing."""
 
     def __init__(self, axis_name, num_ranks, num_experts):
         self.axis = axis_name
         self.num_ranks = num_ranks
         self.num_experts = num_experts
 
-    def dispatch(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale):
+    def dispatch(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):
         num_ranks, axis = self.num_ranks, self.axis
         goes = layout.dest_ranks(topk_idx, num_ranks, self.num_experts)         # [T, R]
         counts = jax.lax.all_gather(goes.sum(axis=0, dtype=jnp.int32), axis)   # [src, dst]
@@ -73,7 +74,8 @@ class Reference:
             num_invalid=layout.num_invalid(topk_idx, self.num_experts))
         return RankRows(x_rows, scales, topk_rows, weight_rows), routing
 
-    def dispatch_cached(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale):
+    def dispatch_cached(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale,
+                        low_latency=False):
         return self._move_x(x, send_pos, recv_counts, rows, fp8, round_scale)
 
     def _move_x(self, x, send_pos, recv_counts, rows, fp8, round_scale):
@@ -84,7 +86,8 @@ class Reference:
                            0.0))
         return _place(_send(self.axis, lambda d: x, send_pos, 0), recv_counts, rows, 0), None
 
-    def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype):
+    def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype,
+                low_latency=False):
         rows, t = row_data.shape[0], send_pos.shape[0]
         # Back to each source: the rows it sent here, in its slot order.
         pos = layout.exclusive_cumsum(recv_counts)[:, None] + jnp.arange(t)
@@ -100,5 +103,5 @@ class Reference:
             acc = jnp.where(sent[:, None], acc + value, acc)
         return acc.astype(out_dtype)
 
-    def expert_layout(self, topk_rows, *, experts_per_rank, alignment, capacity):
-        return layout.expert_layout(topk_rows, experts_per_rank, alignment, capacity)
+    def expert_layout(self, topk_rows, *, experts_per_rank, alignment, capacity, block_rows=0):
+        return layout.expert_layout(topk_rows, experts_per_rank, alignment, capacity, block_rows)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 
@@ -27,6 +27,9 @@ class Handle:
     layout: str = dataclasses.field(metadata=dict(static=True))
     rows: int = dataclasses.field(metadata=dict(static=True))       # S: rank-level rows
     capacity: int = dataclasses.field(metadata=dict(static=True))   # C: rows of the output
+    # The kernels that moved the rows; combine and cached dispatch follow the same ones
+    # (low-latency send_pos counts rows within the sender's block at each destination).
+    low_latency: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 class DispatchResult(NamedTuple):
@@ -42,3 +45,14 @@ class DispatchResult(NamedTuple):
     num_dropped: Array        # [] int32
     num_invalid: Array        # [] int32
     handle: Handle
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """An op whose data is on its way (dispatch_send / combine_send): pass it to the matching
+    *_recv, which waits for the peers and returns the result. Other work can run in between."""
+
+    arrays: tuple
+    finish: Callable = dataclasses.field(metadata=dict(static=True))
+    kind: str = dataclasses.field(metadata=dict(static=True))   # "dispatch" | "combine"

@@ -65,4 +65,19 @@ JAX_EP_HD int align_up(int value, int alignment) {
   return (value + alignment - 1) / alignment * alignment;
 }
 
+// Where expert e's rows start and how many fit (see jax_ep/layout.py expert_layout): padded
+// blocks of block_rows rows each, or packed blocks aligned to `alignment` up to the capacity.
+JAX_EP_HD void expert_block(const int32_t* counts, int e, int alignment, int block_rows,
+                            int capacity, int* start, int* room) {
+  if (block_rows > 0) {
+    *start = e * block_rows;
+    *room = block_rows;
+    return;
+  }
+  int s = 0;
+  for (int p = 0; p < e; ++p) s += align_up(counts[p], alignment);
+  *start = s;
+  *room = capacity - s > 0 ? capacity - s : 0;
+}
+
 }  // namespace jax_ep

@@ -52,6 +52,7 @@ struct CombineArgs {
 // Receiver-local: rank-layout rows -> expert-layout positions (by local expert, then row).
 struct ExpertLayoutArgs {
   int rows, num_topk, experts_per_rank, alignment, capacity;
+  int block_rows;                // > 0: expert e's rows are [e * block_rows, (e + 1) * block_rows)
   const int32_t* topk_rows;      // [rows, K] local expert ids or -1
   int32_t* expert_src;           // [capacity] rank-layout row of each expert row, -1 on padding
   int32_t* expert_rows;          // [rows, M] expert rows of each rank-layout row by expert, -1

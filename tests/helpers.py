@@ -108,26 +108,42 @@ def calc_diff(x, y):
 
 
 def pipeline(buf, layout="rank", expert_alignment=1, fp8=False, round_scale=False, capacity=None,
-             weighted=True):
+             weighted=True, split=False, mode="auto"):
     """A per-rank MoE step: dispatch, a fake expert (row * (1 + expert id)), combine with bias,
-    then a cached dispatch of a second x. Returns every output and the handle's arrays."""
+    then a cached dispatch of a second x. split: through the *_send / *_recv halves. Returns
+    every output and the handle's arrays (send_pos, private to each implementation, left out)."""
+
+    def dispatch(x, *args, **kwargs):
+        if split:
+            return buf.dispatch_recv(buf.dispatch_send(x, *args, mode=mode, **kwargs))
+        return buf.dispatch(x, *args, mode=mode, **kwargs)
+
+    def combine(*args, **kwargs):
+        if split:
+            return buf.combine_recv(buf.combine_send(*args, **kwargs))
+        return buf.combine(*args, **kwargs)
 
     def step(x, topk_idx, topk_weights, bias, x2):
-        d = buf.dispatch(x, topk_idx, topk_weights if weighted else None, layout=layout,
-                         expert_alignment=expert_alignment, fp8=fp8, round_scale=round_scale,
-                         capacity=capacity)
-        rows = jax_ep.dequantize_fp8(d.x, d.scales) if fp8 else d.x.astype(jnp.float32)
-        expert = d.topk_idx if layout == "expert" else d.topk_idx.max(axis=1)
-        expert_out = (rows * (1 + expert[:, None])).astype(x.dtype)
-        y = buf.combine(expert_out, d.handle,
-                        topk_weights=d.topk_weights if layout == "expert" else None, bias=bias)
-        again = buf.dispatch(x2, handle=d.handle, fp8=fp8, round_scale=round_scale)
+        d = dispatch(x, topk_idx, topk_weights if weighted else None, layout=layout,
+                     expert_alignment=expert_alignment, fp8=fp8, round_scale=round_scale,
+                     capacity=capacity)
+        if fp8:
+            rows = jax_ep.dequantize_fp8(d.x.reshape(-1, d.x.shape[-1]),
+                                         d.scales.reshape(-1, d.scales.shape[-1]))
+            rows = rows.reshape(d.x.shape)
+        else:
+            rows = d.x.astype(jnp.float32)
+        expert = d.topk_idx if layout != "rank" else d.topk_idx.max(axis=1)
+        expert_out = (rows * (1 + expert[..., None])).astype(x.dtype)
+        y = combine(expert_out, d.handle,
+                    topk_weights=d.topk_weights if layout != "rank" else None, bias=bias)
+        again = dispatch(x2, handle=d.handle, fp8=fp8, round_scale=round_scale)
         h = d.handle
         return dict(d=d._replace(handle=None), y=y, expert_out=expert_out, cached_x=again.x,
                     cached_scales=again.scales,
-                    handle=dict(send_pos=h.send_pos, recv_counts=h.recv_counts,
-                                num_rows=h.num_rows, expert_src=h.expert_src,
-                                expert_rows=h.expert_rows))
+                    handle=dict(recv_counts=h.recv_counts, num_rows=h.num_rows,
+                                expert_src=h.expert_src, expert_rows=h.expert_rows),
+                    send_pos=h.send_pos)
 
     return step
 

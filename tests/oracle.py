@@ -67,8 +67,9 @@ def dispatch_rank(x, idx, w, num_experts, rows, fp8=False, round_scale=False):
     return out
 
 
-def expert_layout(topk_rows, w_rows, num_local, alignment, capacity):
-    """One rank's rank-layout rows -> expert rows: (src row, expert, weight) per expert row."""
+def expert_layout(topk_rows, w_rows, num_local, alignment, capacity, block_rows=0):
+    """One rank's rank-layout rows -> expert rows: (src row, expert, weight) per expert row.
+    block_rows > 0: expert e owns rows [e * block_rows, (e + 1) * block_rows) (expert_padded)."""
     items = {e: [r for r in range(len(topk_rows)) if e in topk_rows[r]] for e in range(num_local)}
     src = np.full(capacity, -1, np.int32)
     expert = np.full(capacity, -1, np.int32)
@@ -76,8 +77,10 @@ def expert_layout(topk_rows, w_rows, num_local, alignment, capacity):
     present = np.zeros(num_local, np.int32)
     dropped, start = 0, 0
     for e in range(num_local):
+        if block_rows:
+            start = e * block_rows
         for j, r in enumerate(items[e]):
-            if start + j >= capacity:
+            if start + j >= (start + block_rows if block_rows else capacity):
                 dropped += 1
                 continue
             src[start + j], expert[start + j] = r, e

@@ -31,6 +31,7 @@ def test_attributes():
     (dict(impl="nccl"), "impl"),
     (dict(hidden=0), "hidden"),
     (dict(max_tokens_per_rank=2.5), "max_tokens_per_rank"),
+    (dict(low_latency_tokens=T + 1), "low_latency_tokens"),
 ])
 def test_construction_errors(kwargs, match):
     args = dict(axis_name="ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
@@ -70,6 +71,16 @@ def expect_error(setup, fn, match, *args):
         b.dispatch(x, i, w, layout="expert"))), "topk_weights must have shape"),
     (lambda b, x, i, w: b.combine(b.dispatch(x, i, w).x.astype(jnp.int32),
                                   b.dispatch(x, i, w).handle), "expert_out must have dtype"),
+    (lambda b, x, i, w: b.dispatch(x, i, w, mode="fast"), "mode must be"),
+    (lambda b, x, i, w: b.dispatch(x, i, w, layout="expert_padded", expert_alignment=8),
+     "expert_alignment must be 1 in the expert_padded"),
+    (lambda b, x, i, w: b.combine(*(lambda d: (d.x.reshape(-1, H), d.handle))(
+        b.dispatch(x, i, w, layout="expert_padded"))), r"expert_out must have shape \(2, 32, 256\)"),
+    (lambda b, x, i, w: b.combine(*(lambda d: (d.x, d.handle, d.topk_weights[0]))(
+        b.dispatch(x, i, w, layout="expert_padded"))), r"topk_weights must have shape \(2, 32\)"),
+    (lambda b, x, i, w: b.dispatch_recv(b.combine_send(*(lambda d: (d.x, d.handle))(
+        b.dispatch(x, i, w)))), "dispatch_recv needs the result of dispatch_send"),
+    (lambda b, x, i, w: b.combine_recv(b.dispatch(x, i, w)), "combine_recv needs the result"),
 ])
 def test_trace_time_errors(setup, fn, match):
     expect_error(setup, fn, match)

@@ -49,6 +49,32 @@ def test_ffi_matches_reference(config, seed, kind):
     assert_matches_reference(step, x, idx, w, bias, x2)
 
 
+SPLIT_CONFIGS = [  # num_ranks, dp, layout, fp8, capacity (rows per expert when padded), dtype
+    (2, 1, "expert_padded", True, None, jnp.bfloat16),
+    (4, 2, "expert_padded", False, 7, jnp.float32),
+    (8, 1, "expert_padded", True, 3, jnp.bfloat16),
+    (8, 1, "rank", True, None, jnp.bfloat16),
+    (4, 1, "expert", False, 40, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=lambda c: "-".join(map(str, c[:5])))
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_padded_layout_and_split_ops_match_reference(config, split):
+    num_ranks, dp, lay, fp8, capacity, dtype = config
+    mesh = make_mesh(num_ranks, dp)
+    bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
+    step = {impl: functools.partial(run, mesh, pipeline(buf, lay, 1, fp8, False, capacity,
+                                                        split=split))
+            for impl, buf in bufs.items()}
+    for seed, kind in enumerate(("random", "one_expert", "sparse")):
+        rng = np.random.default_rng(seed)
+        x, idx, w = random_inputs(rng, mesh.size, T, H, E, K, num_ranks, kind, dtype)
+        bias = jnp.asarray(rng.standard_normal(x.shape), dtype)
+        x2 = jnp.asarray(rng.standard_normal(x.shape), dtype)
+        assert_matches_reference(step, x, idx, w, bias, x2)
+
+
 def test_several_buffers_and_results_alive():
     mesh = make_mesh(4, 2)
     a = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
@@ -122,3 +148,23 @@ def test_a_rank_that_never_arrives_is_an_error_not_a_hang():
     # A broken group says so at once from then on.
     with pytest.raises(Exception, match="never arrived"):
         jax.block_until_ready(lonely(x, idx))
+
+
+def test_split_ops_placed_on_the_collective_stream():
+    """on_collective_stream wraps the halves as calls with XLA's collective-stream annotation
+    (GPU only honours it; here the results must simply not change)."""
+    mesh = make_mesh(4)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
+    x, idx, w = random_inputs(np.random.default_rng(9), 4, T, H, E, K, 4, "random")
+
+    def step(place):
+        def fn(x, idx, w):
+            pending = place(lambda: buf.dispatch_send(x, idx, w, layout="expert_padded"))
+            d = place(lambda: buf.dispatch_recv(pending))
+            pending = place(lambda: buf.combine_send(d.x, d.handle, d.topk_weights))
+            return d._replace(handle=None), place(lambda: buf.combine_recv(pending))
+        return fn
+
+    plain = run(mesh, step(lambda fn: fn()), x, idx, w)
+    streamed = run(mesh, step(lambda fn: jax_ep.on_collective_stream(fn)()), x, idx, w)
+    assert_bitwise_equal(streamed, plain)

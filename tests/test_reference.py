@@ -18,6 +18,8 @@ CONFIGS = [  # num_ranks, dp, layout, alignment, fp8, round_scale, capacity, dty
     (4, 2, "expert", 1, False, False, None, jnp.float32),
     (8, 1, "rank", 8, False, False, 50, jnp.bfloat16),
     (8, 1, "expert", 4, True, True, 40, jnp.bfloat16),
+    (2, 1, "expert_padded", 1, True, False, None, jnp.bfloat16),
+    (4, 2, "expert_padded", 1, False, False, 5, jnp.float32),
 ]
 
 
@@ -41,7 +43,16 @@ def test_reference_matches_oracle(num_ranks, dp, lay, alignment, fp8, round_scal
     xs, idxs, ws, biases = (groups(np.asarray(a)) for a in (x, idx, w, bias))
     d = {k: groups(v) for k, v in out["d"]._asdict().items() if v is not None}
     y, expert_out = groups(out["y"]), groups(out["expert_out"])
-    send_pos = groups(out["handle"]["send_pos"])
+    send_pos = groups(out["send_pos"])
+    padded = lay == "expert_padded"
+    if padded:  # [dp, R, E_l, B, ...] -> [dp, R, E_l * B, ...]
+        block = d["x"].shape[3]
+        assert d["x"].shape[2] == E // num_ranks
+        assert block == (capacity or num_ranks * T)
+        for f in ("x", "scales", "topk_idx", "topk_weights"):
+            if f in d:
+                d[f] = d[f].reshape(d[f].shape[:2] + (-1,) + d[f].shape[4:])
+        expert_out = expert_out.reshape(expert_out.shape[:2] + (-1, H))
     el = E // num_ranks
     for g in range(dp):
         rows = capacity if lay == "rank" else num_ranks * T
@@ -63,10 +74,11 @@ def test_reference_matches_oracle(num_ranks, dp, lay, alignment, fp8, round_scal
             partial = expert_out[g]
         else:
             partial = []
-            cap = d["x"].shape[2]
+            cap = d["x"].shape[2]  # expert rows (all experts' blocks when padded)
             for r in range(num_ranks):
                 src, expert, weight, present, dropped = oracle.expert_layout(
-                    want["topk_idx"][r], want["topk_weights"][r], el, alignment, cap)
+                    want["topk_idx"][r], want["topk_weights"][r], el, alignment, cap,
+                    block if padded else 0)
                 np.testing.assert_array_equal(d["topk_idx"][g][r], expert)
                 np.testing.assert_allclose(d["topk_weights"][g][r], weight, rtol=1e-6)
                 np.testing.assert_array_equal(d["tokens_per_expert"][g][r], present)

@@ -6,8 +6,8 @@
 
 namespace jax_ep::cpu {
 
-// Expert e's block starts at the sum of the aligned counts before it; within the block rows keep
-// rank-layout order; whatever lands at or past `capacity` is dropped (and counted).
+// Expert e's block starts where expert_block says; within the block rows keep rank-layout order;
+// whatever does not fit the block is dropped (and counted).
 void expert_layout(const ExpertLayoutArgs& a) {
   const int El = a.experts_per_rank, K = a.num_topk, M = a.max_per_row();
   int32_t* count = a.expert_counts;
@@ -15,12 +15,9 @@ void expert_layout(const ExpertLayoutArgs& a) {
   for (int r = 0; r < a.rows; ++r)
     for (int e = 0; e < El; ++e) count[e] += row_has_expert(a.topk_rows + int64_t(r) * K, K, e);
 
-  std::vector<int64_t> next(El);
-  int64_t start = 0;
-  for (int e = 0; e < El; ++e) {
-    next[e] = start;
-    start += align_up(count[e], a.alignment);
-  }
+  std::vector<int> start(El), room(El);
+  for (int e = 0; e < El; ++e)
+    expert_block(count, e, a.alignment, a.block_rows, a.capacity, &start[e], &room[e]);
   std::fill(a.expert_src, a.expert_src + a.capacity, -1);
   std::fill(a.expert_of_row, a.expert_of_row + a.capacity, -1);
   std::fill(a.expert_rows, a.expert_rows + int64_t(a.rows) * M, -1);
@@ -30,15 +27,14 @@ void expert_layout(const ExpertLayoutArgs& a) {
     const int32_t* topk = a.topk_rows + int64_t(r) * K;
     for (int e = 0; e < El; ++e) {
       if (!row_has_expert(topk, K, e)) continue;
-      int64_t pos = next[e]++;
-      if (pos < a.capacity) {
-        a.expert_src[pos] = r;
-        a.expert_of_row[pos] = e;
-        a.expert_rows[int64_t(r) * M + distinct_experts_below(topk, K, e)] = int32_t(pos);
-        ++a.tokens_per_expert[e];
-      } else {
+      if (a.tokens_per_expert[e] == room[e]) {
         ++dropped;
+        continue;
       }
+      const int32_t pos = start[e] + a.tokens_per_expert[e]++;
+      a.expert_src[pos] = r;
+      a.expert_of_row[pos] = e;
+      a.expert_rows[int64_t(r) * M + distinct_experts_below(topk, K, e)] = pos;
     }
   }
   *a.num_dropped = dropped;

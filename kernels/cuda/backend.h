@@ -15,15 +15,44 @@ struct Knobs {
   double timeout_s;     // every device-side wait for a peer
 };
 
+// What the Buffer was built for: sizes the communication memory.
+struct Shape {
+  int experts_per_rank, hidden, num_topk;
+  int low_latency_tokens;  // rows per source of the low-latency regions (0: none)
+};
+
 // The communication memory of one Buffer on every device of its groups, peers connected.
 class Comm;
-std::shared_ptr<Comm> connect(const std::vector<std::vector<int>>& groups, int experts_per_rank,
+std::shared_ptr<Comm> connect(const std::vector<std::vector<int>>& groups, const Shape& shape,
                               Knobs knobs);
 
 // Each returns an empty string once the kernels are enqueued on `stream`, else the error.
 std::string dispatch(Comm& comm, int device, cudaStream_t stream, const DispatchArgs& a);
 std::string combine(Comm& comm, int device, cudaStream_t stream, const CombineArgs& a);
 std::string expert_layout(cudaStream_t stream, const ExpertLayoutArgs& a);
+
+// The low-latency ops (low_latency.cu), whole or in halves: send returns once the rows are on
+// their way and writes the op's number to ticket_out; recv takes it back as ticket_in.
+enum Half : int { kSend = 1, kRecv = 2, kBoth = 3 };
+struct LowLatencyDispatchArgs {
+  DispatchArgs a;                  // send_pos: output when fresh, input when cached
+  const int32_t* recv_counts_in;   // cached: the handle's recv_counts
+  const int32_t* ticket_in;        // recv half
+  int32_t* ticket_out;             // send half
+  int half;
+};
+struct LowLatencyCombineArgs {
+  CombineArgs a;
+  const int32_t* recv_counts;      // rows each source sent here at dispatch
+  const int32_t* num_rows;         // rows present (the rest were dropped)
+  const int32_t* ticket_in;
+  int32_t* ticket_out;
+  int half;
+};
+std::string low_latency_dispatch(Comm& comm, int device, cudaStream_t stream,
+                                 const LowLatencyDispatchArgs& a);
+std::string low_latency_combine(Comm& comm, int device, cudaStream_t stream,
+                                const LowLatencyCombineArgs& a);
 
 // Bandwidth (GB/s per direction) of moving bytes from device src to device dst, and at the same
 // time from dst to src when both_ways: the ceilings the benchmark reports. mode -1: the copy

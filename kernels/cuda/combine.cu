@@ -4,26 +4,13 @@
 // in float32, onto the bias, and stores the result once; the last block tells every peer it is
 // done reading its rows and waits until every peer is done reading this rank's.
 #include "kernels/cuda/comm.cuh"
+#include "kernels/cuda/rows.cuh"
 #include "kernels/layout.h"
 
 namespace jax_ep::cuda {
 namespace {
 
 constexpr int kWarps = 16;
-constexpr int kUnroll = 8;  // 16-byte vectors per lane and rank in flight
-
-// Adds the 16-byte vector `v` of rows_dtype elements into acc[0..16/size).
-__device__ __forceinline__ void add_vector(float* acc, int4 v, Dtype t) {
-  if (t == Dtype::kF32) {
-    const float* f = reinterpret_cast<const float*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[i] += f[i];
-  } else {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] += bf16_to_float(h[i]);
-  }
-}
 
 struct Params {
   CombineArgs a;
@@ -45,38 +32,6 @@ __device__ __forceinline__ void share_rows(const Link& link, uint64_t seq, const
   __syncthreads();
 }
 
-// n <= 8 consecutive elements at `index`, as float32: one 16-byte load when aligned.
-__device__ __forceinline__ void load_run(float* acc, const void* base, int64_t index, int n,
-                                         Dtype t) {
-  const int size = dtype_size(t);
-  if (n * size == 16 && (index * size) % 16 == 0) {
-    int4 v = *reinterpret_cast<const int4*>(static_cast<const uint8_t*>(base) + index * size);
-    for (int i = 0; i < n; ++i) acc[i] = 0.f;
-    add_vector(acc, v, t);
-    return;
-  }
-  for (int i = 0; i < n; ++i) acc[i] = load_float(base, index + i, t);
-}
-
-// The rounding to the output type happens here, once.
-__device__ __forceinline__ void store_run(void* base, int64_t index, const float* acc, int n,
-                                          Dtype t) {
-  uint8_t* at = static_cast<uint8_t*>(base) + index * dtype_size(t);
-  if (t == Dtype::kBF16 && n == 8 && (index * 2) % 16 == 0) {
-    uint16_t h[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) h[i] = float_to_bf16(acc[i]);
-    *reinterpret_cast<int4*>(at) = *reinterpret_cast<const int4*>(h);
-    return;
-  }
-  if (t == Dtype::kF32 && n % 4 == 0 && (index * 4) % 16 == 0) {
-    for (int i = 0; i < n; i += 4)
-      reinterpret_cast<float4*>(at)[i / 4] = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
-    return;
-  }
-  for (int i = 0; i < n; ++i) store_float(base, index + i, t, acc[i]);
-}
-
 // Each warp takes whole tokens: for every rank its row went to, in rank order, loads kUnroll
 // 16-byte vectors per lane from that rank's rows (NVLink for peers) and adds them in float32 onto
 // the bias; the sum is rounded once and stored.
@@ -89,49 +44,17 @@ __global__ void __launch_bounds__(kWarps * 32, 1) pull_kernel(Params p) {
   const uint64_t seq = this_op(link.self);
   share_rows(link, seq, a.row_data, rows_of);
 
-  const int in_size = dtype_size(a.rows_dtype);
-  const int per_vector = 16 / in_size;
-  const int64_t row_bytes = int64_t(a.width) * in_size;
-  const int vectors = int(row_bytes / 16);
+  const int64_t row_bytes = int64_t(a.width) * dtype_size(a.rows_dtype);
   for (int t = blockIdx.x * kWarps + warp; t < a.num_tokens; t += gridDim.x * kWarps) {
     const int32_t pos = lane < R ? a.send_pos[int64_t(t) * R + lane] : -1;
     const uint32_t sources = __ballot_sync(~0u, pos >= 0);
     if (pos >= 0) row_at[warp][lane] = reinterpret_cast<const int4*>(rows_of[lane] + pos * row_bytes);
     __syncwarp();
-    for (int v0 = 0; v0 < vectors; v0 += 32 * kUnroll) {
-      float acc[kUnroll][8] = {};
-      if (a.has_bias) {
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int v = v0 + u * 32 + lane;
-          if (v < vectors)
-            load_run(acc[u], a.bias, int64_t(t) * a.width + int64_t(v) * per_vector, per_vector,
-                     a.bias_dtype);
-        }
-      }
-      for (uint32_t m = sources; m; m &= m - 1) {  // rank order: the fixed summation order
-        const int4* src = row_at[warp][__ffs(m) - 1];
-        int4 w[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int v = v0 + u * 32 + lane;
-          w[u] = v < vectors ? src[v] : make_int4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) add_vector(acc[u], w[u], a.rows_dtype);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int v = v0 + u * 32 + lane;
-        if (v < vectors)
-          store_run(a.out, int64_t(t) * a.width + int64_t(v) * per_vector, acc[u], per_vector,
-                    a.out_dtype);
-      }
-    }
+    sum_rows(a, t, sources, row_at[warp], 0, int(row_bytes / 16));
     __syncwarp();
   }
 
-  if (last_block_done(link.self)) finish_op(link, seq, kWaitReleased);
+  if (last_block_done(&link.self->ticket)) finish_op(link, seq, kWaitReleased);
 }
 
 // Rows whose size is no multiple of 16 bytes: plain loads from the peers, same order.
@@ -153,7 +76,7 @@ __global__ void pull_plain_kernel(Params p) {
     }
     store_float(a.out, i, a.out_dtype, acc);
   }
-  if (last_block_done(link.self)) finish_op(link, seq, kWaitReleased);
+  if (last_block_done(&link.self->ticket)) finish_op(link, seq, kWaitReleased);
 }
 
 }  // namespace

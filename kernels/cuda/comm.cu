@@ -30,7 +30,8 @@ const char* wait_name(int what) {
 }
 
 std::string connect_into(Comm& comm, const std::vector<std::vector<int>>& groups,
-                         int experts_per_rank) {
+                         const Shape& shape) {
+  const int experts_per_rank = shape.experts_per_rank;
   for (const auto& group : groups) {
     const int num_ranks = int(group.size());
     if (num_ranks > kMaxRanks) return "jax_ep: at most 32 ranks per EP group";
@@ -50,7 +51,21 @@ std::string connect_into(Comm& comm, const std::vector<std::vector<int>>& groups
       JAX_EP_CUDA_TRY(cudaHostAlloc(&failure, sizeof(Failure), cudaHostAllocMapped |
                                                                   cudaHostAllocPortable));
       *failure = Failure{};
-      Comm::Rank rank{failure, nullptr, nullptr, {}};
+      Comm::Rank rank{failure, nullptr, nullptr, nullptr, {}};
+      LowLatencyLink& ll = rank.link.low_latency;
+      ll.tokens = shape.low_latency_tokens;
+      ll.hidden = shape.hidden;
+      ll.num_topk = shape.num_topk;
+      if (ll.tokens > 0) {  // both kinds' regions, then the expert tally scratch
+        const int64_t per_kind[2] = {2 * int64_t(num_ranks) * ll.tokens * ll.dispatch_row(),
+                                     2 * int64_t(num_ranks) * ll.tokens * ll.combine_row()};
+        const size_t tally = sizeof(int32_t) * experts_per_rank;
+        JAX_EP_CUDA_TRY(cudaMalloc(&rank.regions, per_kind[0] + per_kind[1] + tally));
+        ll.region[kLowLatencyDispatch][r] = rank.regions;
+        ll.region[kLowLatencyCombine][r] = rank.regions + per_kind[0];
+        ll.expert_count = reinterpret_cast<int32_t*>(rank.regions + per_kind[0] + per_kind[1]);
+        JAX_EP_CUDA_TRY(cudaMemset(ll.expert_count, 0, tally));
+      }
       rank.link.self = states[r];
       JAX_EP_CUDA_TRY(cudaHostGetDevicePointer(&rank.link.failure, failure, 0));
       rank.link.num_ranks = num_ranks;
@@ -62,20 +77,26 @@ std::string connect_into(Comm& comm, const std::vector<std::vector<int>>& groups
       comm.ranks[group[r]] = rank;
     }
     for (int r = 0; r < num_ranks; ++r)
-      for (int p = 0; p < num_ranks; ++p) comm.ranks[group[r]].link.peers[p] = states[p];
+      for (int p = 0; p < num_ranks; ++p) {
+        Link& link = comm.ranks[group[r]].link;
+        const Link& peer = comm.ranks[group[p]].link;
+        link.peers[p] = states[p];
+        for (int kind : {kLowLatencyDispatch, kLowLatencyCombine})
+          link.low_latency.region[kind][p] = peer.low_latency.region[kind][p];
+      }
   }
   return {};
 }
 
 }  // namespace
 
-std::shared_ptr<Comm> connect(const std::vector<std::vector<int>>& groups, int experts_per_rank,
+std::shared_ptr<Comm> connect(const std::vector<std::vector<int>>& groups, const Shape& shape,
                               Knobs knobs) {
   auto comm = std::make_shared<Comm>();
   comm->knobs = knobs;
   int previous = 0;
   cudaGetDevice(&previous);
-  std::string err = connect_into(*comm, groups, experts_per_rank);
+  std::string err = connect_into(*comm, groups, shape);
   cudaSetDevice(previous);
   if (!err.empty()) throw std::runtime_error(err);
   return comm;
@@ -90,6 +111,7 @@ Comm::~Comm() {
     cudaFree(rank.link.self);
     cudaFree(rank.tally);
     cudaFree(rank.inbox);
+    cudaFree(rank.regions);
     cudaFreeHost(rank.failure);
   }
   cudaSetDevice(previous);

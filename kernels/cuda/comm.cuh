@@ -17,6 +17,21 @@
 namespace jax_ep::cuda {
 
 constexpr int kMailboxPointers = 4;
+constexpr size_t kDefaultSharedBytes = 48 * 1024;  // dynamic shared memory without opting in
+
+// The low-latency ops (low_latency.cu) send through regions the Buffer owns, so they need no
+// address exchange: each rank receives into its own region, [2 slots by op parity][R sources]
+// [tokens] rows, one region per kind of op. Ops of each kind are numbered on device; a sender
+// reuses a slot once its receiver released the op two before.
+enum LowLatencyKind : int { kLowLatencyDispatch = 0, kLowLatencyCombine = 1 };
+
+struct LowLatencyState {
+  uint64_t seq[2];                    // [kind]: ops this rank has sent
+  uint32_t tickets[2][2];             // [kind][send, recv]: blocks of the running half done
+  uint64_t arrived[2][kMaxRanks];     // [kind][src]: src's rows of that op are all here
+  uint64_t released[2][kMaxRanks];    // [kind][dst]: dst has read the rows of that op
+  int32_t counts[2][kMaxRanks];       // [slot][src]: rows src sent here (fresh dispatch)
+};
 
 struct DeviceState {
   uint64_t seq;                                   // ops this rank has completed
@@ -32,6 +47,7 @@ struct DeviceState {
   int32_t counts[2][kMaxRanks][kMaxRanks];        // rows src sends to each rank
   uint64_t arrived[kMaxRanks];                    // src finished writing into my buffers
   uint64_t released[kMaxRanks];                   // src finished reading my buffers
+  LowLatencyState low_latency;
 };
 
 // Why a kernel gave up; kept in host-mapped memory so the host can read it without a sync.
@@ -45,6 +61,26 @@ struct Failure {
 
 enum Wait : int32_t { kWaitCounts = 1, kWaitMailbox = 2, kWaitArrived = 3, kWaitReleased = 4 };
 
+// Where the low-latency regions are and how their rows are laid out.
+struct LowLatencyLink {
+  uint8_t* region[2][kMaxRanks];   // [kind][rank]: that rank's receive region
+  int32_t* expert_count;           // [E_l] this rank's tally scratch, zero between ops
+  int tokens, hidden, num_topk;    // rows per (slot, source); the Buffer's H and K
+  // Dispatch rows: x (up to 4 H bytes), FP8 scales, then K local expert ids and K weights.
+  __host__ __device__ int64_t scales_at() const { return (4 * int64_t(hidden) + 15) / 16 * 16; }
+  __host__ __device__ int64_t meta_at() const { return scales_at() + (hidden / 32 + 15) / 16 * 16; }
+  __host__ __device__ int64_t dispatch_row() const { return meta_at() + (8 * num_topk + 15) / 16 * 16; }
+  // Combine rows: up to 4 H bytes (float32 rows of width H).
+  __host__ __device__ int64_t combine_row() const { return scales_at(); }
+  __host__ __device__ int64_t row_bytes(int kind) const {
+    return kind == kLowLatencyDispatch ? dispatch_row() : combine_row();
+  }
+  // Row j from `src` in slot `slot` of the region of `kind` on rank `on`.
+  __host__ __device__ uint8_t* row(int kind, int on, int slot, int src, int j, int num_ranks) const {
+    return region[kind][on] + ((int64_t(slot) * num_ranks + src) * tokens + j) * row_bytes(kind);
+  }
+};
+
 // What every kernel of an op needs to reach its peers.
 struct Link {
   DeviceState* self;
@@ -52,6 +88,7 @@ struct Link {
   Failure* failure;
   int num_ranks, rank, experts_per_rank;
   uint64_t timeout_ns;
+  LowLatencyLink low_latency;
 };
 
 // ---- PTX helpers (sm_90) ----
@@ -114,14 +151,19 @@ __device__ __forceinline__ void read_mailbox(const Link& link, int peer, uint64_
     ptrs[i] = *reinterpret_cast<void* volatile*>(&st->pointers[seq & 1][i]);
 }
 
-// True in exactly one block: the last of the grid to finish (its earlier writes all fenced).
-__device__ __forceinline__ bool last_block_done(DeviceState* self) {
+// True in exactly one block: the last of the grid to finish. Each block's writes, ordered by its
+// barrier, are released by one system fence before it counts itself on `ticket`; the last block
+// fences again before acting on them, and resets the ticket for the next kernel.
+__device__ __forceinline__ bool last_block_done(uint32_t* ticket) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
-    last = atomicAdd(&self->ticket, 1u) == gridDim.x - 1;
-    if (last) self->ticket = 0;
+    last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    if (last) {
+      __threadfence_system();
+      *ticket = 0;
+    }
   }
   __syncthreads();
   return last;
@@ -166,6 +208,7 @@ class Comm {
   struct Rank {
     Failure* failure;   // host-mapped
     int32_t *tally, *inbox;  // device arrays DeviceState points to
+    uint8_t* regions;        // the low-latency regions of both kinds, or null
     Link link;          // self, peers, rank, timeout
   };
   Knobs knobs;
@@ -178,6 +221,19 @@ class Comm {
 
 // Lets `device` read and write `peer`'s memory (idempotent); an error message if it cannot.
 std::string enable_peer_access(int device, int peer);
+
+// kernel<<<blocks, threads, smem, stream>>>(args...), opting in to more than the default
+// dynamic shared memory only when needed (a driver call).
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), int blocks, int threads, size_t smem,
+                   cudaStream_t stream, Args... args) {
+  if (smem > kDefaultSharedBytes)
+    if (cudaError_t err = cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)); err != cudaSuccess)
+      return err;
+  kernel<<<blocks, threads, smem, stream>>>(args...);
+  return cudaGetLastError();
+}
 
 // Grid size of the bandwidth kernels: the knob, at most one block per SM.
 int bandwidth_blocks(const Knobs& knobs, int device);

@@ -10,6 +10,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/comm.cuh"
+#include "kernels/cuda/rows.cuh"
 #include "kernels/fp8.h"
 #include "kernels/layout.h"
 
@@ -85,38 +86,6 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(Params p) {
   }
 }
 
-// How one lane walks a row: per step it loads kLoads 16-byte vectors (kElems elements) and
-// writes them, or their e4m3 bytes (16 per lane: 16 bytes), to every destination.
-template <typename T, bool kFp8>
-struct RowStep {
-  static constexpr int kLoads = kFp8 ? int(sizeof(T)) : 1;
-  static constexpr int kElems = kLoads * 16 / int(sizeof(T));
-  static constexpr int kStep = 32 * kElems;                    // elements per warp step
-  static constexpr int kLanesPerBlock = kFp8Block / kElems;    // lanes sharing one scale
-  static constexpr int kUnroll = 8 / kLoads;                  // steps with loads in flight
-};
-
-// The e4m3 bytes of one lane's 16 elements, with the scale of their 128-channel block.
-template <typename T>
-__device__ __forceinline__ int4 quantize16(const int4* v, bool round_scale, float* scale) {
-  constexpr int kLanesPerBlock = RowStep<T, true>::kLanesPerBlock;
-  float f[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(reinterpret_cast<const T*>(v)[i]);
-  float max_abs = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) max_abs = fmaxf(max_abs, fabsf(f[i]));
-#pragma unroll
-  for (int off = kLanesPerBlock / 2; off > 0; off /= 2)
-    max_abs = fmaxf(max_abs, __shfl_xor_sync(~0u, max_abs, off));
-  const Fp8Block block = Fp8Block::make(max_abs, round_scale);
-  *scale = block.scale;
-  uint8_t q[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) q[i] = float_to_e4m3(block.scaled(f[i]));
-  return *reinterpret_cast<const int4*>(q);
-}
-
 // Each warp takes whole tokens: loads its row (kUnroll steps of loads in flight per lane),
 // quantizes it when asked, and stores it from registers straight into the output row of every
 // destination rank (NVLink for peers); scales and expert ids follow with coalesced stores.
@@ -132,6 +101,7 @@ __global__ void __launch_bounds__(kSendWarps * 32, 1) send_kernel(Params p, bool
   __shared__ void* dest[kMaxRanks][kMailboxPointers];
   __shared__ int32_t present, received;
   __shared__ uint8_t* out_rows_of[kSendWarps][kMaxRanks];  // the current token's row on each rank
+  __shared__ float* scales_of[kSendWarps][kMaxRanks];       // and its scales
 
   if (threadIdx.x == 0) {
     if (a.cached) {
@@ -204,52 +174,12 @@ __global__ void __launch_bounds__(kSendWarps * 32, 1) send_kernel(Params p, bool
       }
     }
 
-    if (!kFp8 && !aligned) {  // rows not 16-byte sized: element by element
-      for (uint32_t m = targets; m; m &= m - 1) {
-        const int d = __ffs(m) - 1;
-        for (int i = lane; i < a.hidden; i += 32)
-          reinterpret_cast<T*>(out[d])[i] = reinterpret_cast<const T*>(row)[i];
-      }
-      __syncwarp();
-      continue;
-    }
-
-    const int steps = (a.hidden + Step::kStep - 1) / Step::kStep;
-    for (int s0 = 0; s0 < steps; s0 += Step::kUnroll) {
-      int4 v[Step::kUnroll][Step::kLoads];
-#pragma unroll
-      for (int u = 0; u < Step::kUnroll; ++u) {
-        const int e = (s0 + u) * Step::kStep + lane * Step::kElems;
-#pragma unroll
-        for (int l = 0; l < Step::kLoads; ++l)
-          v[u][l] = s0 + u < steps && e < a.hidden
-                        ? __ldg(reinterpret_cast<const int4*>(row + e * sizeof(T)) + l)
-                        : make_int4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int u = 0; u < Step::kUnroll; ++u) {
-        if (s0 + u >= steps) break;
-        const int e = (s0 + u) * Step::kStep + lane * Step::kElems;
-        int4 word = v[u][0];
-        if constexpr (kFp8) {
-          float scale;
-          word = quantize16<T>(v[u], a.round_scale, &scale);
-          if (e < a.hidden && lane % Step::kLanesPerBlock == 0) scales[e / kFp8Block] = scale;
-        }
-        if (e >= a.hidden) continue;
-        const int64_t at = kFp8 ? e : e * int64_t(sizeof(T));
-        for (uint32_t m = targets; m; m &= m - 1)
-          *reinterpret_cast<int4*>(out[__ffs(m) - 1] + at) = word;
-      }
-    }
-    if constexpr (kFp8) {
-      __syncwarp();
-      for (uint32_t m = targets; m; m &= m - 1) {
-        const int d = __ffs(m) - 1;
-        float* to = static_cast<float*>(dest[d][1]) + int64_t(__shfl_sync(~0u, pos, d)) * num_scales;
-        for (int i = lane; i < num_scales; i += 32) to[i] = scales[i];
-      }
-    }
+    if (pos >= 0)
+      scales_of[warp][lane] = kFp8 ? static_cast<float*>(dest[lane][1]) + int64_t(pos) * num_scales
+                                   : nullptr;
+    __syncwarp();
+    send_row<T, kFp8>(row, a.hidden, a.round_scale, targets, out, scales_of[warp], scales, 0,
+                      (a.hidden + Step::kStep - 1) / Step::kStep, aligned);
     __syncwarp();  // the warp's scale and row-address staging is free again
   }
 
@@ -276,7 +206,7 @@ __global__ void __launch_bounds__(kSendWarps * 32, 1) send_kernel(Params p, bool
   }
 
   __threadfence_system();  // every thread's stores, before the last block announces them
-  if (!last_block_done(link.self)) return;
+  if (!last_block_done(&link.self->ticket)) return;
   const int El = a.experts_per_rank();
   if (!a.cached)  // each destination gets this rank's tally of the rows it was sent
     for (int i = threadIdx.x; i < R * El; i += blockDim.x)
@@ -297,11 +227,7 @@ __global__ void __launch_bounds__(kSendWarps * 32, 1) send_kernel(Params p, bool
 template <typename T, bool kFp8>
 cudaError_t launch_send(const Params& p, int blocks, bool aligned, cudaStream_t stream) {
   const size_t smem = kFp8 ? kSendWarps * p.a.scales_per_row() * sizeof(float) : 0;
-  auto kernel = send_kernel<T, kFp8>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return err;
-  kernel<<<blocks, kSendWarps * 32, smem, stream>>>(p, aligned);
-  return cudaGetLastError();
+  return launch(send_kernel<T, kFp8>, blocks, kSendWarps * 32, smem, stream, p, aligned);
 }
 
 }  // namespace

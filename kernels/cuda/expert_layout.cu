@@ -1,6 +1,6 @@
 // Expert layout of a rank's received rows (local to the rank): one block per local expert counts
-// its rows, then one block per expert places them in rank-layout order after the aligned blocks
-// of the experts before it.
+// its rows, then one block per expert places them in rank-layout order in its block (after the
+// aligned blocks of the experts before it, or at a fixed stride in the padded layout).
 #include "kernels/cuda/comm.cuh"
 #include "kernels/layout.h"
 
@@ -23,8 +23,8 @@ __global__ void __launch_bounds__(kThreads) count_kernel(ExpertLayoutArgs a) {
 __global__ void __launch_bounds__(kThreads) place_kernel(ExpertLayoutArgs a) {
   __shared__ int32_t warp_count[kThreads / 32];
   const int e = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int start = 0;
-  for (int p = 0; p < e; ++p) start += align_up(a.expert_counts[p], a.alignment);
+  int start, room;
+  expert_block(a.expert_counts, e, a.alignment, a.block_rows, a.capacity, &start, &room);
   const int per_row = a.max_per_row();
   int placed = 0;
   for (int base = 0; base < a.rows; base += kThreads) {
@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kThreads) place_kernel(ExpertLayoutArgs a) {
     for (int w = 0; w < kThreads / 32; ++w) chunk += warp_count[w];
     if (has) {
       const int pos = start + before + __popc(ballot & ((1u << lane) - 1u));
-      if (pos < a.capacity) {
+      if (pos < start + room) {
         a.expert_src[pos] = r;
         a.expert_of_row[pos] = e;
         a.expert_rows[int64_t(r) * per_row + distinct_experts_below(topk, a.num_topk, e)] = pos;
@@ -49,8 +49,8 @@ __global__ void __launch_bounds__(kThreads) place_kernel(ExpertLayoutArgs a) {
     placed += chunk;
     __syncthreads();
   }
-  // Expert e's rows sit at [start, start + placed): those at or past the capacity dropped.
-  const int kept = max(0, min(placed, a.capacity - start));
+  // Expert e's rows sit at [start, start + placed): those past its room dropped.
+  const int kept = min(placed, room);
   if (threadIdx.x == 0) {
     a.tokens_per_expert[e] = kept;
     if (placed > kept) atomicAdd(a.num_dropped, placed - kept);

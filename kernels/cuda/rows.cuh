@@ -1,0 +1,216 @@
+// Moving and summing rows, one warp per row: shared by the throughput kernels (dispatch.cu,
+// combine.cu) and the low-latency ones (low_latency.cu).
+#pragma once
+#include <cuda_bf16.h>
+
+#include "kernels/dtype.h"
+#include "kernels/fp8.h"
+#include "kernels/ops.h"
+
+namespace jax_ep::cuda {
+
+// How one lane walks a row: per step it loads kLoads 16-byte vectors (kElems elements) and
+// writes them, or their e4m3 bytes (16 per lane: 16 bytes), to every destination.
+template <typename T, bool kFp8>
+struct RowStep {
+  static constexpr int kLoads = kFp8 ? int(sizeof(T)) : 1;
+  static constexpr int kElems = kLoads * 16 / int(sizeof(T));
+  static constexpr int kStep = 32 * kElems;                    // elements per warp step
+  static constexpr int kLanesPerBlock = kFp8Block / kElems;    // lanes sharing one scale
+  static constexpr int kUnroll = 8 / kLoads;                  // steps with loads in flight
+};
+
+// The e4m3 bytes of one lane's 16 elements, with the scale of their 128-channel block.
+template <typename T>
+__device__ __forceinline__ int4 quantize16(const int4* v, bool round_scale, float* scale) {
+  constexpr int kLanesPerBlock = RowStep<T, true>::kLanesPerBlock;
+  float f[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(reinterpret_cast<const T*>(v)[i]);
+  float max_abs = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) max_abs = fmaxf(max_abs, fabsf(f[i]));
+#pragma unroll
+  for (int off = kLanesPerBlock / 2; off > 0; off /= 2)
+    max_abs = fmaxf(max_abs, __shfl_xor_sync(~0u, max_abs, off));
+  const Fp8Block block = Fp8Block::make(max_abs, round_scale);
+  *scale = block.scale;
+  uint8_t q[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) q[i] = float_to_e4m3(block.scaled(f[i]));
+  return *reinterpret_cast<const int4*>(q);
+}
+
+// One warp sends steps [first_step, end_step) of a token's row (RowStep elements each) to every
+// rank d in `targets`: loads kUnroll steps ahead, quantises when kFp8, and stores from registers
+// to x_dst[d] (any memory: a peer's over NVLink); the FP8 scales of those steps go to
+// scale_dst[d], staged in `stage` (the row's scales, per warp). Rows whose size is no multiple of
+// 16 bytes (never FP8) move element by element.
+template <typename T, bool kFp8>
+__device__ __forceinline__ void send_row(const uint8_t* row, int hidden, bool round_scale,
+                                         uint32_t targets, uint8_t* const* x_dst,
+                                         float* const* scale_dst, float* stage, int first_step,
+                                         int end_step, bool aligned) {
+  using Step = RowStep<T, kFp8>;
+  const int lane = threadIdx.x % 32;
+  if (!kFp8 && !aligned) {
+    const int end = min(hidden, end_step * Step::kStep);
+    for (uint32_t m = targets; m; m &= m - 1) {
+      T* to = reinterpret_cast<T*>(x_dst[__ffs(m) - 1]);
+      for (int i = first_step * Step::kStep + lane; i < end; i += 32)
+        to[i] = reinterpret_cast<const T*>(row)[i];
+    }
+    return;
+  }
+  for (int s0 = first_step; s0 < end_step; s0 += Step::kUnroll) {
+    int4 v[Step::kUnroll][Step::kLoads];
+#pragma unroll
+    for (int u = 0; u < Step::kUnroll; ++u) {
+      const int e = (s0 + u) * Step::kStep + lane * Step::kElems;
+#pragma unroll
+      for (int l = 0; l < Step::kLoads; ++l)
+        v[u][l] = s0 + u < end_step && e < hidden
+                      ? __ldg(reinterpret_cast<const int4*>(row + e * sizeof(T)) + l)
+                      : make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < Step::kUnroll; ++u) {
+      if (s0 + u >= end_step) break;
+      const int e = (s0 + u) * Step::kStep + lane * Step::kElems;
+      int4 word = v[u][0];
+      if constexpr (kFp8) {
+        float scale;
+        word = quantize16<T>(v[u], round_scale, &scale);
+        if (e < hidden && lane % Step::kLanesPerBlock == 0) stage[e / kFp8Block] = scale;
+      }
+      if (e >= hidden) continue;
+      const int64_t at = kFp8 ? e : e * int64_t(sizeof(T));
+      for (uint32_t m = targets; m; m &= m - 1)
+        *reinterpret_cast<int4*>(x_dst[__ffs(m) - 1] + at) = word;
+    }
+  }
+  if constexpr (kFp8) {
+    __syncwarp();
+    const int first = first_step * Step::kStep / kFp8Block;
+    const int end = min(hidden, end_step * Step::kStep) / kFp8Block;
+    for (uint32_t m = targets; m; m &= m - 1) {
+      float* to = scale_dst[__ffs(m) - 1];
+      for (int i = first + lane; i < end; i += 32) to[i] = stage[i];
+    }
+  }
+}
+
+// One warp copies bytes [begin, end) of src to dst (zeros when src is null): 16-byte vectors,
+// eight per lane in flight, when sizes and addresses allow; else byte by byte.
+__device__ __forceinline__ void copy_bytes(void* dst, const void* src, int64_t begin,
+                                           int64_t end) {
+  const int lane = threadIdx.x % 32;
+  uint8_t* to = static_cast<uint8_t*>(dst);
+  const uint8_t* from = static_cast<const uint8_t*>(src);
+  if ((begin | end | reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) % 16) {
+    for (int64_t i = begin + lane; i < end; i += 32) to[i] = from ? from[i] : 0;
+    return;
+  }
+  constexpr int kInFlight = 8;
+  for (int64_t i0 = begin / 16; i0 < end / 16; i0 += 32 * kInFlight) {
+    int4 v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int64_t i = i0 + u * 32 + lane;
+      v[u] = from && i < end / 16 ? reinterpret_cast<const int4*>(from)[i] : make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int64_t i = i0 + u * 32 + lane;
+      if (i < end / 16) reinterpret_cast<int4*>(to)[i] = v[u];
+    }
+  }
+}
+
+// Adds the 16-byte vector `v` of t elements into acc[0..16/size).
+__device__ __forceinline__ void add_vector(float* acc, int4 v, Dtype t) {
+  if (t == Dtype::kF32) {
+    const float* f = reinterpret_cast<const float*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += f[i];
+  } else {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] += bf16_to_float(h[i]);
+  }
+}
+
+// n <= 8 consecutive elements at `index`, as float32: one 16-byte load when aligned.
+__device__ __forceinline__ void load_run(float* acc, const void* base, int64_t index, int n,
+                                         Dtype t) {
+  const int size = dtype_size(t);
+  if (n * size == 16 && (index * size) % 16 == 0) {
+    int4 v = *reinterpret_cast<const int4*>(static_cast<const uint8_t*>(base) + index * size);
+    for (int i = 0; i < n; ++i) acc[i] = 0.f;
+    add_vector(acc, v, t);
+    return;
+  }
+  for (int i = 0; i < n; ++i) acc[i] = load_float(base, index + i, t);
+}
+
+// The rounding to the output type happens here, once.
+__device__ __forceinline__ void store_run(void* base, int64_t index, const float* acc, int n,
+                                          Dtype t) {
+  uint8_t* at = static_cast<uint8_t*>(base) + index * dtype_size(t);
+  if (t == Dtype::kBF16 && n == 8 && (index * 2) % 16 == 0) {
+    uint16_t h[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) h[i] = float_to_bf16(acc[i]);
+    *reinterpret_cast<int4*>(at) = *reinterpret_cast<const int4*>(h);
+    return;
+  }
+  if (t == Dtype::kF32 && n % 4 == 0 && (index * 4) % 16 == 0) {
+    for (int i = 0; i < n; i += 4)
+      reinterpret_cast<float4*>(at)[i / 4] = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
+    return;
+  }
+  for (int i = 0; i < n; ++i) store_float(base, index + i, t, acc[i]);
+}
+
+constexpr int kSumUnroll = 8;  // 16-byte vectors per lane and source in flight
+
+// One warp: out[t] = bias[t] + the rows at row_at[d] for the ranks d in `sources`, in rank order
+// (the fixed summation order), accumulated in float32 and rounded once; 16-byte vectors
+// [first, vectors) of rows of 16-byte multiples.
+__device__ __forceinline__ void sum_rows(const CombineArgs& a, int t, uint32_t sources,
+                                         const int4* const* row_at, int first, int vectors) {
+  const int lane = threadIdx.x % 32;
+  const int per_vector = 16 / dtype_size(a.rows_dtype);
+  for (int v0 = first; v0 < vectors; v0 += 32 * kSumUnroll) {
+    float acc[kSumUnroll][8] = {};
+    if (a.has_bias) {
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        const int v = v0 + u * 32 + lane;
+        if (v < vectors)
+          load_run(acc[u], a.bias, int64_t(t) * a.width + int64_t(v) * per_vector, per_vector,
+                   a.bias_dtype);
+      }
+    }
+    for (uint32_t m = sources; m; m &= m - 1) {
+      const int4* src = row_at[__ffs(m) - 1];
+      int4 w[kSumUnroll];
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        const int v = v0 + u * 32 + lane;
+        w[u] = v < vectors ? src[v] : make_int4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) add_vector(acc[u], w[u], a.rows_dtype);
+    }
+#pragma unroll
+    for (int u = 0; u < kSumUnroll; ++u) {
+      const int v = v0 + u * 32 + lane;
+      if (v < vectors)
+        store_run(a.out, int64_t(t) * a.width + int64_t(v) * per_vector, acc[u], per_vector,
+                  a.out_dtype);
+    }
+  }
+}
+
+}  // namespace jax_ep::cuda
