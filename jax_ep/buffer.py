@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import layout
+from jax_ep.primitives import done
 from jax_ep.reference import Reference
 from jax_ep.types import DispatchResult, Handle, Pending
 
@@ -17,8 +18,11 @@ _MAX_LOW_LATENCY_TOKENS = 1024
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-def _identity(value):
-    return value
+def _raise_if_invalid(here, everywhere, num_experts):
+    if int(everywhere):
+        raise ValueError(f"jax_ep: topk_idx holds {int(everywhere)} expert id(s) outside "
+                         f"[-1, {num_experts}) ({int(here)} on this rank); they were excluded "
+                         f"from the dispatch")
 
 
 def _fail(message):
@@ -46,10 +50,14 @@ class Buffer:
     peer (then an error, never a hang). low_latency_tokens (default min(N, 256), at most 1024,
     0 = none) is the largest T the low-latency kernels take; the CUDA backend reserves
     2 * R * low_latency_tokens * (8 H + H / 32 + 8 K) bytes per GPU for them (see docs).
+    check_invalid: every fresh dispatch also raises (at run time, through a host callback) when
+    topk_idx holds ids outside [-1, E); otherwise they are excluded and only counted in
+    num_invalid (the CPU backend raises either way).
     """
 
     def __init__(self, mesh, axis_name, *, num_experts, hidden, num_topk, max_tokens_per_rank,
-                 impl="auto", num_sms=24, timeout_s=100.0, low_latency_tokens=None):
+                 impl="auto", num_sms=24, timeout_s=100.0, low_latency_tokens=None,
+                 check_invalid=False):
         if axis_name not in mesh.axis_names:
             _fail(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
         num_ranks = mesh.shape[axis_name]
@@ -75,6 +83,7 @@ class Buffer:
         self.hidden, self.num_topk = hidden, num_topk
         self.max_tokens_per_rank = max_tokens_per_rank
         self.impl = "ffi" if impl == "auto" else impl
+        self.check_invalid = bool(check_invalid)
         self._buffer_id = None
         self._low_latency_tokens = 0  # the reference and CPU paths have one set of kernels
         if self.impl == "reference":
@@ -171,7 +180,7 @@ class Buffer:
         """(arrays, finish) of a rank-level primitive: split, or the whole op up front."""
         if split:
             return getattr(self._ops, name + "_send")(*args, **kwargs)
-        return getattr(self._ops, name)(*args, **kwargs), _identity
+        return getattr(self._ops, name)(*args, **kwargs), done
 
     def _dispatch_rank(self, x, topk_idx, topk_weights, has_weights, alignment, capacity, fp8,
                        round_scale, low_latency, split):
@@ -179,7 +188,7 @@ class Buffer:
                                   fp8=fp8, round_scale=round_scale, low_latency=low_latency)
 
         def finish(arrays):
-            rows, routing = moved(arrays)
+            rows, routing = self._checked(*moved(arrays))
             result = (rows.topk_idx, rows.topk_weights if has_weights else None,
                       routing.tokens_per_expert,
                       layout.align_up(routing.tokens_per_expert, alignment),
@@ -201,7 +210,7 @@ class Buffer:
         rows_out = capacity * self.num_local_experts if padded else capacity
 
         def finish(arrays):
-            rows, routing = moved(arrays)
+            rows, routing = self._checked(*moved(arrays))
             maps = self._ops.expert_layout(rows.topk_idx, experts_per_rank=self.num_local_experts,
                                            alignment=alignment, capacity=rows_out,
                                            block_rows=capacity if padded else 0)
@@ -218,6 +227,24 @@ class Buffer:
             return DispatchResult(*self._expand(rows.x, rows.scales, handle), *result, handle)
 
         return arrays, finish
+
+    def _checked(self, rows, routing):
+        if self.check_invalid:  # every rank raises (a rank left running would wait for the rest)
+            everywhere = jax.lax.psum(routing.num_invalid, self._bound_axes())
+            jax.debug.callback(_raise_if_invalid, routing.num_invalid, everywhere,
+                               self.num_experts)
+        return rows, routing
+
+    def _bound_axes(self):
+        """The mesh axes the enclosing shard_map maps over."""
+        bound = []
+        for name in self.mesh.axis_names:
+            try:
+                jax.lax.axis_size(name)
+                bound.append(name)
+            except NameError:
+                pass
+        return tuple(bound)
 
     def _blocks(self, handle, rows):
         """expert_padded: [E_l * B, ...] expert rows -> [E_l, B, ...]."""

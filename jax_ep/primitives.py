@@ -37,7 +37,8 @@ class Routing(NamedTuple):
     num_invalid: Array        # []
 
 
-def _done(result):
+def done(result):
+    """The finish of an op that was done whole in its send half."""
     return result
 
 
@@ -45,10 +46,10 @@ class Unsplit:
     """The split primitives of a backend whose ops cannot be split: the send half does it all."""
 
     def dispatch_send(self, *args, **kwargs):
-        return self.dispatch(*args, **kwargs), _done
+        return self.dispatch(*args, **kwargs), done
 
     def dispatch_cached_send(self, *args, **kwargs):
-        return self.dispatch_cached(*args, **kwargs), _done
+        return self.dispatch_cached(*args, **kwargs), done
 
     def combine_send(self, *args, **kwargs):
-        return self.combine(*args, **kwargs), _done
+        return self.combine(*args, **kwargs), done

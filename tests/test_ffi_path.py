@@ -132,6 +132,12 @@ def test_invalid_expert_ids_are_excluded_and_reported():
     # The Buffer still works afterwards.
     got = run(mesh, counts(bufs["ffi"]), x, jnp.asarray(clean), w)
     assert_bitwise_equal(got, ref_clean)
+    # The checking mode (how the GPU backend raises) stops the reference path too.
+    checking = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
+                             max_tokens_per_rank=T, impl="reference", check_invalid=True)
+    with pytest.raises(Exception, match="topk_idx holds 2 expert id"):
+        jax.block_until_ready(run(mesh, counts(checking), x, jnp.asarray(bad), w))
+    assert_bitwise_equal(run(mesh, counts(checking), x, jnp.asarray(clean), w), ref_clean)
 
 
 def test_a_rank_that_never_arrives_is_an_error_not_a_hang():

@@ -280,3 +280,30 @@ def test_cuda_fp8_matches_oracle():
     assert (np.asarray(found["ffi"].x).view(np.uint8).reshape(want["x"].shape)
             == want["x"].view(np.uint8)).all()
     assert (np.asarray(found["ffi"].scales).reshape(want["scales"].shape) == want["scales"]).all()
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_cuda_invalid_ids_are_counted_and_the_checking_mode_raises(mode):
+    mesh = make_mesh(len(gpus()), devices=gpus())
+    rng = np.random.default_rng(13)
+    x, idx, w = random_inputs(rng, mesh.size, 64, 2048, E, K, mesh.size, "random")
+    bad = np.asarray(idx).copy()
+    bad[3, 1], bad[-1, 0] = E, -9
+    clean = bad.copy()
+    clean[3, 1] = clean[-1, 0] = -1
+    kwargs = dict(num_experts=E, hidden=2048, num_topk=K, max_tokens_per_rank=64)
+
+    def counts(buf):
+        return lambda x, i, w: buf.dispatch(x, i, w, mode=mode)._replace(handle=None)
+
+    ffi = jax_ep.Buffer(mesh, "ep", **kwargs)
+    got = run(mesh, counts(ffi), x, jnp.asarray(bad), w)
+    assert int(np.asarray(got.num_invalid).sum()) == 2
+    want = run(mesh, counts(jax_ep.Buffer(mesh, "ep", impl="reference", **kwargs)), x,
+               jnp.asarray(clean), w)
+    assert_bitwise_equal(got._replace(num_invalid=None), want._replace(num_invalid=None))
+    checking = jax_ep.Buffer(mesh, "ep", check_invalid=True, **kwargs)
+    with pytest.raises(Exception, match="topk_idx holds 2 expert id"):
+        jax.block_until_ready(run(mesh, counts(checking), x, jnp.asarray(bad), w))
+    assert_bitwise_equal(run(mesh, counts(checking), x, jnp.asarray(clean), w)._replace(
+        num_invalid=None), want._replace(num_invalid=None))
