@@ -138,7 +138,9 @@ class Buffer:
                       expert_alignment=1, fp8=False, round_scale=False, capacity=None,
                       mode="auto"):
         """The first half of dispatch: returns once the tokens are on their way. Run other work,
-        then dispatch_recv(pending). Not differentiable (use dispatch under grad)."""
+        then dispatch_recv(pending). Not differentiable (use dispatch under grad). At most two
+        sent dispatches may await their recv at once (their two slots); a third send would wait
+        for the first recv and end in the timeout error."""
         return Pending(*self._dispatch_start(True, x, topk_idx, topk_weights, handle, layout,
                                              expert_alignment, fp8, round_scale, capacity, mode),
                        kind="dispatch")
@@ -284,7 +286,8 @@ class Buffer:
 
     def combine_send(self, expert_out, handle, topk_weights=None, bias=None):
         """The first half of combine: returns once the rows are on their way back. Run other
-        work, then combine_recv(pending). Not differentiable (use combine under grad)."""
+        work, then combine_recv(pending). Not differentiable (use combine under grad). At most
+        two sent combines may await their recv at once."""
         return Pending(*self._combine_start(True, expert_out, handle, topk_weights, bias),
                        kind="combine")
 
