@@ -1,8 +1,6 @@
 """jax_ep.Buffer: dispatch and combine of SPEC §3, built from the primitives of a backend."""
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -219,13 +217,13 @@ class Buffer:
             group_sizes = layout.align_up(maps.tokens_per_expert, alignment)
             weights = (layout.expert_weights(rows.topk_weights, rows.topk_idx, maps.expert_src,
                                              maps.expert_of_row) if has_weights else None)
+            result = (self._blocks(layout_name, maps.expert_of_row),
+                      self._blocks(layout_name, weights), maps.tokens_per_expert, group_sizes,
+                      group_sizes.sum(dtype=jnp.int32), routing.num_dropped + maps.num_dropped,
+                      routing.num_invalid)
             handle = Handle(routing.send_pos, routing.recv_counts, routing.num_recv,
-                            maps.expert_src, maps.expert_rows, (), layout=layout_name,
+                            maps.expert_src, maps.expert_rows, result, layout=layout_name,
                             rows=staging, capacity=rows_out, low_latency=low_latency)
-            result = (self._blocks(handle, maps.expert_of_row), self._blocks(handle, weights),
-                      maps.tokens_per_expert, group_sizes, group_sizes.sum(dtype=jnp.int32),
-                      routing.num_dropped + maps.num_dropped, routing.num_invalid)
-            handle = dataclasses.replace(handle, result=result)
             return DispatchResult(*self._expand(rows.x, rows.scales, handle), *result, handle)
 
         return arrays, finish
@@ -248,9 +246,9 @@ class Buffer:
                 pass
         return tuple(bound)
 
-    def _blocks(self, handle, rows):
+    def _blocks(self, layout_name, rows):
         """expert_padded: [E_l * B, ...] expert rows -> [E_l, B, ...]."""
-        if rows is None or handle.layout != "expert_padded":
+        if rows is None or layout_name != "expert_padded":
             return rows
         return rows.reshape((self.num_local_experts, -1) + rows.shape[1:])
 
@@ -260,7 +258,7 @@ class Buffer:
         if scales is not None:
             scales = layout.expand_rows(scales, handle.expert_src, handle.expert_rows)
         x = layout.expand_rows(x_rows, handle.expert_src, handle.expert_rows)
-        return self._blocks(handle, x), self._blocks(handle, scales)
+        return self._blocks(handle.layout, x), self._blocks(handle.layout, scales)
 
     def _dispatch_cached(self, split, x, handle, fp8, round_scale, tokens):
         if not isinstance(handle, Handle):

@@ -2,6 +2,7 @@
 // ffi/ decodes XLA buffers and attributes into these; kernels/cpu and kernels/cuda run them.
 #pragma once
 #include "kernels/dtype.h"
+#include "kernels/layout.h"
 
 namespace jax_ep {
 
@@ -60,7 +61,7 @@ struct ExpertLayoutArgs {
   int32_t* tokens_per_expert;    // [E_l] rows present per expert
   int32_t* num_dropped;          // [] (row, expert) items beyond capacity
   int32_t* expert_counts;        // [E_l] rows per expert before the capacity (scratch)
-  JAX_EP_HD int max_per_row() const { return num_topk < experts_per_rank ? num_topk : experts_per_rank; }
+  JAX_EP_HD int max_per_row() const { return max_experts_per_row(num_topk, experts_per_rank); }
 };
 
 }  // namespace jax_ep

@@ -36,7 +36,6 @@ struct LowLatencyState {
 struct DeviceState {
   uint64_t seq;                                   // ops this rank has completed
   uint32_t ticket;                                // blocks of the running kernel that finished
-  uint32_t reserved;
   int32_t* expert_tally;                          // [R][E_l]: rows this rank sends, per expert
   int32_t* expert_inbox;                          // [2][R][E_l]: the tallies peers sent here
   // Mailbox: written by this rank, read by peers.
@@ -66,12 +65,14 @@ struct LowLatencyLink {
   uint8_t* region[2][kMaxRanks];   // [kind][rank]: that rank's receive region
   int32_t* expert_count;           // [E_l] this rank's tally scratch, zero between ops
   int tokens, hidden, num_topk;    // rows per (slot, source); the Buffer's H and K
-  // Dispatch rows: x (up to 4 H bytes), FP8 scales, then K local expert ids and K weights.
-  __host__ __device__ int64_t scales_at() const { return (4 * int64_t(hidden) + 15) / 16 * 16; }
+  // Room for a float32 row of width H, 16-byte aligned.
+  __host__ __device__ int64_t widest_row() const { return (4 * int64_t(hidden) + 15) / 16 * 16; }
+  // Dispatch rows: x, FP8 scales, then K local expert ids and K weights.
+  __host__ __device__ int64_t scales_at() const { return widest_row(); }
   __host__ __device__ int64_t meta_at() const { return scales_at() + (hidden / 32 + 15) / 16 * 16; }
   __host__ __device__ int64_t dispatch_row() const { return meta_at() + (8 * num_topk + 15) / 16 * 16; }
-  // Combine rows: up to 4 H bytes (float32 rows of width H).
-  __host__ __device__ int64_t combine_row() const { return scales_at(); }
+  // Combine rows: one row of expert output (float32 at most).
+  __host__ __device__ int64_t combine_row() const { return widest_row(); }
   __host__ __device__ int64_t row_bytes(int kind) const {
     return kind == kLowLatencyDispatch ? dispatch_row() : combine_row();
   }

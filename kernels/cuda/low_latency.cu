@@ -375,11 +375,9 @@ std::string low_latency_dispatch(Comm& comm, int device, cudaStream_t stream,
   const DispatchParams p{d, rank->link};
   const int blocks = bandwidth_blocks(comm.knobs, device);
   const bool aligned = (int64_t(a.hidden) * dtype_size(a.x_dtype)) % 16 == 0;
-  const bool bf16 = a.x_dtype == Dtype::kBF16;
-  JAX_EP_CUDA_TRY(a.fp8 ? (bf16 ? launch_dispatch<__nv_bfloat16, true>(p, blocks, aligned, stream)
-                                : launch_dispatch<float, true>(p, blocks, aligned, stream))
-                        : (bf16 ? launch_dispatch<__nv_bfloat16, false>(p, blocks, aligned, stream)
-                                : launch_dispatch<float, false>(p, blocks, aligned, stream)));
+  JAX_EP_CUDA_TRY(with_row_type(a.x_dtype, a.fp8, [&](auto t, auto fp8) {
+    return launch_dispatch<decltype(t), decltype(fp8)::value>(p, blocks, aligned, stream);
+  }));
   return {};
 }
 

@@ -85,9 +85,4 @@ __device__ __forceinline__ void fence_shared_to_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-// Orders completed bulk copies with the generic proxy (before flags announce them).
-__device__ __forceinline__ void fence_async_to_generic() {
-  asm volatile("fence.proxy.async;" ::: "memory");
-}
-
 }  // namespace jax_ep::cuda

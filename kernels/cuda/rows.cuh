@@ -3,11 +3,22 @@
 #pragma once
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
 #include "kernels/dtype.h"
 #include "kernels/fp8.h"
 #include "kernels/ops.h"
 
 namespace jax_ep::cuda {
+
+// f(T(), std::integral_constant<bool, kFp8>()) for a dispatch's row type: the kernels that read
+// x rows are templates over both.
+template <typename F>
+cudaError_t with_row_type(Dtype x_dtype, bool fp8, F&& f) {
+  if (x_dtype == Dtype::kBF16)
+    return fp8 ? f(__nv_bfloat16(), std::true_type()) : f(__nv_bfloat16(), std::false_type());
+  return fp8 ? f(float(), std::true_type()) : f(float(), std::false_type());
+}
 
 // How one lane walks a row: per step it loads kLoads 16-byte vectors (kElems elements) and
 // writes them, or their e4m3 bytes (16 per lane: 16 bytes), to every destination.
