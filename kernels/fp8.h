@@ -2,9 +2,6 @@
 // One float32 scale per 128 channels; e4m3fn values rounded to nearest even.
 #pragma once
 #include "kernels/layout.h"
-#if defined(__CUDACC__)
-#include <cuda_fp8.h>
-#endif
 #include <cmath>
 
 namespace jax_ep {
@@ -29,24 +26,22 @@ JAX_EP_HD float fp8_scale(float amax, bool round_scale) {
   return scale;
 }
 
-// What a block's values are multiplied by (448 / amax, a true division) or divided by (round_scale).
+// What a block's values are multiplied by: 448 / amax (a true division), or with round_scale
+// 1 / scale, exact for a power of two, so that x * factor is x / scale to the bit.
 struct Fp8Block {
   float scale;
   float factor;
-  bool divide;
   JAX_EP_HD static Fp8Block make(float block_max_abs, bool round_scale) {
     float amax = fp8_amax(block_max_abs);
     float scale = fp8_scale(amax, round_scale);
-    return {scale, round_scale ? scale : kFp8Max / amax, round_scale};
+    return {scale, round_scale ? 1.0f / scale : kFp8Max / amax};
   }
-  JAX_EP_HD float scaled(float x) const { return divide ? x / factor : x * factor; }
+  JAX_EP_HD float scaled(float x) const { return x * factor; }
 };
 
 // float -> float8_e4m3fn, round to nearest even, saturating to +-448 (inputs never exceed it).
+// The CUDA kernels convert pairs in hardware instead (rows.cuh: the same bytes).
 JAX_EP_HD uint8_t float_to_e4m3(float f) {
-#if defined(__CUDA_ARCH__)
-  return uint8_t(__nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3));
-#else
   uint32_t u;
   memcpy(&u, &f, 4);
   uint8_t sign = uint8_t((u >> 24) & 0x80);
@@ -60,7 +55,6 @@ JAX_EP_HD uint8_t float_to_e4m3(float f) {
   uint32_t rounded = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;  // keep 3 mantissa bits, RNE
   int32_t code = int32_t(rounded) - ((127 - 7) << 3);
   return sign | uint8_t(code > 0x7e ? 0x7e : code);
-#endif
 }
 
 }  // namespace jax_ep

@@ -33,9 +33,15 @@ struct LowLatencyState {
   int32_t counts[2][kMaxRanks];       // [slot][src]: rows src sent here (fresh dispatch)
 };
 
+// Dispatch routing runs one block per chunk of kRouteTokens tokens (dispatch.cu).
+constexpr int kRouteTokens = 1024;
+constexpr int kMaxRouteChunks = 1024;
+
 struct DeviceState {
   uint64_t seq;                                   // ops this rank has completed
   uint32_t ticket;                                // blocks of the running kernel that finished
+  int32_t route_invalid;                          // invalid expert ids the route blocks saw
+  int32_t chunk_rows[kMaxRouteChunks][kMaxRanks]; // rows earlier chunks of tokens send to rank d
   int32_t* expert_tally;                          // [R][E_l]: rows this rank sends, per expert
   int32_t* expert_inbox;                          // [2][R][E_l]: the tallies peers sent here
   // Mailbox: written by this rank, read by peers.

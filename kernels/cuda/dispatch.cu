@@ -1,11 +1,11 @@
 // Dispatch on NVLink GPUs. Two kernels on the op's stream:
-//   route  (1 block)    publishes this rank's output buffers, gives every token its slot per
-//                        destination rank, all-gathers the per-rank row counts;
-//   send   (<= num_sms) each warp takes tokens, loads a row (FP8-quantising it when asked) and
-//                        stores it from registers straight into the output row of every
-//                        destination rank, tallying rows per destination expert; the last block
-//                        hands each rank its tally, announces the rows arrived, waits for every
-//                        peer's rows and totals tokens per local expert.
+//   route  (a block per 1024 tokens) publishes this rank's output buffers, gives every token its
+//          slot per destination rank, all-gathers the per-rank row counts;
+//   send   (<= num_sms blocks) each warp takes tokens, loads a row (FP8-quantising it when
+//          asked) and stores it from registers straight into the output row of every
+//          destination rank, tallying rows per destination expert; the last block hands each
+//          rank its tally, announces the rows arrived, waits for every peer's rows and totals
+//          tokens per local expert.
 // A cached dispatch is the send kernel alone (its block 0 publishes the output buffers).
 #include <cuda_bf16.h>
 
@@ -17,7 +17,6 @@
 namespace jax_ep::cuda {
 namespace {
 
-constexpr int kRouteThreads = 1024;
 constexpr int kSendWarps = 24;
 constexpr int kMaxScales = 1024;   // per row (hidden <= 131072 when fp8): 128 KB of staging
 
@@ -26,63 +25,86 @@ struct Params {
   Link link;
 };
 
-__global__ void __launch_bounds__(kRouteThreads) route_kernel(Params p) {
+// One block per chunk of kRouteTokens tokens: each token's slot among the chunk's tokens sent to
+// each rank (send_pos; the send kernel adds the rows of earlier chunks and ranks), the chunk's
+// row counts in chunk_rows. The last block turns those into offsets and sends this rank's row
+// of the count matrix to every rank.
+__global__ void __launch_bounds__(kRouteTokens) route_kernel(Params p) {
   const DispatchArgs& a = p.a;
-  const int R = p.link.num_ranks, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  constexpr int kWarps = kRouteThreads / 32;
-  __shared__ int32_t warp_count[kWarps][kMaxRanks];
-  __shared__ int32_t running[kMaxRanks];
-  __shared__ int32_t invalid;
-  __shared__ uint64_t seq;
-  if (threadIdx.x == 0) {
-    seq = this_op(p.link.self);
+  const Link& link = p.link;
+  const int R = link.num_ranks, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  constexpr int kWarps = kRouteTokens / 32;
+  static_assert(kWarps == 32, "one lane per warp in the scan below");
+  __shared__ int32_t warp_rows[kWarps][kMaxRanks];  // then: rows of earlier warps
+  __shared__ int32_t invalid, total[kMaxRanks];
+  const uint64_t seq = this_op(link.self);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
     void* mine[kMailboxPointers] = {a.x_out, a.scales_out, a.topk_out, a.weights_out};
-    publish(p.link.self, seq, mine);
-    invalid = 0;
+    publish(link.self, seq, mine);
   }
-  if (threadIdx.x < R) running[threadIdx.x] = 0;
-  for (int i = threadIdx.x; i < R * a.experts_per_rank(); i += blockDim.x)
-    p.link.self->expert_tally[i] = 0;
+  if (threadIdx.x == 0) invalid = 0;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < R * a.experts_per_rank();
+       i += gridDim.x * blockDim.x)
+    link.self->expert_tally[i] = 0;
   __syncthreads();
 
-  for (int base = 0; base < a.num_tokens; base += kRouteThreads) {
-    const int t = base + threadIdx.x;
-    uint32_t mask = 0;
-    if (t < a.num_tokens) {
-      const int32_t* topk = a.topk_idx + int64_t(t) * a.num_topk;
-      mask = dest_rank_mask(topk, a.num_topk, a.num_experts, a.experts_per_rank());
-      int bad = count_invalid(topk, a.num_topk, a.num_experts);
-      if (bad) atomicAdd(&invalid, bad);
-    }
-    // Slot of t among this rank's tokens for d: earlier chunks + earlier warps + earlier lanes.
-    uint32_t below[kMaxRanks];
-    for (int d = 0; d < R; ++d) {
-      uint32_t ballot = __ballot_sync(~0u, mask >> d & 1u);
-      below[d] = __popc(ballot & ((1u << lane) - 1u));
-      if (lane == 0) warp_count[warp][d] = __popc(ballot);
-    }
-    __syncthreads();
-    for (int d = 0; d < R; ++d) {
-      int before = running[d];
-      for (int w = 0; w < warp; ++w) before += warp_count[w][d];
-      if (t < a.num_tokens)
-        a.send_pos[int64_t(t) * R + d] = mask >> d & 1u ? int32_t(before + below[d]) : -1;
-    }
-    __syncthreads();
-    if (threadIdx.x < R) {
-      int total = 0;
-      for (int w = 0; w < kWarps; ++w) total += warp_count[w][threadIdx.x];
-      running[threadIdx.x] += total;
-    }
-    __syncthreads();
+  const int t = blockIdx.x * kRouteTokens + threadIdx.x;
+  uint32_t mask = 0;
+  if (t < a.num_tokens) {
+    const int32_t* topk = a.topk_idx + int64_t(t) * a.num_topk;
+    mask = dest_rank_mask(topk, a.num_topk, a.num_experts, a.experts_per_rank());
+    if (int bad = count_invalid(topk, a.num_topk, a.num_experts)) atomicAdd(&invalid, bad);
   }
-  if (threadIdx.x == 0) *a.num_invalid = invalid;
+  int32_t below[kMaxRanks];  // tokens of earlier lanes of this warp sent to d
+#pragma unroll
+  for (int d = 0; d < kMaxRanks; ++d) {
+    const uint32_t ballot = __ballot_sync(~0u, mask >> d & 1u);
+    below[d] = __popc(ballot & ((1u << lane) - 1u));
+    if (lane == 0 && d < R) warp_rows[warp][d] = __popc(ballot);
+  }
+  __syncthreads();
+  if (warp < R) {  // warp d scans the warps' counts for rank d
+    const int d = warp, n = warp_rows[lane][d];
+    int inclusive = n;
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const int up = __shfl_up_sync(~0u, inclusive, off);
+      if (lane >= off) inclusive += up;
+    }
+    warp_rows[lane][d] = inclusive - n;
+    if (lane == 31) link.self->chunk_rows[blockIdx.x][d] = inclusive;
+  }
+  if (threadIdx.x == 0 && invalid) atomicAdd(&link.self->route_invalid, invalid);
+  __syncthreads();
+  if (t < a.num_tokens)
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d)
+      if (d < R) a.send_pos[int64_t(t) * R + d] = mask >> d & 1u ? warp_rows[warp][d] + below[d] : -1;
+
+  if (!last_block_done(&link.self->ticket)) return;
+  if (threadIdx.x < R) {  // chunk counts -> rows of earlier chunks
+    const int d = threadIdx.x;
+    volatile int32_t(*rows)[kMaxRanks] = link.self->chunk_rows;
+    int running = 0;
+    for (int c = 0; c < gridDim.x; ++c) {
+      const int n = rows[c][d];
+      rows[c][d] = running;
+      running += n;
+    }
+    total[d] = running;
+  }
+  if (threadIdx.x == 0) {
+    volatile int32_t* seen = &link.self->route_invalid;
+    *a.num_invalid = *seen;
+    *seen = 0;
+  }
+  __syncthreads();
   if (threadIdx.x < R) {  // my row of the count matrix, to every rank (myself included)
-    DeviceState* peer = p.link.peers[threadIdx.x];
-    int32_t* row = peer->counts[seq & 1][p.link.rank];
-    for (int d = 0; d < R; ++d) row[d] = running[d];
+    DeviceState* peer = link.peers[threadIdx.x];
+    int32_t* row = peer->counts[seq & 1][link.rank];
+    for (int d = 0; d < R; ++d) row[d] = total[d];
     __threadfence_system();
-    store_release(&peer->counts_seq[seq & 1][p.link.rank], seq);
+    store_release(&peer->counts_seq[seq & 1][link.rank], seq);
   }
 }
 
@@ -144,7 +166,7 @@ __global__ void __launch_bounds__(kSendWarps * 32, 1) send_kernel(Params p, bool
       int32_t* sp = a.send_pos + int64_t(t) * R + lane;
       pos = *sp;
       if (!a.cached && pos >= 0) {
-        pos += first_row[lane];
+        pos += first_row[lane] + link.self->chunk_rows[t / kRouteTokens][lane];
         if (pos >= a.out_rows) pos = -1;
         *sp = pos;
       }
@@ -156,30 +178,43 @@ __global__ void __launch_bounds__(kSendWarps * 32, 1) send_kernel(Params p, bool
     if (pos >= 0) out[lane] = static_cast<uint8_t*>(dest[lane][0]) + int64_t(pos) * out_row;
     __syncwarp();
 
+    if (pos >= 0)
+      scales_of[warp][lane] = kFp8 ? static_cast<float*>(dest[lane][1]) + int64_t(pos) * num_scales
+                                   : nullptr;
+    __syncwarp();
+    // Lane k's slot (the first 32), loaded now so that its latency hides behind the row's.
+    int32_t expert = -1;
+    float weight = 0.f;
+    if (!a.cached && lane < a.num_topk) {
+      expert = a.topk_idx[int64_t(t) * a.num_topk + lane];
+      weight = a.topk_weights[int64_t(t) * a.num_topk + lane];
+    }
+    send_row<T, kFp8>(row, a.hidden, a.round_scale, targets, out, scales_of[warp], scales, 0,
+                      (a.hidden + Step::kStep - 1) / Step::kStep, aligned);
     if (!a.cached) {  // local expert ids and weights as each destination sees them
       const int32_t* topk = a.topk_idx + int64_t(t) * a.num_topk;
-      for (uint32_t m = targets; m; m &= m - 1) {
-        const int d = __ffs(m) - 1;
-        const int64_t at = int64_t(__shfl_sync(~0u, pos, d)) * a.num_topk;
-        for (int k = lane; k < a.num_topk; k += 32) {
-          const int32_t local = local_expert_on(topk[k], d, a.num_experts, a.experts_per_rank());
-          static_cast<int32_t*>(dest[d][2])[at + k] = local;
-          static_cast<float*>(dest[d][3])[at + k] =
-              local >= 0 ? a.topk_weights[int64_t(t) * a.num_topk + k] : 0.f;
-          bool repeated = false;  // the same expert in an earlier slot: the pair counts once
-          for (int j = 0; j < k; ++j) repeated |= topk[j] == topk[k];
+      const float* weights = a.topk_weights + int64_t(t) * a.num_topk;
+      for (int k0 = 0; k0 < a.num_topk; k0 += 32) {
+        const int k = k0 + lane;
+        if (k0 > 0) {
+          expert = k < a.num_topk ? topk[k] : -1;
+          weight = k < a.num_topk ? weights[k] : 0.f;
+        }
+        // The same expert in an earlier slot: the pair counts once.
+        const uint32_t same = __match_any_sync(~0u, expert);
+        const bool repeated = (same & ((1u << lane) - 1u)) || row_has_expert(topk, k0, expert);
+        for (uint32_t m = targets; m; m &= m - 1) {
+          const int d = __ffs(m) - 1;
+          const int64_t at = int64_t(__shfl_sync(~0u, pos, d)) * a.num_topk + k;
+          if (k >= a.num_topk) continue;
+          const int32_t local = local_expert_on(expert, d, a.num_experts, a.experts_per_rank());
+          static_cast<int32_t*>(dest[d][2])[at] = local;
+          static_cast<float*>(dest[d][3])[at] = local >= 0 ? weight : 0.f;
           if (local >= 0 && !repeated)
             atomicAdd(&link.self->expert_tally[d * a.experts_per_rank() + local], 1);
         }
       }
     }
-
-    if (pos >= 0)
-      scales_of[warp][lane] = kFp8 ? static_cast<float*>(dest[lane][1]) + int64_t(pos) * num_scales
-                                   : nullptr;
-    __syncwarp();
-    send_row<T, kFp8>(row, a.hidden, a.round_scale, targets, out, scales_of[warp], scales, 0,
-                      (a.hidden + Step::kStep - 1) / Step::kStep, aligned);
     __syncwarp();  // the warp's scale and row-address staging is free again
   }
 
@@ -236,10 +271,14 @@ std::string dispatch(Comm& comm, int device, cudaStream_t stream, const Dispatch
   Comm::Rank* rank = nullptr;
   if (auto err = comm.rank_on(device, &rank); !err.empty()) return err;
   if (a.fp8 && a.scales_per_row() > kMaxScales) return "jax_ep: fp8 dispatch supports hidden <= 131072";
+  if (!a.cached && a.num_tokens > kRouteTokens * kMaxRouteChunks)
+    return "jax_ep: dispatch supports at most " + std::to_string(kRouteTokens * kMaxRouteChunks) +
+           " tokens per rank";
   const Params p{a, rank->link};
   const int blocks = bandwidth_blocks(comm.knobs, device);
   if (!a.cached) {
-    route_kernel<<<1, kRouteThreads, 0, stream>>>(p);
+    const int chunks = max(1, (a.num_tokens + kRouteTokens - 1) / kRouteTokens);
+    route_kernel<<<chunks, kRouteTokens, 0, stream>>>(p);
     JAX_EP_CUDA_TRY(cudaGetLastError());
   }
 

@@ -2,6 +2,7 @@
 // combine.cu) and the low-latency ones (low_latency.cu).
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include <type_traits>
 
@@ -31,25 +32,47 @@ struct RowStep {
   static constexpr int kUnroll = 8 / kLoads;                  // steps with loads in flight
 };
 
-// The e4m3 bytes of one lane's 16 elements, with the scale of their 128-channel block.
+// The largest |x| of one lane's 16 elements (bfloat16 pairs compared as pairs: exact).
+template <typename T>
+__device__ __forceinline__ float abs_max16(const int4* v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(v);
+    __nv_bfloat162 m = __habs2(h[0]);
+#pragma unroll
+    for (int i = 1; i < 8; ++i) m = __hmax2(m, __habs2(h[i]));
+    return fmaxf(__low2float(m), __high2float(m));
+  } else {
+    const float* f = reinterpret_cast<const float*>(v);
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) m = fmaxf(m, fabsf(f[i]));
+    return m;
+  }
+}
+
+// The e4m3 bytes of one lane's 16 elements, with the scale of their 128-channel block: one
+// multiply and half a paired conversion per element.
 template <typename T>
 __device__ __forceinline__ int4 quantize16(const int4* v, bool round_scale, float* scale) {
   constexpr int kLanesPerBlock = RowStep<T, true>::kLanesPerBlock;
-  float f[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(reinterpret_cast<const T*>(v)[i]);
-  float max_abs = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) max_abs = fmaxf(max_abs, fabsf(f[i]));
+  float max_abs = abs_max16<T>(v);
 #pragma unroll
   for (int off = kLanesPerBlock / 2; off > 0; off /= 2)
     max_abs = fmaxf(max_abs, __shfl_xor_sync(~0u, max_abs, off));
   const Fp8Block block = Fp8Block::make(max_abs, round_scale);
   *scale = block.scale;
-  uint8_t q[16];
+  const T* x = reinterpret_cast<const T*>(v);
+  uint32_t q[4];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) q[i] = float_to_e4m3(block.scaled(f[i]));
-  return *reinterpret_cast<const int4*>(q);
+  for (int i = 0; i < 4; ++i) {
+    float f[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) f[j] = block.scaled(static_cast<float>(x[4 * i + j]));
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(f[0], f[1]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(f[2], f[3]), __NV_SATFINITE, __NV_E4M3);
+    q[i] = lo | hi << 16;
+  }
+  return make_int4(int(q[0]), int(q[1]), int(q[2]), int(q[3]));
 }
 
 // One warp sends steps [first_step, end_step) of a token's row (RowStep elements each) to every
@@ -74,30 +97,35 @@ __device__ __forceinline__ void send_row(const uint8_t* row, int hidden, bool ro
     return;
   }
   for (int s0 = first_step; s0 < end_step; s0 += Step::kUnroll) {
+    const int steps = min(Step::kUnroll, end_step - s0);  // the same in every lane
     int4 v[Step::kUnroll][Step::kLoads];
 #pragma unroll
     for (int u = 0; u < Step::kUnroll; ++u) {
       const int e = (s0 + u) * Step::kStep + lane * Step::kElems;
 #pragma unroll
       for (int l = 0; l < Step::kLoads; ++l)
-        v[u][l] = s0 + u < end_step && e < hidden
+        v[u][l] = u < steps && e < hidden
                       ? __ldg(reinterpret_cast<const int4*>(row + e * sizeof(T)) + l)
                       : make_int4(0, 0, 0, 0);
     }
+    if constexpr (kFp8) {  // v[u][0] becomes the step's e4m3 bytes
 #pragma unroll
-    for (int u = 0; u < Step::kUnroll; ++u) {
-      if (s0 + u >= end_step) break;
-      const int e = (s0 + u) * Step::kStep + lane * Step::kElems;
-      int4 word = v[u][0];
-      if constexpr (kFp8) {
+      for (int u = 0; u < Step::kUnroll; ++u) {
+        if (u >= steps) break;
+        const int e = (s0 + u) * Step::kStep + lane * Step::kElems;
         float scale;
-        word = quantize16<T>(v[u], round_scale, &scale);
+        v[u][0] = quantize16<T>(v[u], round_scale, &scale);
         if (e < hidden && lane % Step::kLanesPerBlock == 0) stage[e / kFp8Block] = scale;
       }
-      if (e >= hidden) continue;
-      const int64_t at = kFp8 ? e : e * int64_t(sizeof(T));
-      for (uint32_t m = targets; m; m &= m - 1)
-        *reinterpret_cast<int4*>(x_dst[__ffs(m) - 1] + at) = word;
+    }
+    for (uint32_t m = targets; m; m &= m - 1) {  // each destination's address read once
+      uint8_t* to = x_dst[__ffs(m) - 1];
+#pragma unroll
+      for (int u = 0; u < Step::kUnroll; ++u) {
+        const int e = (s0 + u) * Step::kStep + lane * Step::kElems;
+        if (u < steps && e < hidden)
+          *reinterpret_cast<int4*>(to + (kFp8 ? e : e * int64_t(sizeof(T)))) = v[u][0];
+      }
     }
   }
   if constexpr (kFp8) {
@@ -168,10 +196,10 @@ __device__ __forceinline__ void load_run(float* acc, const void* base, int64_t i
 __device__ __forceinline__ void store_run(void* base, int64_t index, const float* acc, int n,
                                           Dtype t) {
   uint8_t* at = static_cast<uint8_t*>(base) + index * dtype_size(t);
-  if (t == Dtype::kBF16 && n == 8 && (index * 2) % 16 == 0) {
-    uint16_t h[8];
+  if (t == Dtype::kBF16 && n == 8 && (index * 2) % 16 == 0) {  // float_to_bf16, in pairs, in hardware
+    __nv_bfloat162 h[4];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) h[i] = float_to_bf16(acc[i]);
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
     *reinterpret_cast<int4*>(at) = *reinterpret_cast<const int4*>(h);
     return;
   }
@@ -183,11 +211,12 @@ __device__ __forceinline__ void store_run(void* base, int64_t index, const float
   for (int i = 0; i < n; ++i) store_float(base, index + i, t, acc[i]);
 }
 
-constexpr int kSumUnroll = 8;  // 16-byte vectors per lane and source in flight
+constexpr int kSumUnroll = 4;  // 16-byte vectors per lane and source in flight
 
 // One warp: out[t] = bias[t] + the rows at row_at[d] for the ranks d in `sources`, in rank order
 // (the fixed summation order), accumulated in float32 and rounded once; 16-byte vectors
-// [first, vectors) of rows of 16-byte multiples.
+// [first, vectors) of rows of 16-byte multiples. Sources are loaded two at a time, so a peer's
+// loads are in flight together with the local ones.
 __device__ __forceinline__ void sum_rows(const CombineArgs& a, int t, uint32_t sources,
                                          const int4* const* row_at, int first, int vectors) {
   const int lane = threadIdx.x % 32;
@@ -203,16 +232,23 @@ __device__ __forceinline__ void sum_rows(const CombineArgs& a, int t, uint32_t s
                    a.bias_dtype);
       }
     }
-    for (uint32_t m = sources; m; m &= m - 1) {
-      const int4* src = row_at[__ffs(m) - 1];
-      int4 w[kSumUnroll];
+    for (uint32_t m = sources; m;) {
+      const int4* first_src = row_at[__ffs(m) - 1];
+      m &= m - 1;
+      const int4* second_src = m ? row_at[__ffs(m) - 1] : nullptr;
+      m &= m - 1;
+      int4 w[2][kSumUnroll];
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u) {
         const int v = v0 + u * 32 + lane;
-        w[u] = v < vectors ? src[v] : make_int4(0, 0, 0, 0);
+        w[0][u] = v < vectors ? first_src[v] : make_int4(0, 0, 0, 0);
+        w[1][u] = second_src && v < vectors ? second_src[v] : make_int4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) add_vector(acc[u], w[u], a.rows_dtype);
+      for (int u = 0; u < kSumUnroll; ++u) add_vector(acc[u], w[0][u], a.rows_dtype);
+      if (second_src)
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) add_vector(acc[u], w[1][u], a.rows_dtype);
     }
 #pragma unroll
     for (int u = 0; u < kSumUnroll; ++u) {
