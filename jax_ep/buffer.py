@@ -106,7 +106,10 @@ class Buffer:
         return Ffi(self._buffer_id, self.num_ranks, self.num_experts)
 
     def close(self):
-        """Releases the communication memory; the Buffer cannot be used afterwards."""
+        """Releases the communication memory; the Buffer cannot be used afterwards. JAX runs
+        programs asynchronously: computations still queued that use this Buffer then fail with
+        "Buffer N does not exist (closed?)", so keep it referenced (it closes itself when
+        collected) until their results are ready."""
         if self._buffer_id is not None:
             from jax_ep import _native
             _native.destroy_buffer(self._buffer_id)
