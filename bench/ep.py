@@ -35,12 +35,13 @@ CONFIGS = {
 }
 IMPLS = ("jax_ep", "lax_all_to_all", "lax_ragged_all_to_all")
 GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,COLLECTIVES --xla_gpu_graph_min_graph_size=1"
-# jax_ep variants: (mode, layout). "jax_ep" lets the Buffer choose (low-latency kernels up to 256
-# tokens per rank); the others force one family, time the expert_padded decode layout, or time
-# dispatch with a cached handle (only x moves: the routing work of a fresh dispatch is left out).
-JAX_EP = {"jax_ep": ("auto", "rank"), "jax_ep_normal": ("normal", "rank"),
-          "jax_ep_low_latency": ("low_latency", "rank"), "jax_ep_padded": ("auto", "expert_padded"),
-          "jax_ep_cached": ("auto", "rank")}
+# jax_ep variants: (mode, layout, cached). "jax_ep" lets the Buffer choose (low-latency kernels up
+# to 256 tokens per rank); the others force one family, time the expert_padded decode layout, or
+# time dispatch with a cached handle (only x moves: the routing work of a fresh dispatch is left
+# out).
+JAX_EP = {"jax_ep": ("auto", "rank", False), "jax_ep_normal": ("normal", "rank", False),
+          "jax_ep_low_latency": ("low_latency", "rank", False),
+          "jax_ep_padded": ("auto", "expert_padded", False), "jax_ep_cached": ("auto", "rank", True)}
 
 
 def routing(rng, num_ranks, tokens, num_experts, num_topk):
@@ -129,8 +130,8 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
     harness = harness_seconds(mesh, x, idx, steps)
     print(f"  harness: {harness * 1e6:.1f} us per step (subtracted)", flush=True)
     for impl in impls:
+        mode, lay, cached = JAX_EP.get(impl, (None, None, False))
         if impl in JAX_EP:
-            mode, lay = JAX_EP[impl]
             buf = jax_ep.Buffer(mesh, "ep", num_experts=num_experts, hidden=hidden,
                                 num_topk=num_topk, max_tokens_per_rank=tokens, num_sms=num_sms)
 
@@ -175,7 +176,7 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
         def dispatch_prologue(x, idx):
             return x, idx, ()
 
-        if impl == "jax_ep_cached":  # the steps' routing is the handle of one fresh dispatch
+        if cached:  # the steps' routing is the handle of one fresh dispatch
             def dispatch_outputs(x, handle, buf=buf):
                 d = buf.dispatch(x, handle=handle, fp8=fp8)
                 return (d.x, d.scales) if fp8 else (d.x,)
@@ -208,7 +209,7 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
                 logical_gbps=received * row / seconds / 1e9,
                 physical_gbps=crossed * row / seconds / 1e9,
                 num_sms=num_sms if impl in JAX_EP else None,
-                mode=JAX_EP.get(impl, (None,))[0], layout=JAX_EP.get(impl, (None, None))[1],
+                mode=mode, layout=lay,
                 dtype="fp8" if op == "dispatch" and fp8 else "bf16"))
     if check:  # every implementation routed the same way: same round trip
         ref = np.asarray(outputs[impls[0]], np.float32)

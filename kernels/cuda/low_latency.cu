@@ -348,10 +348,9 @@ cudaError_t launch_dispatch(const DispatchParams& p, int blocks, bool aligned, c
 }
 
 // Why the low-latency kernels cannot take this call, or "".
-std::string check(const LowLatencyLink& ll, int half, int tokens, int hidden) {
+std::string check(const LowLatencyLink& ll, int tokens, int hidden) {
   if (ll.tokens == 0)
     return "jax_ep: this Buffer has no low-latency memory (low_latency_tokens=0)";
-  if (half < kSend || half > kBoth) return "jax_ep: low-latency call with an unknown half";
   if (tokens > ll.tokens)
     return "jax_ep: " + std::to_string(tokens) + " tokens per rank, more than the Buffer's "
            "low_latency_tokens=" + std::to_string(ll.tokens);
@@ -367,7 +366,7 @@ std::string low_latency_dispatch(Comm& comm, int device, cudaStream_t stream,
   Comm::Rank* rank = nullptr;
   if (auto err = comm.rank_on(device, &rank); !err.empty()) return err;
   const DispatchArgs& a = d.a;
-  if (auto err = check(rank->link.low_latency, d.half, a.num_tokens, a.hidden); !err.empty())
+  if (auto err = check(rank->link.low_latency, a.num_tokens, a.hidden); !err.empty())
     return err;
   if (!a.cached && a.num_topk != rank->link.low_latency.num_topk)
     return "jax_ep: topk_idx has " + std::to_string(a.num_topk) + " slots, the Buffer " +
@@ -386,7 +385,7 @@ std::string low_latency_combine(Comm& comm, int device, cudaStream_t stream,
   Comm::Rank* rank = nullptr;
   if (auto err = comm.rank_on(device, &rank); !err.empty()) return err;
   const LowLatencyLink& ll = rank->link.low_latency;
-  if (auto err = check(ll, c.half, c.a.num_tokens, 0); !err.empty()) return err;
+  if (auto err = check(ll, c.a.num_tokens, 0); !err.empty()) return err;
   if (int64_t(c.a.width) * dtype_size(c.a.rows_dtype) > ll.combine_row())
     return "jax_ep: combine rows wider than 4 * hidden bytes";
   const CombineParams p{c, rank->link};
