@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ep
 from bench.baselines import AllToAll, RaggedAllToAll
+from bench.trace import device_kernels, kernel_summary, print_summary
 
 CONFIGS = {
     "v3": dict(tokens=4096, hidden=7168, num_experts=256, num_topk=8,
@@ -76,10 +77,11 @@ class Timer:
 
             return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
 
-        self.steps = long - short
+        self.steps, self.long_steps = long - short, long
         self.short, self.long = program(short), program(long)
+        self.kernels = None
 
-    def __call__(self, args, repeats=5):  # args = (x, topk_idx)
+    def __call__(self, args, repeats=5, trace=False):  # args = (x, topk_idx)
         def seconds(fn):
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
@@ -88,6 +90,9 @@ class Timer:
         seconds(self.short), seconds(self.long)  # compile and warm up
         short = min(seconds(self.short) for _ in range(repeats))
         long = min(seconds(self.long) for _ in range(repeats))
+        if trace:  # the long program once more, under the profiler
+            self.kernels = kernel_summary(device_kernels(self.long, args), self.long_steps)
+            print_summary(self.kernels)
         return (long - short) / self.steps
 
 
@@ -112,7 +117,7 @@ def harness_seconds(mesh, x, idx, steps):
     return Timer(mesh, lambda x, i: (x, i, ()), repeat(lambda v, i: (v[:1],)), *steps)((x, idx))
 
 
-def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)):
+def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12), trace=False):
     num_ranks = mesh.size
     hidden, num_experts, num_topk = cfg["hidden"], cfg["num_experts"], cfg["num_topk"]
     sharding = NamedSharding(mesh, P("ep"))
@@ -193,24 +198,29 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
             rows, d, _ = prologue(x, idx)
             return combine(rows, d)
 
-        raw_dispatch = Timer(mesh, dispatch_prologue, repeat(dispatch_outputs), *steps)((x, idx))
-        raw_combine = Timer(mesh, combine_prologue, repeat(combine), *steps)((x, idx))
+        timers = {"dispatch": Timer(mesh, dispatch_prologue, repeat(dispatch_outputs), *steps),
+                  "combine": Timer(mesh, combine_prologue, repeat(combine), *steps)}
+        raw = {}
+        for op, timer in timers.items():
+            if trace:
+                print(f"  {impl} {op}, device kernels per step of the long program:", flush=True)
+            raw[op] = timer((x, idx), trace=trace)
         if check and impl != "jax_ep_padded":  # weighted (by 0): not the same round trip
             # Finished before this impl's Buffer can be collected (a closed Buffer fails its
             # queued ops).
             outputs[impl] = jax.block_until_ready(jax.jit(jax.shard_map(
                 round_trip, mesh=mesh, in_specs=(spec, spec), out_specs=spec))(x, idx))
-        for op, raw, row in (("dispatch", raw_dispatch, dispatch_row),
-                             ("combine", raw_combine, combine_row)):
-            seconds = raw - harness
+        for op, row in (("dispatch", dispatch_row), ("combine", combine_row)):
+            seconds = raw[op] - harness
             results.append(dict(
                 impl=impl, op=op, tokens_per_rank=tokens, time_us=seconds * 1e6,
-                raw_time_us=raw * 1e6, harness_us=harness * 1e6,
+                raw_time_us=raw[op] * 1e6, harness_us=harness * 1e6,
                 logical_gbps=received * row / seconds / 1e9,
                 physical_gbps=crossed * row / seconds / 1e9,
                 num_sms=num_sms if impl in JAX_EP else None,
                 mode=mode, layout=lay,
-                dtype="fp8" if op == "dispatch" and fp8 else "bf16"))
+                dtype="fp8" if op == "dispatch" and fp8 else "bf16",
+                **({"kernels": timers[op].kernels} if trace else {})))
     if check:  # every implementation routed the same way: same round trip
         ref = np.asarray(outputs[impls[0]], np.float32)
         for r in results:
@@ -303,6 +313,8 @@ def main(argv=None):
                         help="run under XLA command buffers (CUDA graphs), as decode loops do")
     parser.add_argument("--overlap", action="store_true",
                         help="also time split ops around a matmul (the config's token count)")
+    parser.add_argument("--trace", action="store_true",
+                        help="also record each op's kernel times on the devices (profiler)")
     parser.add_argument("--collective-stream", action="store_true",
                         help="--overlap also with the halves on XLA's collective stream")
     args = parser.parse_args(argv)
@@ -325,7 +337,7 @@ def main(argv=None):
     for i, tokens in enumerate(sizes):
         print(f"tokens/rank {tokens} ...", flush=True)
         results += bench_size(mesh, cfg, tokens, impls, args.num_sms, not args.bf16, rng,
-                              check=i == 0, steps=cfg["steps"])
+                              check=i == 0, steps=cfg["steps"], trace=args.trace)
     print(table(results))
     overlap = (bench_overlap(mesh, cfg, cfg["tokens"], args.num_sms, not args.bf16, rng,
                              cfg["steps"], args.collective_stream) if args.overlap else None)

@@ -21,16 +21,19 @@ constexpr size_t kDefaultSharedBytes = 48 * 1024;  // dynamic shared memory with
 
 // The low-latency ops (low_latency.cu) send through regions the Buffer owns, so they need no
 // address exchange: each rank receives into its own region, [2 slots by op parity][R sources]
-// [tokens] rows, one region per kind of op. Ops of each kind are numbered on device; a sender
-// reuses a slot once its receiver released the op two before.
+// [tokens] rows, one region per kind of op. Rows move in parts of kPartElems elements, each part
+// with a flag the sender raises to the op's number; nothing waits for a whole grid. Ops of each
+// kind are numbered on device; a sender reuses a slot once its receivers released the op two
+// before.
 enum LowLatencyKind : int { kLowLatencyDispatch = 0, kLowLatencyCombine = 1 };
+constexpr int kPartElems = 1024;            // elements of a row under one flag
+constexpr uint64_t kReleasedPerOp = 1024;   // what the blocks of one recv half add to `released`
 
 struct LowLatencyState {
-  uint64_t seq[2];                    // [kind]: ops this rank has sent
-  uint32_t tickets[2][2];             // [kind][send, recv]: blocks of the running half done
-  uint64_t arrived[2][kMaxRanks];     // [kind][src]: src's rows of that op are all here
-  uint64_t released[2][kMaxRanks];    // [kind][dst]: dst has read the rows of that op
-  int32_t counts[2][kMaxRanks];       // [slot][src]: rows src sent here (fresh dispatch)
+  uint64_t started[2];                // [kind]: blocks of send halves started, gridDim.x per op
+  uint64_t released[2][kMaxRanks];    // [kind][dst]: kReleasedPerOp per op dst finished reading
+  uint64_t counts[2][kMaxRanks];      // [slot][src]: op << 24 | rows src sent here (fresh dispatch)
+  uint32_t ticket;                    // recv blocks that added their expert tally
 };
 
 // Dispatch routing runs one block per chunk of kRouteTokens tokens (dispatch.cu).
@@ -73,18 +76,24 @@ struct LowLatencyLink {
   int tokens, hidden, num_topk;    // rows per (slot, source); the Buffer's H and K
   // Room for a float32 row of width H, 16-byte aligned.
   __host__ __device__ int64_t widest_row() const { return (4 * int64_t(hidden) + 15) / 16 * 16; }
-  // Dispatch rows: x, FP8 scales, then K local expert ids and K weights.
+  // Flags a row has room for: combine rows may be 2H bfloat16 wide.
+  __host__ __device__ int max_parts() const { return (2 * hidden + kPartElems - 1) / kPartElems; }
+  // Dispatch rows: x, FP8 scales, K local expert ids and K weights, a flag per part.
   __host__ __device__ int64_t scales_at() const { return widest_row(); }
   __host__ __device__ int64_t meta_at() const { return scales_at() + (hidden / 32 + 15) / 16 * 16; }
-  __host__ __device__ int64_t dispatch_row() const { return meta_at() + (8 * num_topk + 15) / 16 * 16; }
-  // Combine rows: one row of expert output (float32 at most).
-  __host__ __device__ int64_t combine_row() const { return widest_row(); }
+  // Combine rows: one row of expert output (float32 at most), a flag per part.
+  __host__ __device__ int64_t flags_at(int kind) const {
+    return kind == kLowLatencyDispatch ? meta_at() + (8 * num_topk + 15) / 16 * 16 : widest_row();
+  }
   __host__ __device__ int64_t row_bytes(int kind) const {
-    return kind == kLowLatencyDispatch ? dispatch_row() : combine_row();
+    return flags_at(kind) + (8 * int64_t(max_parts()) + 15) / 16 * 16;
   }
   // Row j from `src` in slot `slot` of the region of `kind` on rank `on`.
   __host__ __device__ uint8_t* row(int kind, int on, int slot, int src, int j, int num_ranks) const {
     return region[kind][on] + ((int64_t(slot) * num_ranks + src) * tokens + j) * row_bytes(kind);
+  }
+  __host__ __device__ uint64_t* flags(int kind, uint8_t* row) const {
+    return reinterpret_cast<uint64_t*>(row + flags_at(kind));
   }
 };
 
@@ -108,6 +117,14 @@ __device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
 
 __device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void add_release(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ uint64_t global_time_ns() {
@@ -159,16 +176,17 @@ __device__ __forceinline__ void read_mailbox(const Link& link, int peer, uint64_
 }
 
 // True in exactly one block: the last of the grid to finish. Each block's writes, ordered by its
-// barrier, are released by one system fence before it counts itself on `ticket`; the last block
-// fences again before acting on them, and resets the ticket for the next kernel.
-__device__ __forceinline__ bool last_block_done(uint32_t* ticket) {
+// barrier, are released by one fence before it counts itself on `ticket`; the last block fences
+// again before acting on them, and resets the ticket for the next kernel. System-wide fences
+// when the last block tells peers about the grid's writes; GPU-wide when they stay local.
+__device__ __forceinline__ bool last_block_done(uint32_t* ticket, bool system = true) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    system ? __threadfence_system() : __threadfence();
     last = atomicAdd(ticket, 1u) == gridDim.x - 1;
     if (last) {
-      __threadfence_system();
+      system ? __threadfence_system() : __threadfence();
       *ticket = 0;
     }
   }

@@ -1,15 +1,17 @@
 // Low-latency dispatch and combine for decode batches (T <= the Buffer's low_latency_tokens):
-// one kernel per op, or one per half when split. Nothing is exchanged before the data moves:
-//   dispatch send  every block finds each token's row j among those this rank sends to d (a scan
-//                  over the T tokens, redundant per block), then warps quantise and store each
-//                  token once per destination rank straight into row j of that rank's region,
-//                  with its local expert ids and weights; the row counts follow; the last block
-//                  raises `arrived` on every rank and commits the op number.
-//   dispatch recv  waits for every source's flag, copies the rows into XLA's buffers in (source
-//                  rank, token) order, tallies tokens per expert; the last block releases the
-//                  slot to every source.
-//   combine send   each received row goes back into row j of its source's region;
-//   combine recv   each token sums its rows from its region in rank order, onto the bias.
+// one kernel per op, or one per half when split. Nothing is exchanged before the data moves and
+// no step waits for a whole grid: every part of a row carries its own flag.
+//   dispatch send  every block finds each token's row j among those this rank sends to d (a
+//                  ballot scan over the T tokens, redundant per block; block 0 tells each rank
+//                  how many rows it gets); warps quantise and store pieces of each token's row
+//                  once per destination rank straight into row j of that rank's region, with the
+//                  token's local expert ids and weights, then raise the pieces' flags.
+//   dispatch recv  warps take pieces of the output rows in (source rank, token) order, wait for
+//                  their flags and copy them into XLA's buffers, tallying tokens per expert; each
+//                  block tells every source when it is done reading.
+//   combine send   each received row goes back into row j of its source's region, flagged;
+//   combine recv   each token sums its rows from its region in rank order, onto the bias, piece
+//                  by piece as their flags rise.
 // The regions and flags are described in comm.cuh.
 #include "kernels/cuda/comm.cuh"
 #include "kernels/cuda/rows.cuh"
@@ -20,17 +22,23 @@ namespace {
 
 constexpr int kWarps = 16;
 constexpr int kMaxTokens = 1024;  // the Buffer's bound on low_latency_tokens
-constexpr int64_t kCopyChunk = 32 * 8 * 16;  // bytes one warp moves per round of copy_bytes
+constexpr int kChunks = kMaxTokens / 32;
 
-// The op this kernel serves: the next one of its kind when it sends, else the one its send
-// half returned.
+// The op this kernel serves. A send half's blocks count themselves on `started`; every send half
+// of a kind runs gridDim.x blocks, so the count names the op. A recv half serves the op its send
+// half returned, whose low 32 bits the ticket holds: the last op sent, or the one before.
 __device__ __forceinline__ uint64_t op_of(const Link& link, int kind, int half,
                                           const int32_t* ticket_in) {
   __shared__ uint64_t op;
-  if (threadIdx.x == 0)
-    op = half & kSend
-             ? *reinterpret_cast<const volatile uint64_t*>(&link.self->low_latency.seq[kind]) + 1
-             : uint64_t(uint32_t(*ticket_in));
+  if (threadIdx.x == 0) {
+    auto* started = reinterpret_cast<unsigned long long*>(&link.self->low_latency.started[kind]);
+    if (half & kSend) {
+      op = atomicAdd(started, 1ull) / gridDim.x + 1;
+    } else {
+      const uint64_t last = *reinterpret_cast<volatile unsigned long long*>(started) / gridDim.x;
+      op = last - uint32_t(uint32_t(last) - uint32_t(*ticket_in));
+    }
+  }
   __syncthreads();
   return op;
 }
@@ -39,46 +47,73 @@ __device__ __forceinline__ uint64_t op_of(const Link& link, int kind, int half,
 __device__ __forceinline__ void wait_slot_free(const Link& link, int kind, uint64_t op) {
   const int d = threadIdx.x;
   if (d < link.num_ranks && op > 2)
-    wait_for(link, &link.self->low_latency.released[kind][d], op - 2, kWaitReleased, d);
+    wait_for(link, &link.self->low_latency.released[kind][d], (op - 2) * kReleasedPerOp,
+             kWaitReleased, d);
   __syncthreads();
 }
 
-// The end of a send half, in its last block: the rows are on every rank; commit the op number.
-__device__ __forceinline__ void finish_send(const Link& link, int kind, uint64_t op,
-                                            int32_t* ticket_out) {
-  if (!last_block_done(&link.self->low_latency.tickets[kind][0])) return;
-  if (threadIdx.x < link.num_ranks)
-    store_release(&link.peers[threadIdx.x]->low_latency.arrived[kind][link.rank], op);
-  if (threadIdx.x == 0) {
-    *reinterpret_cast<volatile uint64_t*>(&link.self->low_latency.seq[kind]) = op;
-    if (ticket_out) *ticket_out = int32_t(op);
-  }
-}
-
-__device__ __forceinline__ void wait_arrivals(const Link& link, int kind, uint64_t op) {
+// The end of a recv half, in every block: its share of telling each source it is done reading.
+__device__ __forceinline__ void release_sources(const Link& link, int kind) {
+  __syncthreads();
   const int s = threadIdx.x;
-  if (s < link.num_ranks) wait_for(link, &link.self->low_latency.arrived[kind][s], op, kWaitArrived, s);
-  __syncthreads();
+  if (s < link.num_ranks)
+    add_release(&link.peers[s]->low_latency.released[kind][link.rank],
+                blockIdx.x == 0 ? kReleasedPerOp - (gridDim.x - 1) : 1);
 }
 
-// The end of a recv half: true in its last block, after every source learnt its slot is free.
-__device__ __forceinline__ bool finish_recv(const Link& link, int kind, uint64_t op) {
-  if (!last_block_done(&link.self->low_latency.tickets[kind][1])) return false;
-  if (threadIdx.x < link.num_ranks)
-    store_release(&link.peers[threadIdx.x]->low_latency.released[kind][link.rank], op);
-  return true;
+// How a warp's work splits rows into pieces of whole parts: few rows still use many warps.
+struct Pieces {
+  int parts, per_piece, pieces;  // per row
+  __device__ Pieces(int rows, int width) {
+    parts = (width + kPartElems - 1) / kPartElems;
+    const int warps = gridDim.x * kWarps;
+    const int want = max(1, min(parts, warps / max(rows, 1)));
+    per_piece = (parts + want - 1) / want;
+    pieces = (parts + per_piece - 1) / per_piece;
+  }
+  __device__ int first(int piece) const { return piece * per_piece; }
+  __device__ int end(int piece) const { return min(parts, (piece + 1) * per_piece); }
+};
+
+// The warp's stores of its pieces are done before any of their flags rises: then the lanes raise
+// flags [p0, p1) of `row` to `op`.
+__device__ __forceinline__ void raise_flags(uint64_t* flags, int p0, int p1, uint64_t op) {
+  for (int p = p0 + threadIdx.x % 32; p < p1; p += 32) store_relaxed(flags + p, op);
+}
+
+// The warp waits until flags [p0, p1) of every row in rows[d], d in `from`, reached `op`.
+__device__ __forceinline__ void wait_flags(const Link& link, uint64_t* const* flags, uint32_t from,
+                                           int p0, int p1, uint64_t op) {
+  const int n = p1 - p0;
+  for (uint32_t m = from; m; m &= m - 1) {
+    const int d = __ffs(m) - 1;
+    for (int p = p0 + threadIdx.x % 32; p < p0 + n; p += 32)
+      wait_for(link, flags[d] + p, op, kWaitArrived, d);
+  }
+  __syncwarp();
 }
 
 // first[s]: the first row from source s, in source order; first[R]: rows in all.
-__device__ __forceinline__ void row_offsets(int num_ranks, const int32_t* counts, bool is_volatile,
-                                            int32_t* first) {
+__device__ __forceinline__ void row_offsets(const Link& link, const int32_t* counts,
+                                            const uint64_t* words, uint64_t op, int32_t* first) {
+  __shared__ int32_t rows[kMaxRanks];
+  const int s = threadIdx.x;
+  if (s < link.num_ranks) {
+    if (words) {  // op << 24 | rows, written by the source
+      wait_for(link, words + s, op << 24, kWaitCounts, s);
+      rows[s] = int32_t(*reinterpret_cast<const volatile uint64_t*>(words + s) & 0xffffff);
+    } else {
+      rows[s] = counts[s];
+    }
+  }
+  __syncthreads();
   if (threadIdx.x == 0) {
     int running = 0;
-    for (int s = 0; s < num_ranks; ++s) {
-      first[s] = running;
-      running += is_volatile ? *reinterpret_cast<const volatile int32_t*>(counts + s) : counts[s];
+    for (int r = 0; r < link.num_ranks; ++r) {
+      first[r] = running;
+      running += rows[r];
     }
-    first[num_ranks] = running;
+    first[link.num_ranks] = running;
   }
   __syncthreads();
 }
@@ -89,89 +124,107 @@ __device__ __forceinline__ int source_of(const int32_t* first, int row) {
   return s;
 }
 
-// A row split into `parts` ranges of whole copy rounds, so that few rows still use many warps.
-__device__ __forceinline__ int parts_per_row(int rows, int64_t row_bytes) {
-  const int warps = gridDim.x * kWarps;
-  const int rounds = int((row_bytes + kCopyChunk - 1) / kCopyChunk);
-  return max(1, min(rounds, warps / max(rows, 1)));
-}
-
 struct DispatchParams {
   LowLatencyDispatchArgs d;
   Link link;
 };
 
+// Which ranks each token goes to and its row j among the tokens this rank sends there: bit t%32
+// of sent_to[t/32][d], and before[t/32][d] + the set bits below it.
+struct SendScan {
+  uint32_t sent_to[kChunks][kMaxRanks];
+  int32_t before[kChunks][kMaxRanks];
+  __device__ uint32_t mask(int t, int num_ranks) const {
+    uint32_t m = 0;
+    for (int d = 0; d < num_ranks; ++d) m |= (sent_to[t / 32][d] >> (t % 32) & 1u) << d;
+    return m;
+  }
+  __device__ int32_t row(int t, int d) const {
+    return before[t / 32][d] + __popc(sent_to[t / 32][d] & ((1u << (t % 32)) - 1u));
+  }
+};
+
+// A warp per chunk of 32 tokens ballots their destinations; warp 0 scans the chunks. Block 0 also
+// counts invalid expert ids and tells every rank how many rows it gets.
+__device__ __forceinline__ void scan_tokens(const DispatchParams& p, uint64_t op, SendScan& scan) {
+  const DispatchArgs& a = p.d.a;
+  const Link& link = p.link;
+  const int R = link.num_ranks, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int chunks = (a.num_tokens + 31) / 32;
+  __shared__ int32_t invalid;
+  if (threadIdx.x == 0) invalid = 0;
+  __syncthreads();
+  for (int c = warp; c < chunks; c += kWarps) {
+    const int t = c * 32 + lane;
+    uint32_t m = 0;
+    if (t < a.num_tokens) {
+      if (a.cached) {
+        for (int d = 0; d < R; ++d) m |= uint32_t(a.send_pos[int64_t(t) * R + d] >= 0) << d;
+      } else {
+        const int32_t* topk = a.topk_idx + int64_t(t) * a.num_topk;
+        m = dest_rank_mask(topk, a.num_topk, a.num_experts, a.experts_per_rank());
+        if (blockIdx.x == 0)
+          if (int bad = count_invalid(topk, a.num_topk, a.num_experts)) atomicAdd(&invalid, bad);
+      }
+    }
+    for (int d = 0; d < R; ++d) {
+      const uint32_t ballot = __ballot_sync(~0u, m >> d & 1u);
+      if (lane == 0) scan.sent_to[c][d] = ballot;
+    }
+  }
+  __syncthreads();
+  if (warp == 0) {
+    for (int d = 0; d < R; ++d) {
+      const int n = lane < chunks ? __popc(scan.sent_to[lane][d]) : 0;
+      int inclusive = n;
+#pragma unroll
+      for (int off = 1; off < 32; off *= 2) {
+        const int up = __shfl_up_sync(~0u, inclusive, off);
+        if (lane >= off) inclusive += up;
+      }
+      if (lane < chunks) scan.before[lane][d] = inclusive - n;
+      const int total = __shfl_sync(~0u, inclusive, 31);
+      if (blockIdx.x == 0 && lane == 0 && !a.cached)
+        store_release(&link.peers[d]->low_latency.counts[op & 1][link.rank],
+                      op << 24 | uint64_t(total));
+    }
+    if (blockIdx.x == 0 && lane == 0 && !a.cached) *a.num_invalid = invalid;
+  }
+  __syncthreads();
+}
+
 template <typename T, bool kFp8>
 __device__ __forceinline__ void send_tokens(const DispatchParams& p, uint64_t op, float* stage,
                                             bool aligned) {
   using Step = RowStep<T, kFp8>;
+  static_assert(kPartElems % Step::kStep == 0, "a part is whole steps");
+  constexpr int kStepsPerPart = kPartElems / Step::kStep;
   const DispatchArgs& a = p.d.a;
   const Link& link = p.link;
   const LowLatencyLink& ll = link.low_latency;
   const int R = link.num_ranks, me = link.rank, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int tokens = a.num_tokens, slot = int(op & 1);
+  const int slot = int(op & 1), K = a.num_topk;
   const bool fresh = !a.cached;
-  __shared__ uint32_t mask[kMaxTokens];                  // destination ranks of each token
-  __shared__ int32_t before[kMaxTokens / 32][kMaxRanks];  // rows earlier 32-token chunks send
-  __shared__ int32_t invalid;
-  __shared__ uint8_t* x_dst[kWarps][kMaxRanks];          // the warp's token's row on each rank
+  __shared__ SendScan scan;
+  __shared__ uint8_t* x_dst[kWarps][kMaxRanks];  // the warp's token's row on each rank
   __shared__ float* scale_dst[kWarps][kMaxRanks];
-  if (threadIdx.x == 0) invalid = 0;
   wait_slot_free(link, kLowLatencyDispatch, op);
+  scan_tokens(p, op, scan);
+  if (blockIdx.x == 0 && threadIdx.x == 0 && p.d.ticket_out) *p.d.ticket_out = int32_t(op);
 
-  for (int t = threadIdx.x; t < tokens; t += blockDim.x) {
-    uint32_t m = 0;
-    if (fresh) {
-      const int32_t* topk = a.topk_idx + int64_t(t) * a.num_topk;
-      m = dest_rank_mask(topk, a.num_topk, a.num_experts, a.experts_per_rank());
-      const int bad = blockIdx.x == 0 ? count_invalid(topk, a.num_topk, a.num_experts) : 0;
-      if (bad) atomicAdd(&invalid, bad);
-    } else {
-      for (int d = 0; d < R; ++d) m |= uint32_t(a.send_pos[int64_t(t) * R + d] >= 0) << d;
-    }
-    mask[t] = m;
-  }
-  __syncthreads();
-  const int chunks = (tokens + 31) / 32;
-  if (fresh) {
-    for (int i = threadIdx.x; i < chunks * R; i += blockDim.x) {
-      const int c = i / R, d = i % R;
-      int n = 0;
-      for (int t = c * 32; t < min(tokens, c * 32 + 32); ++t) n += mask[t] >> d & 1;
-      before[c][d] = n;
-    }
-    __syncthreads();
-    if (threadIdx.x < R) {
-      const int d = threadIdx.x;
-      int running = 0;
-      for (int c = 0; c < chunks; ++c) {
-        const int n = before[c][d];
-        before[c][d] = running;
-        running += n;
-      }
-      if (blockIdx.x == 0) link.peers[d]->low_latency.counts[slot][me] = running;
-    }
-    if (blockIdx.x == 0 && threadIdx.x == 0) *a.num_invalid = invalid;
-    __syncthreads();
-  }
-
+  const Pieces pieces(a.num_tokens, a.hidden);
   const int steps = (a.hidden + Step::kStep - 1) / Step::kStep;
-  const int warps = gridDim.x * kWarps;
-  const int parts = max(1, min(steps, warps / max(tokens, 1)));
-  const int per_part = (steps + parts - 1) / parts;
-  for (int u = blockIdx.x * kWarps + warp; u < tokens * parts; u += warps) {
-    const int t = u / parts, part = u % parts;
-    const uint32_t m = mask[t];
-    int32_t j = -1;  // lane d: the token's row among those this rank sends to d
-    if (lane < R && (m >> lane & 1)) {
-      if (fresh) {
-        j = before[t / 32][lane];
-        for (int s = t / 32 * 32; s < t; ++s) j += mask[s] >> lane & 1;
-      } else {
-        j = a.send_pos[int64_t(t) * R + lane];
-      }
-    }
-    if (fresh && part == 0 && lane < R) a.send_pos[int64_t(t) * R + lane] = j;
+  const int units = a.num_tokens * pieces.pieces, stride = gridDim.x * kWarps;
+  // The token's row on destination `lane`, or -1.
+  auto row_on = [&](int t, uint32_t m) -> int32_t {
+    if (lane >= R || !(m >> lane & 1)) return -1;
+    return fresh ? scan.row(t, lane) : a.send_pos[int64_t(t) * R + lane];
+  };
+  for (int u = blockIdx.x * kWarps + warp; u < units; u += stride) {
+    const int t = u / pieces.pieces, piece = u % pieces.pieces;
+    const uint32_t m = scan.mask(t, R);
+    const int32_t j = row_on(t, m);
+    if (fresh && piece == 0 && lane < R) a.send_pos[int64_t(t) * R + lane] = j;
     if (!m) continue;
     if (j >= 0) {
       uint8_t* row = ll.row(kLowLatencyDispatch, lane, slot, me, j, R);
@@ -179,27 +232,39 @@ __device__ __forceinline__ void send_tokens(const DispatchParams& p, uint64_t op
       scale_dst[warp][lane] = reinterpret_cast<float*>(row + ll.scales_at());
     }
     __syncwarp();
-    const int first = part * per_part, end = min(steps, first + per_part);
     const uint8_t* x = static_cast<const uint8_t*>(a.x) + int64_t(t) * a.hidden * sizeof(T);
-    if (first < end)
-      send_row<T, kFp8>(x, a.hidden, a.round_scale, m, x_dst[warp], scale_dst[warp], stage, first,
-                        end, aligned);
-    if (fresh && part == 0) {  // the token's slots as each destination sees them
-      const int32_t* topk = a.topk_idx + int64_t(t) * a.num_topk;
+    send_row<T, kFp8>(x, a.hidden, a.round_scale, m, x_dst[warp], scale_dst[warp], stage,
+                      pieces.first(piece) * kStepsPerPart,
+                      min(steps, pieces.end(piece) * kStepsPerPart), aligned);
+    if (fresh && piece == 0) {  // the token's slots as each destination sees them
+      const int32_t* topk = a.topk_idx + int64_t(t) * K;
       for (uint32_t mm = m; mm; mm &= mm - 1) {
         const int d = __ffs(mm) - 1;
         int32_t* ids = reinterpret_cast<int32_t*>(x_dst[warp][d] + ll.meta_at());
-        float* weights = reinterpret_cast<float*>(ids + a.num_topk);
-        for (int k = lane; k < a.num_topk; k += 32) {
+        for (int k = lane; k < K; k += 32) {
           const int32_t local = local_expert_on(topk[k], d, a.num_experts, a.experts_per_rank());
           ids[k] = local;
-          weights[k] = local >= 0 ? a.topk_weights[int64_t(t) * a.num_topk + k] : 0.f;
+          reinterpret_cast<float*>(ids + K)[k] =
+              local >= 0 ? a.topk_weights[int64_t(t) * K + k] : 0.f;
         }
       }
     }
     __syncwarp();
   }
-  finish_send(link, kLowLatencyDispatch, op, p.d.ticket_out);
+  // One system fence for all of the warp's stores, then the flags of its pieces.
+  __syncwarp();
+  __threadfence_system();
+  for (int u = blockIdx.x * kWarps + warp; u < units; u += stride) {
+    const int t = u / pieces.pieces, piece = u % pieces.pieces;
+    const uint32_t m = scan.mask(t, R);
+    const int32_t j = row_on(t, m);
+    for (uint32_t mm = m; mm; mm &= mm - 1) {
+      const int d = __ffs(mm) - 1;
+      const int32_t jd = __shfl_sync(~0u, j, d);
+      raise_flags(ll.flags(kLowLatencyDispatch, ll.row(kLowLatencyDispatch, d, slot, me, jd, R)),
+                  pieces.first(piece), pieces.end(piece), op);
+    }
+  }
 }
 
 __device__ __forceinline__ void receive_tokens(const DispatchParams& p, uint64_t op,
@@ -211,10 +276,11 @@ __device__ __forceinline__ void receive_tokens(const DispatchParams& p, uint64_t
   const int slot = int(op & 1), K = a.num_topk, El = a.experts_per_rank();
   const bool fresh = !a.cached;
   __shared__ int32_t first[kMaxRanks + 1];
+  __shared__ uint64_t* flags_of[kWarps][kMaxRanks];
   if (fresh)
     for (int e = threadIdx.x; e < El; e += blockDim.x) tally[e] = 0;
-  wait_arrivals(link, kLowLatencyDispatch, op);
-  row_offsets(R, fresh ? link.self->low_latency.counts[slot] : p.d.recv_counts_in, fresh, first);
+  row_offsets(link, p.d.recv_counts_in, fresh ? link.self->low_latency.counts[slot] : nullptr, op,
+              first);
   const int present = min(first[R], a.out_rows);
   if (fresh && blockIdx.x == 0 && threadIdx.x == 0) {
     for (int s = 0; s < R; ++s) a.recv_counts[s] = first[s + 1] - first[s];
@@ -222,20 +288,29 @@ __device__ __forceinline__ void receive_tokens(const DispatchParams& p, uint64_t
     *a.num_dropped = first[R] - present;
   }
 
-  const int64_t x_bytes = a.x_out_row_bytes();
+  const int64_t x_elem = a.fp8 ? 1 : dtype_size(a.x_dtype);
   const int num_scales = a.fp8 ? a.scales_per_row() : 0;
-  for (int i = blockIdx.x * kWarps + warp; i < a.out_rows; i += gridDim.x * kWarps) {
-    uint8_t* x_out = static_cast<uint8_t*>(a.x_out) + i * x_bytes;
+  const Pieces pieces(a.out_rows, a.hidden);
+  for (int u = blockIdx.x * kWarps + warp; u < a.out_rows * pieces.pieces;
+       u += gridDim.x * kWarps) {
+    const int i = u / pieces.pieces, piece = u % pieces.pieces;
+    const int p0 = pieces.first(piece), p1 = pieces.end(piece);
     const uint8_t* row = nullptr;  // padding rows: zeros, expert -1, weight 0
     if (i < present) {
       const int s = source_of(first, i);
-      row = ll.row(kLowLatencyDispatch, link.rank, slot, s, i - first[s], R);
+      uint8_t* at = ll.row(kLowLatencyDispatch, link.rank, slot, s, i - first[s], R);
+      if (lane == 0) flags_of[warp][s] = ll.flags(kLowLatencyDispatch, at);
+      __syncwarp();
+      wait_flags(link, flags_of[warp], 1u << s, p0, p1, op);
+      row = at;
     }
-    copy_bytes(x_out, row, 0, x_bytes);
+    const int64_t e0 = int64_t(p0) * kPartElems, e1 = min(int64_t(a.hidden), int64_t(p1) * kPartElems);
+    copy_bytes(static_cast<uint8_t*>(a.x_out) + i * a.x_out_row_bytes(), row, e0 * x_elem,
+               e1 * x_elem);
     if (num_scales)
-      copy_bytes(a.scales_out + int64_t(i) * num_scales, row ? row + ll.scales_at() : nullptr, 0,
-                 4 * num_scales);
-    if (!fresh) continue;
+      copy_bytes(a.scales_out + int64_t(i) * num_scales, row ? row + ll.scales_at() : nullptr,
+                 e0 / kFp8Block * 4, e1 / kFp8Block * 4);
+    if (!fresh || piece != 0) continue;
     const int32_t* ids = row ? reinterpret_cast<const int32_t*>(row + ll.meta_at()) : nullptr;
     for (int k = lane; k < K; k += 32) {
       const int32_t e = ids ? ids[k] : -1;
@@ -244,12 +319,11 @@ __device__ __forceinline__ void receive_tokens(const DispatchParams& p, uint64_t
       if (e >= 0 && !row_has_expert(ids, k, e)) atomicAdd(&tally[e], 1);  // pairs count once
     }
   }
-  if (fresh) {
-    __syncthreads();
-    for (int e = threadIdx.x; e < El; e += blockDim.x)
-      if (tally[e]) atomicAdd(&ll.expert_count[e], tally[e]);
-  }
-  if (finish_recv(link, kLowLatencyDispatch, op) && fresh)
+  release_sources(link, kLowLatencyDispatch);
+  if (!fresh) return;
+  for (int e = threadIdx.x; e < El; e += blockDim.x)
+    if (tally[e]) atomicAdd(&ll.expert_count[e], tally[e]);
+  if (last_block_done(&link.self->low_latency.ticket, /*system=*/false))
     for (int e = threadIdx.x; e < El; e += blockDim.x)
       a.tokens_per_expert[e] = atomicExch(&ll.expert_count[e], 0);
 }
@@ -271,7 +345,7 @@ struct CombineParams {
 };
 
 // Each received row goes back to row j of its source's region (zeros for rows dropped at
-// dispatch, which the source then adds harmlessly).
+// dispatch, which the source then adds harmlessly), then its flags rise.
 __device__ __forceinline__ void send_back(const CombineParams& p, uint64_t op) {
   const CombineArgs& a = p.c.a;
   const Link& link = p.link;
@@ -279,22 +353,29 @@ __device__ __forceinline__ void send_back(const CombineParams& p, uint64_t op) {
   const int R = link.num_ranks, warp = threadIdx.x / 32, slot = int(op & 1);
   __shared__ int32_t first[kMaxRanks + 1];
   wait_slot_free(link, kLowLatencyCombine, op);
-  row_offsets(R, p.c.recv_counts, false, first);
+  row_offsets(link, p.c.recv_counts, nullptr, op, first);
+  if (blockIdx.x == 0 && threadIdx.x == 0 && p.c.ticket_out) *p.c.ticket_out = int32_t(op);
   const int rows = first[R], present = *p.c.num_rows;
-  const int64_t row_bytes = int64_t(a.width) * dtype_size(a.rows_dtype);
-  const int parts = row_bytes % 16 ? 1 : parts_per_row(rows, row_bytes);
-  const int64_t part_bytes =
-      parts == 1 ? row_bytes : ((row_bytes + parts - 1) / parts + kCopyChunk - 1) / kCopyChunk * kCopyChunk;
-  for (int u = blockIdx.x * kWarps + warp; u < rows * parts; u += gridDim.x * kWarps) {
-    const int i = u / parts, part = u % parts, s = source_of(first, i);
-    const int64_t begin = part * part_bytes;
-    if (begin >= row_bytes) continue;
-    uint8_t* to = ll.row(kLowLatencyCombine, s, slot, link.rank, i - first[s], R);
+  const int64_t elem = dtype_size(a.rows_dtype), row_bytes = a.width * elem;
+  const Pieces pieces(rows, a.width);
+  const int units = rows * pieces.pieces, stride = gridDim.x * kWarps;
+  auto dest = [&](int i) {
+    const int s = source_of(first, i);
+    return ll.row(kLowLatencyCombine, s, slot, link.rank, i - first[s], R);
+  };
+  for (int u = blockIdx.x * kWarps + warp; u < units; u += stride) {
+    const int i = u / pieces.pieces, piece = u % pieces.pieces;
     const uint8_t* from = i < present ? static_cast<const uint8_t*>(a.row_data) + i * row_bytes
                                       : nullptr;
-    copy_bytes(to, from, begin, min(begin + part_bytes, row_bytes));
+    copy_bytes(dest(i), from, pieces.first(piece) * kPartElems * elem,
+               min(row_bytes, pieces.end(piece) * kPartElems * elem));
   }
-  finish_send(link, kLowLatencyCombine, op, p.c.ticket_out);
+  __syncwarp();
+  __threadfence_system();
+  for (int u = blockIdx.x * kWarps + warp; u < units; u += stride) {
+    const int i = u / pieces.pieces, piece = u % pieces.pieces;
+    raise_flags(ll.flags(kLowLatencyCombine, dest(i)), pieces.first(piece), pieces.end(piece), op);
+  }
 }
 
 // out[t] = bias[t] + its rows from every rank it was sent to, in rank order, in float32.
@@ -305,23 +386,28 @@ __device__ __forceinline__ void sum_back(const CombineParams& p, uint64_t op) {
   const int R = link.num_ranks, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int slot = int(op & 1);
   __shared__ const int4* row_at[kWarps][kMaxRanks];
-  wait_arrivals(link, kLowLatencyCombine, op);
-  const int64_t row_bytes = int64_t(a.width) * dtype_size(a.rows_dtype);
-  const int vectors = int(row_bytes / 16);
-  const int parts = row_bytes % 16 ? 1 : parts_per_row(a.num_tokens, row_bytes);
-  const int per_part = (vectors + parts - 1) / parts;
-  for (int u = blockIdx.x * kWarps + warp; u < a.num_tokens * parts; u += gridDim.x * kWarps) {
-    const int t = u / parts, part = u % parts;
+  __shared__ uint64_t* flags_of[kWarps][kMaxRanks];
+  const int64_t elem = dtype_size(a.rows_dtype);
+  const bool vectors = (a.width * elem) % 16 == 0;
+  const Pieces pieces(a.num_tokens, a.width);
+  for (int u = blockIdx.x * kWarps + warp; u < a.num_tokens * pieces.pieces;
+       u += gridDim.x * kWarps) {
+    const int t = u / pieces.pieces, piece = u % pieces.pieces;
+    const int p0 = pieces.first(piece), p1 = pieces.end(piece);
     const int32_t j = lane < R ? a.send_pos[int64_t(t) * R + lane] : -1;
     const uint32_t sources = __ballot_sync(~0u, j >= 0);
-    if (j >= 0)
-      row_at[warp][lane] = reinterpret_cast<const int4*>(
-          ll.row(kLowLatencyCombine, link.rank, slot, lane, j, R));
+    if (j >= 0) {
+      uint8_t* row = ll.row(kLowLatencyCombine, link.rank, slot, lane, j, R);
+      row_at[warp][lane] = reinterpret_cast<const int4*>(row);
+      flags_of[warp][lane] = ll.flags(kLowLatencyCombine, row);
+    }
     __syncwarp();
-    if (row_bytes % 16 == 0) {
-      sum_rows(a, t, sources, row_at[warp], part * per_part, min(vectors, (part + 1) * per_part));
+    wait_flags(link, flags_of[warp], sources, p0, p1, op);
+    const int c0 = p0 * kPartElems, c1 = min(a.width, p1 * kPartElems);
+    if (vectors) {
+      sum_rows(a, t, sources, row_at[warp], int(c0 * elem / 16), int(c1 * elem / 16));
     } else {
-      for (int c = lane; c < a.width; c += 32) {
+      for (int c = c0 + lane; c < c1; c += 32) {
         const int64_t at = int64_t(t) * a.width + c;
         float acc = a.has_bias ? load_float(a.bias, at, a.bias_dtype) : 0.f;
         for (uint32_t m = sources; m; m &= m - 1)
@@ -331,7 +417,7 @@ __device__ __forceinline__ void sum_back(const CombineParams& p, uint64_t op) {
     }
     __syncwarp();
   }
-  finish_recv(link, kLowLatencyCombine, op);
+  release_sources(link, kLowLatencyCombine);
 }
 
 __global__ void __launch_bounds__(kWarps * 32, 1) combine_kernel(CombineParams p) {
@@ -386,7 +472,7 @@ std::string low_latency_combine(Comm& comm, int device, cudaStream_t stream,
   if (auto err = comm.rank_on(device, &rank); !err.empty()) return err;
   const LowLatencyLink& ll = rank->link.low_latency;
   if (auto err = check(ll, c.a.num_tokens, 0); !err.empty()) return err;
-  if (int64_t(c.a.width) * dtype_size(c.a.rows_dtype) > ll.combine_row())
+  if (int64_t(c.a.width) * dtype_size(c.a.rows_dtype) > 4 * int64_t(ll.hidden))
     return "jax_ep: combine rows wider than 4 * hidden bytes";
   const CombineParams p{c, rank->link};
   combine_kernel<<<bandwidth_blocks(comm.knobs, device), kWarps * 32, 0, stream>>>(p);
