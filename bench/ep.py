@@ -290,11 +290,15 @@ def bench_overlap(mesh, cfg, tokens, num_sms, fp8, rng, steps, collective_stream
 
 
 def table(results):
+    """The results as text; with --trace also each op's device busy time per step (slowest GPU)."""
+    traced = any("kernels" in r for r in results)
     lines = [f"{'impl':24s} {'op':9s} {'tokens':>7s} {'time us':>10s} {'logical':>9s} "
-             f"{'physical':>9s}"]
+             f"{'physical':>9s}" + (f" {'device us':>10s}" if traced else "")]
     for r in results:
+        busy = max((s["busy_us_per_step"] for s in r.get("kernels", {}).values()), default=0.0)
         lines.append(f"{r['impl']:24s} {r['op']:9s} {r['tokens_per_rank']:7d} "
-                     f"{r['time_us']:10.1f} {r['logical_gbps']:9.1f} {r['physical_gbps']:9.1f}")
+                     f"{r['time_us']:10.1f} {r['logical_gbps']:9.1f} {r['physical_gbps']:9.1f}"
+                     + (f" {busy:10.1f}" if traced else ""))
     return "\n".join(lines)
 
 

@@ -34,9 +34,11 @@ def device_kernels(fn, args):
         return planes
 
 
-def kernel_summary(planes, steps):
-    """Per kernel name: calls per step and median microseconds, on the slowest device; and the
-    device's busy time and span per step (span includes the gaps between kernels)."""
+def kernel_summary(planes, steps, top=8):
+    """Per device plane: the device's busy time and span per step (span includes the gaps
+    between kernels), and the `top` kernels by time with their calls per step and median
+    microseconds; the program's kernels outside its steps (a prologue) count in, at fewer than
+    one call per step."""
     summary = {}
     for plane, events in planes.items():
         by_name = collections.defaultdict(list)
@@ -47,7 +49,7 @@ def kernel_summary(planes, steps):
             busy_us_per_step=sum(d for _, _, d in events) / 1e3 / steps,
             span_us_per_step=span / steps,
             kernels={n: dict(calls_per_step=len(d) / steps, median_us=float(np.median(d)))
-                     for n, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))})
+                     for n, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]})
     return summary
 
 

@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from bench.ep import JAX_EP, bench_size
+from bench.ep import JAX_EP, bench_size, table
+from bench.trace import device_kernels, kernel_summary
 
 
 @pytest.mark.parametrize("fp8", [True, False])
@@ -23,3 +24,22 @@ def test_every_implementation_times_and_agrees(fp8):
         assert math.isfinite(r["raw_time_us"])  # CPU timings are noise: only present
         assert r["num_sms"] == (24 if r["impl"] in JAX_EP else None)
         assert r["max_abs_diff_vs_jax_ep"] == 0, r
+
+
+def test_kernel_summary_per_step_and_table_column():
+    # Two steps of a program on one GPU: kernel a twice (3 and 5 us), b once (2 us) with a gap.
+    events = [("a", 0, 3000), ("b", 3000, 2000), ("a", 10000, 5000)]
+    summary = kernel_summary({"/device:GPU:0": events}, steps=2)["/device:GPU:0"]
+    assert summary["busy_us_per_step"] == pytest.approx(5.0)
+    assert summary["span_us_per_step"] == pytest.approx(7.5)
+    assert summary["kernels"]["a"] == dict(calls_per_step=1.0, median_us=4.0)
+    assert summary["kernels"]["b"] == dict(calls_per_step=0.5, median_us=2.0)
+    assert list(summary["kernels"]) == ["a", "b"]  # most time first
+    result = dict(impl="jax_ep", op="dispatch", tokens_per_rank=1, time_us=1.0, logical_gbps=0.0,
+                  physical_gbps=0.0, kernels={"/device:GPU:0": summary,
+                                              "/device:GPU:1": dict(summary, busy_us_per_step=6.5)})
+    assert table([result]).splitlines()[1].split()[-1] == "6.5"  # the slowest GPU
+
+
+def test_device_kernels_without_gpus_is_empty():
+    assert device_kernels(jax.jit(lambda x: x + 1), (np.ones(4),)) == {}

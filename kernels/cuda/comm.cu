@@ -56,15 +56,13 @@ std::string connect_into(Comm& comm, const std::vector<std::vector<int>>& groups
       ll.tokens = shape.low_latency_tokens;
       ll.hidden = shape.hidden;
       ll.num_topk = shape.num_topk;
-      if (ll.tokens > 0) {  // both kinds' regions, then the expert tally scratch
+      if (ll.tokens > 0) {  // both kinds' regions, zeroed: no flag raised yet
         const int64_t per_kind[2] = {2 * int64_t(num_ranks) * ll.tokens * ll.row_bytes(kLowLatencyDispatch),
                                      2 * int64_t(num_ranks) * ll.tokens * ll.row_bytes(kLowLatencyCombine)};
-        const size_t tally = sizeof(int32_t) * experts_per_rank;
-        JAX_EP_CUDA_TRY(cudaMalloc(&rank.regions, per_kind[0] + per_kind[1] + tally));
+        JAX_EP_CUDA_TRY(cudaMalloc(&rank.regions, per_kind[0] + per_kind[1]));
         ll.region[kLowLatencyDispatch][r] = rank.regions;
         ll.region[kLowLatencyCombine][r] = rank.regions + per_kind[0];
-        ll.expert_count = reinterpret_cast<int32_t*>(rank.regions + per_kind[0] + per_kind[1]);
-        JAX_EP_CUDA_TRY(cudaMemset(rank.regions, 0, per_kind[0] + per_kind[1] + tally));  // flags
+        JAX_EP_CUDA_TRY(cudaMemset(rank.regions, 0, per_kind[0] + per_kind[1]));
       }
       rank.link.self = states[r];
       JAX_EP_CUDA_TRY(cudaHostGetDevicePointer(&rank.link.failure, failure, 0));

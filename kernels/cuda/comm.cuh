@@ -24,16 +24,16 @@ constexpr size_t kDefaultSharedBytes = 48 * 1024;  // dynamic shared memory with
 // [tokens] rows, one region per kind of op. Rows move in parts of kPartElems elements, each part
 // with a flag the sender raises to the op's number; nothing waits for a whole grid. Ops of each
 // kind are numbered on device; a sender reuses a slot once its receivers released the op two
-// before.
+// before. A receiver releases an op at the start of its next kernel of that kind, when the
+// kernel boundary has ordered every read of it: a plain store, off the critical path.
 enum LowLatencyKind : int { kLowLatencyDispatch = 0, kLowLatencyCombine = 1 };
-constexpr int kPartElems = 1024;            // elements of a row under one flag
-constexpr uint64_t kReleasedPerOp = 1024;   // what the blocks of one recv half add to `released`
+constexpr int kPartElems = 1024;  // elements of a row under one flag
 
 struct LowLatencyState {
-  uint64_t started[2];                // [kind]: blocks of send halves started, gridDim.x per op
-  uint64_t released[2][kMaxRanks];    // [kind][dst]: kReleasedPerOp per op dst finished reading
-  uint64_t counts[2][kMaxRanks];      // [slot][src]: op << 24 | rows src sent here (fresh dispatch)
-  uint32_t ticket;                    // recv blocks that added their expert tally
+  uint64_t started[2];              // [kind]: blocks of send halves started, gridDim.x per op
+  uint64_t received[2];             // [kind]: the last op whose recv half finished here
+  uint64_t released[2][kMaxRanks];  // [kind][dst]: the last op dst finished reading
+  uint64_t counts[2][kMaxRanks];    // [slot][src]: op << 24 | rows src sent here (fresh dispatch)
 };
 
 // Dispatch routing runs one block per chunk of kRouteTokens tokens (dispatch.cu).
@@ -72,7 +72,6 @@ enum Wait : int32_t { kWaitCounts = 1, kWaitMailbox = 2, kWaitArrived = 3, kWait
 // Where the low-latency regions are and how their rows are laid out.
 struct LowLatencyLink {
   uint8_t* region[2][kMaxRanks];   // [kind][rank]: that rank's receive region
-  int32_t* expert_count;           // [E_l] this rank's tally scratch, zero between ops
   int tokens, hidden, num_topk;    // rows per (slot, source); the Buffer's H and K
   // Room for a float32 row of width H, 16-byte aligned.
   __host__ __device__ int64_t widest_row() const { return (4 * int64_t(hidden) + 15) / 16 * 16; }
@@ -123,8 +122,8 @@ __device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-__device__ __forceinline__ void add_release(uint64_t* p, uint64_t v) {
-  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 __device__ __forceinline__ uint64_t global_time_ns() {
@@ -176,17 +175,16 @@ __device__ __forceinline__ void read_mailbox(const Link& link, int peer, uint64_
 }
 
 // True in exactly one block: the last of the grid to finish. Each block's writes, ordered by its
-// barrier, are released by one fence before it counts itself on `ticket`; the last block fences
-// again before acting on them, and resets the ticket for the next kernel. System-wide fences
-// when the last block tells peers about the grid's writes; GPU-wide when they stay local.
-__device__ __forceinline__ bool last_block_done(uint32_t* ticket, bool system = true) {
+// barrier, are released by one system fence before it counts itself on `ticket`; the last block
+// fences again before acting on them, and resets the ticket for the next kernel.
+__device__ __forceinline__ bool last_block_done(uint32_t* ticket) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    system ? __threadfence_system() : __threadfence();
+    __threadfence_system();
     last = atomicAdd(ticket, 1u) == gridDim.x - 1;
     if (last) {
-      system ? __threadfence_system() : __threadfence();
+      __threadfence_system();
       *ticket = 0;
     }
   }

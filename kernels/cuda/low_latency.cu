@@ -7,12 +7,13 @@
 //                  once per destination rank straight into row j of that rank's region, with the
 //                  token's local expert ids and weights, then raise the pieces' flags.
 //   dispatch recv  warps take pieces of the output rows in (source rank, token) order, wait for
-//                  their flags and copy them into XLA's buffers, tallying tokens per expert; each
-//                  block tells every source when it is done reading.
+//                  their flags and copy them into XLA's buffers; block 0 tallies tokens per
+//                  expert.
 //   combine send   each received row goes back into row j of its source's region, flagged;
 //   combine recv   each token sums its rows from its region in rank order, onto the bias, piece
 //                  by piece as their flags rise.
-// The regions and flags are described in comm.cuh.
+// The next kernel of the same kind releases the op's slot to its senders. The regions and flags
+// are described in comm.cuh.
 #include "kernels/cuda/comm.cuh"
 #include "kernels/cuda/rows.cuh"
 #include "kernels/layout.h"
@@ -27,9 +28,14 @@ constexpr int kChunks = kMaxTokens / 32;
 // The op this kernel serves. A send half's blocks count themselves on `started`; every send half
 // of a kind runs gridDim.x blocks, so the count names the op. A recv half serves the op its send
 // half returned, whose low 32 bits the ticket holds: the last op sent, or the one before.
-__device__ __forceinline__ uint64_t op_of(const Link& link, int kind, int half,
-                                          const int32_t* ticket_in) {
+// Block 0 first releases, on every source, the last op this rank received (see comm.cuh).
+__device__ __forceinline__ uint64_t start_op(const Link& link, int kind, int half,
+                                             const int32_t* ticket_in) {
   __shared__ uint64_t op;
+  const LowLatencyState& mine = link.self->low_latency;
+  if (blockIdx.x == 0 && threadIdx.x < link.num_ranks)
+    store_relaxed(&link.peers[threadIdx.x]->low_latency.released[kind][link.rank],
+                  *reinterpret_cast<const volatile uint64_t*>(&mine.received[kind]));
   if (threadIdx.x == 0) {
     auto* started = reinterpret_cast<unsigned long long*>(&link.self->low_latency.started[kind]);
     if (half & kSend) {
@@ -47,18 +53,14 @@ __device__ __forceinline__ uint64_t op_of(const Link& link, int kind, int half,
 __device__ __forceinline__ void wait_slot_free(const Link& link, int kind, uint64_t op) {
   const int d = threadIdx.x;
   if (d < link.num_ranks && op > 2)
-    wait_for(link, &link.self->low_latency.released[kind][d], (op - 2) * kReleasedPerOp,
-             kWaitReleased, d);
+    wait_for(link, &link.self->low_latency.released[kind][d], op - 2, kWaitReleased, d);
   __syncthreads();
 }
 
-// The end of a recv half, in every block: its share of telling each source it is done reading.
-__device__ __forceinline__ void release_sources(const Link& link, int kind) {
-  __syncthreads();
-  const int s = threadIdx.x;
-  if (s < link.num_ranks)
-    add_release(&link.peers[s]->low_latency.released[kind][link.rank],
-                blockIdx.x == 0 ? kReleasedPerOp - (gridDim.x - 1) : 1);
+// The end of a recv half, in every block: the next kernel of this kind releases the op.
+__device__ __forceinline__ void finish_recv(const Link& link, int kind, uint64_t op) {
+  if (threadIdx.x == 0)
+    *reinterpret_cast<volatile uint64_t*>(&link.self->low_latency.received[kind]) = op;
 }
 
 // How a warp's work splits rows into pieces of whole parts: few rows still use many warps.
@@ -185,7 +187,7 @@ __device__ __forceinline__ void scan_tokens(const DispatchParams& p, uint64_t op
       if (lane < chunks) scan.before[lane][d] = inclusive - n;
       const int total = __shfl_sync(~0u, inclusive, 31);
       if (blockIdx.x == 0 && lane == 0 && !a.cached)
-        store_release(&link.peers[d]->low_latency.counts[op & 1][link.rank],
+        store_relaxed(&link.peers[d]->low_latency.counts[op & 1][link.rank],
                       op << 24 | uint64_t(total));
     }
     if (blockIdx.x == 0 && lane == 0 && !a.cached) *a.num_invalid = invalid;
@@ -208,13 +210,26 @@ __device__ __forceinline__ void send_tokens(const DispatchParams& p, uint64_t op
   __shared__ SendScan scan;
   __shared__ uint8_t* x_dst[kWarps][kMaxRanks];  // the warp's token's row on each rank
   __shared__ float* scale_dst[kWarps][kMaxRanks];
+  const Pieces pieces(a.num_tokens, a.hidden);
+  const int units = a.num_tokens * pieces.pieces, stride = gridDim.x * kWarps;
+  {  // the warp's first piece of x and its token's slots, on their way to L2 while we wait
+    const int u = blockIdx.x * kWarps + warp, t = u / pieces.pieces, piece = u % pieces.pieces;
+    if (u < units) {
+      const uint8_t* x = static_cast<const uint8_t*>(a.x) + int64_t(t) * a.hidden * sizeof(T);
+      const int64_t begin = int64_t(pieces.first(piece)) * kPartElems * sizeof(T);
+      const int64_t end = min(int64_t(pieces.end(piece)) * kPartElems, int64_t(a.hidden)) * sizeof(T);
+      for (int64_t at = begin + lane * 128; at < end; at += 32 * 128) prefetch_l2(x + at);
+      if (fresh && piece == 0 && lane == 0) {
+        prefetch_l2(a.topk_idx + int64_t(t) * K);
+        prefetch_l2(a.topk_weights + int64_t(t) * K);
+      }
+    }
+  }
   wait_slot_free(link, kLowLatencyDispatch, op);
   scan_tokens(p, op, scan);
   if (blockIdx.x == 0 && threadIdx.x == 0 && p.d.ticket_out) *p.d.ticket_out = int32_t(op);
 
-  const Pieces pieces(a.num_tokens, a.hidden);
   const int steps = (a.hidden + Step::kStep - 1) / Step::kStep;
-  const int units = a.num_tokens * pieces.pieces, stride = gridDim.x * kWarps;
   // The token's row on destination `lane`, or -1.
   auto row_on = [&](int t, uint32_t m) -> int32_t {
     if (lane >= R || !(m >> lane & 1)) return -1;
@@ -267,32 +282,58 @@ __device__ __forceinline__ void send_tokens(const DispatchParams& p, uint64_t op
   }
 }
 
+// Block 0 (fresh dispatch): the distinct (row, local expert) pairs present, per expert.
+__device__ __forceinline__ void tally_experts(const DispatchParams& p, uint64_t op,
+                                              const int32_t* first, int present, int32_t* tally) {
+  const DispatchArgs& a = p.d.a;
+  const Link& link = p.link;
+  const LowLatencyLink& ll = link.low_latency;
+  const int K = a.num_topk, El = a.experts_per_rank();
+  for (int e = threadIdx.x; e < El; e += blockDim.x) tally[e] = 0;
+  __syncthreads();
+  for (int row = threadIdx.x; row < present; row += blockDim.x) {  // a thread per row
+    const int s = source_of(first, row);
+    uint8_t* at = ll.row(kLowLatencyDispatch, link.rank, int(op & 1), s, row - first[s],
+                         link.num_ranks);
+    wait_for(link, ll.flags(kLowLatencyDispatch, at), op, kWaitArrived, s);
+    const int32_t* ids = reinterpret_cast<const int32_t*>(at + ll.meta_at());
+    for (int k = 0; k < K; ++k) {
+      const int32_t e = ids[k];
+      if (e >= 0 && !row_has_expert(ids, k, e)) atomicAdd(&tally[e], 1);  // pairs count once
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < El; e += blockDim.x) a.tokens_per_expert[e] = tally[e];
+}
+
 __device__ __forceinline__ void receive_tokens(const DispatchParams& p, uint64_t op,
                                                int32_t* tally) {
   const DispatchArgs& a = p.d.a;
   const Link& link = p.link;
   const LowLatencyLink& ll = link.low_latency;
   const int R = link.num_ranks, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int slot = int(op & 1), K = a.num_topk, El = a.experts_per_rank();
+  const int slot = int(op & 1), K = a.num_topk;
   const bool fresh = !a.cached;
   __shared__ int32_t first[kMaxRanks + 1];
   __shared__ uint64_t* flags_of[kWarps][kMaxRanks];
-  if (fresh)
-    for (int e = threadIdx.x; e < El; e += blockDim.x) tally[e] = 0;
   row_offsets(link, p.d.recv_counts_in, fresh ? link.self->low_latency.counts[slot] : nullptr, op,
               first);
   const int present = min(first[R], a.out_rows);
-  if (fresh && blockIdx.x == 0 && threadIdx.x == 0) {
-    for (int s = 0; s < R; ++s) a.recv_counts[s] = first[s + 1] - first[s];
-    *a.num_recv = present;
-    *a.num_dropped = first[R] - present;
+  if (fresh && blockIdx.x == 0) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < R; ++s) a.recv_counts[s] = first[s + 1] - first[s];
+      *a.num_recv = present;
+      *a.num_dropped = first[R] - present;
+    }
+    tally_experts(p, op, first, present, tally);
   }
 
   const int64_t x_elem = a.fp8 ? 1 : dtype_size(a.x_dtype);
   const int num_scales = a.fp8 ? a.scales_per_row() : 0;
   const Pieces pieces(a.out_rows, a.hidden);
-  for (int u = blockIdx.x * kWarps + warp; u < a.out_rows * pieces.pieces;
-       u += gridDim.x * kWarps) {
+  // Block 0, busy with the tally, takes the last units.
+  const int order = (blockIdx.x + gridDim.x - 1) % gridDim.x;
+  for (int u = order * kWarps + warp; u < a.out_rows * pieces.pieces; u += gridDim.x * kWarps) {
     const int i = u / pieces.pieces, piece = u % pieces.pieces;
     const int p0 = pieces.first(piece), p1 = pieces.end(piece);
     const uint8_t* row = nullptr;  // padding rows: zeros, expert -1, weight 0
@@ -313,26 +354,18 @@ __device__ __forceinline__ void receive_tokens(const DispatchParams& p, uint64_t
     if (!fresh || piece != 0) continue;
     const int32_t* ids = row ? reinterpret_cast<const int32_t*>(row + ll.meta_at()) : nullptr;
     for (int k = lane; k < K; k += 32) {
-      const int32_t e = ids ? ids[k] : -1;
-      a.topk_out[int64_t(i) * K + k] = e;
+      a.topk_out[int64_t(i) * K + k] = ids ? ids[k] : -1;
       a.weights_out[int64_t(i) * K + k] = ids ? reinterpret_cast<const float*>(ids + K)[k] : 0.f;
-      if (e >= 0 && !row_has_expert(ids, k, e)) atomicAdd(&tally[e], 1);  // pairs count once
     }
   }
-  release_sources(link, kLowLatencyDispatch);
-  if (!fresh) return;
-  for (int e = threadIdx.x; e < El; e += blockDim.x)
-    if (tally[e]) atomicAdd(&ll.expert_count[e], tally[e]);
-  if (last_block_done(&link.self->low_latency.ticket, /*system=*/false))
-    for (int e = threadIdx.x; e < El; e += blockDim.x)
-      a.tokens_per_expert[e] = atomicExch(&ll.expert_count[e], 0);
+  finish_recv(link, kLowLatencyDispatch, op);
 }
 
 template <typename T, bool kFp8>
 __global__ void __launch_bounds__(kWarps * 32, 1) dispatch_kernel(DispatchParams p, bool aligned) {
   extern __shared__ float dynamic[];  // per warp its row's scales, then the expert tally
   const int num_scales = kFp8 ? p.d.a.scales_per_row() : 0;
-  const uint64_t op = op_of(p.link, kLowLatencyDispatch, p.d.half, p.d.ticket_in);
+  const uint64_t op = start_op(p.link, kLowLatencyDispatch, p.d.half, p.d.ticket_in);
   if (p.d.half & kSend)
     send_tokens<T, kFp8>(p, op, dynamic + threadIdx.x / 32 * num_scales, aligned);
   if (p.d.half & kRecv)
@@ -417,11 +450,11 @@ __device__ __forceinline__ void sum_back(const CombineParams& p, uint64_t op) {
     }
     __syncwarp();
   }
-  release_sources(link, kLowLatencyCombine);
+  finish_recv(link, kLowLatencyCombine, op);
 }
 
 __global__ void __launch_bounds__(kWarps * 32, 1) combine_kernel(CombineParams p) {
-  const uint64_t op = op_of(p.link, kLowLatencyCombine, p.c.half, p.c.ticket_in);
+  const uint64_t op = start_op(p.link, kLowLatencyCombine, p.c.half, p.c.ticket_in);
   if (p.c.half & kSend) send_back(p, op);
   if (p.c.half & kRecv) sum_back(p, op);
 }
