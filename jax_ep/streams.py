@@ -8,7 +8,9 @@ import jax
 
 def on_collective_stream(fn):
     """fn (e.g. lambda: buf.dispatch_send(...)) as a call XLA runs on its collective stream
-    (compute_on "gpu_stream:collective", jax >= 0.11.1 on GPU). Use it inside shard_map."""
+    (compute_on "gpu_stream:collective", jax >= 0.11.1 on GPU). Use it inside shard_map, and
+    for every half of a kind of op alike: the low-latency kernels of one kind must run in order
+    on one stream (their op numbers and slot releases count on it)."""
     from jax.experimental import compute_on as compute_on_module
 
     form = compute_on_module.compute_on

@@ -25,7 +25,8 @@ constexpr size_t kDefaultSharedBytes = 48 * 1024;  // dynamic shared memory with
 // with a flag the sender raises to the op's number; nothing waits for a whole grid. Ops of each
 // kind are numbered on device; a sender reuses a slot once its receivers released the op two
 // before. A receiver releases an op at the start of its next kernel of that kind, when the
-// kernel boundary has ordered every read of it: a plain store, off the critical path.
+// kernel boundary has ordered every read of it: a plain store, off the critical path. Both this
+// and the op numbers need a kind's kernels to run in order on one stream.
 enum LowLatencyKind : int { kLowLatencyDispatch = 0, kLowLatencyCombine = 1 };
 constexpr int kPartElems = 1024;  // elements of a row under one flag
 
