@@ -60,7 +60,13 @@ struct CudaBackend {
 
 constexpr auto kGraphSafe = ffi::Traits::kCmdBufferCompatible;
 
-bool is_half(int32_t half) { return half >= cuda::kSend && half <= cuda::kBoth; }
+// A known half, with the one-element ticket it reads (recv) or writes (send).
+bool valid_half(int32_t half, ffi::Buffer<ffi::S32, 1> ticket_in,
+                ffi::ResultBuffer<ffi::S32, 1> ticket_out) {
+  return half >= cuda::kSend && half <= cuda::kBoth &&
+         (half != cuda::kRecv || ticket_in.element_count() == 1) &&
+         (half != cuda::kSend || ticket_out->element_count() == 1);
+}
 
 // The low-latency dispatch, whole or one half (attribute `half`): one signature for all; the
 // outputs a half does not produce, and the inputs it does not read, are empty arrays.
@@ -82,8 +88,7 @@ ffi::Error LowLatencyDispatch(
   DispatchArgs& a = d.a;
   if (auto err = dispatch_common(*state, place, x, 0, out_rows, fp8, round_scale, &a); err.failure())
     return err;
-  if (!is_half(half) || (half == cuda::kRecv && ticket_in.element_count() != 1) ||
-      (half == cuda::kSend && ticket_out->element_count() != 1))
+  if (!valid_half(half, ticket_in, ticket_out))
     return invalid("low-latency dispatch: bad half or ticket");
   a.cached = cached;
   a.num_topk = int(topk_idx.dimensions()[1]);
@@ -108,8 +113,7 @@ ffi::Error LowLatencyCombine(CudaContext ctx, ffi::AnyBuffer rows, ffi::Buffer<f
   std::shared_ptr<BufferState> state;
   Place place;
   if (auto err = with_place<CudaBackend>(ctx, buffer_id, &state, &place); err.failure()) return err;
-  if (!is_half(half) || (half == cuda::kRecv && ticket_in.element_count() != 1) ||
-      (half == cuda::kSend && ticket_out->element_count() != 1))
+  if (!valid_half(half, ticket_in, ticket_out))
     return invalid("low-latency combine: bad half or ticket");
   cuda::LowLatencyCombineArgs c{};
   if (auto err = combine_common(*state, place, rows, send_pos, bias, *out, has_bias, &c.a);

@@ -75,6 +75,13 @@ inline ffi::Error combine_common(const BufferState& state, Place place, ffi::Any
   return ffi::Error::Success();
 }
 
+// Where a dispatch writes its rows (and their FP8 scales).
+inline void rows_outputs(ffi::Result<ffi::AnyBuffer> x_out, ffi::Result<ffi::AnyBuffer> scales_out,
+                         DispatchArgs* a) {
+  a->x_out = x_out->untyped_data();
+  a->scales_out = a->fp8 ? static_cast<float*>(scales_out->untyped_data()) : nullptr;
+}
+
 // Where a fresh dispatch writes its rows and routing (both dispatch signatures return these).
 inline void dispatch_outputs(ffi::Result<ffi::AnyBuffer> x_out,
                              ffi::Result<ffi::AnyBuffer> scales_out,
@@ -85,8 +92,7 @@ inline void dispatch_outputs(ffi::Result<ffi::AnyBuffer> x_out,
                              ffi::ResultBuffer<ffi::S32, 0> num_recv,
                              ffi::ResultBuffer<ffi::S32, 0> num_dropped,
                              ffi::ResultBuffer<ffi::S32, 0> num_invalid, DispatchArgs* a) {
-  a->x_out = x_out->untyped_data();
-  a->scales_out = a->fp8 ? static_cast<float*>(scales_out->untyped_data()) : nullptr;
+  rows_outputs(x_out, scales_out, a);
   a->topk_out = topk_out->typed_data();
   a->weights_out = weights_out->typed_data();
   a->recv_counts = recv_counts->typed_data();
@@ -179,8 +185,7 @@ Result<Backend> DispatchCached(typename Backend::Context ctx, ffi::AnyBuffer x,
     return Backend::error(invalid("dispatch: the handle does not match x"));
   a.send_pos = const_cast<int32_t*>(send_pos.typed_data());
   a.cached_num_recv = num_recv.typed_data();
-  a.x_out = x_out->untyped_data();
-  a.scales_out = fp8 ? static_cast<float*>(scales_out->untyped_data()) : nullptr;
+  rows_outputs(x_out, scales_out, &a);
   return Backend::dispatch(ctx, *state, place, a);
 }
 

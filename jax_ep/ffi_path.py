@@ -147,7 +147,8 @@ class _LLSent(NamedTuple):  # what a low-latency send half leaves for its recv h
     outputs: tuple   # the send half's other outputs (send_pos, num_invalid)
 
 
-def _ll_dispatch_ffi(cfg: _Move, phase, inputs, ticket, tokens, hidden, k, cached):
+def _ll_dispatch_ffi(cfg: _Move, phase, inputs, ticket, cached):
+    (tokens, hidden), k = inputs[0].shape, inputs[1].shape[1]  # x, topk_idx (empty when cached)
     send, recv = phase & SEND, phase & RECV
     rows = cfg.rows if recv else 0
     x_dtype = jnp.float8_e4m3fn if cfg.fp8 else cfg.x_dtype
@@ -172,8 +173,7 @@ def _ll_dispatch_ffi(cfg: _Move, phase, inputs, ticket, tokens, hidden, k, cache
 def _ll_dispatch_send(cfg: _Move, phase, x, topk_idx, topk_weights):
     none = jnp.zeros((0, cfg.num_ranks), jnp.int32), jnp.zeros((0,), jnp.int32)
     inputs = (x, topk_idx, topk_weights, *none)
-    out = _ll_dispatch_ffi(cfg, phase, inputs, None, x.shape[0], x.shape[1], topk_idx.shape[1],
-                           False)
+    out = _ll_dispatch_ffi(cfg, phase, inputs, None, False)
     sent = _LLSent(inputs, out[0] if phase == SEND else None, (out[1], out[2]))
     return sent, out if phase == BOTH else None
 
@@ -181,9 +181,7 @@ def _ll_dispatch_send(cfg: _Move, phase, x, topk_idx, topk_weights):
 def _ll_dispatch_recv(cfg: _Move, sent_and_out):
     sent, out = sent_and_out
     if out is None:
-        x = sent.inputs[0]
-        out = _ll_dispatch_ffi(cfg, RECV, sent.inputs, sent.ticket, x.shape[0], x.shape[1],
-                               sent.inputs[1].shape[1], False)
+        out = _ll_dispatch_ffi(cfg, RECV, sent.inputs, sent.ticket, False)
     send_pos, num_invalid = sent.outputs
     rows = RankRows(out[3], out[4] if cfg.fp8 else None, out[5], out[6])
     return rows, Routing(send_pos, out[7], out[8], out[9], out[10], num_invalid)
@@ -192,7 +190,7 @@ def _ll_dispatch_recv(cfg: _Move, sent_and_out):
 def _ll_cached_send(cfg: _Move, phase, x, send_pos, num_rows, recv_counts):
     no_topk = jnp.zeros((0, 0), jnp.int32), jnp.zeros((0, 0), jnp.float32)
     inputs = (x, *no_topk, send_pos, recv_counts)
-    out = _ll_dispatch_ffi(cfg, phase, inputs, None, x.shape[0], x.shape[1], 0, True)
+    out = _ll_dispatch_ffi(cfg, phase, inputs, None, True)
     return _LLSent(inputs, out[0] if phase == SEND else None, ()), (
         out if phase == BOTH else None)
 
@@ -200,9 +198,7 @@ def _ll_cached_send(cfg: _Move, phase, x, send_pos, num_rows, recv_counts):
 def _ll_cached_recv(cfg: _Move, sent_and_out):
     sent, out = sent_and_out
     if out is None:
-        x = sent.inputs[0]
-        out = _ll_dispatch_ffi(cfg, RECV, sent.inputs, sent.ticket, x.shape[0], x.shape[1], 0,
-                               True)
+        out = _ll_dispatch_ffi(cfg, RECV, sent.inputs, sent.ticket, True)
     return out[3], out[4] if cfg.fp8 else None
 
 
