@@ -233,10 +233,11 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
     return results
 
 
-def bench_overlap(mesh, cfg, tokens, num_sms, fp8, rng, steps, collective_stream, matmul=2048):
+def bench_overlap(mesh, cfg, tokens, num_sms, fp8, rng, steps, other_streams, matmul=2048,
+                  trace=False):
     """Split dispatch and combine with a matmul between each send and recv, against the two
     alone: the overlap saves what `apart - together` says. On XLA's compute stream and, when
-    asked, with the halves on the collective stream."""
+    asked, with the halves on other XLA streams; with `trace`, each variant's kernels."""
     num_ranks, hidden = mesh.size, cfg["hidden"]
     sharding = NamedSharding(mesh, P("ep"))
     idx = jax.device_put(jnp.asarray(routing(rng, num_ranks, tokens, cfg["num_experts"],
@@ -244,49 +245,58 @@ def bench_overlap(mesh, cfg, tokens, num_sms, fp8, rng, steps, collective_stream
     x = jax.device_put(jnp.asarray(rng.standard_normal((num_ranks * tokens, hidden)),
                                    jnp.bfloat16), sharding)
     buf = jax_ep.Buffer(mesh, "ep", num_experts=cfg["num_experts"], hidden=hidden,
-                        num_topk=cfg["num_topk"], max_tokens_per_rank=tokens, num_sms=num_sms)
-    weight = jnp.full((matmul, matmul), 0.01, jnp.bfloat16)
+                        num_topk=cfg["num_topk"], max_tokens_per_rank=tokens, num_sms=num_sms,
+                        timeout_s=10.0)
+    weights = [jnp.full((matmul, matmul), w, jnp.bfloat16) for w in (0.01, 0.02)]
 
-    def busy(value):  # compute that does not depend on the communication
+    def busy(value, which):  # compute that does not depend on the communication; the two
+        weight = weights[which]  # differ, or XLA would compute them once
         return (jnp.broadcast_to(value[:1, :1], (matmul, matmul)) + weight) @ weight
 
     def layer(place, comm=True, work=True):
         def op(value, idx):
-            out = ()
-            p = place(lambda: buf.dispatch_send(value, idx, fp8=fp8)) if comm else None
-            if work:
-                out += (busy(value),)
-            if comm:
+            if not comm:
+                out = (busy(value, 0), busy(value, 1))
+            else:
+                p = place(lambda: buf.dispatch_send(value, idx, fp8=fp8))
+                out = (busy(value, 0),) if work else ()
                 d = place(lambda: buf.dispatch_recv(p))
                 rows = (jax_ep.dequantize_fp8(d.x, d.scales) if fp8 else d.x).astype(jnp.bfloat16)
                 p = place(lambda: buf.combine_send(rows, d.handle))
-                if work:
-                    out += (busy(rows),)
+                out += (busy(rows, 1),) if work else ()
                 out += (place(lambda: buf.combine_recv(p)),)
-            elif work:
-                out += (busy(value),)
-            return out
+            # The next step waits for all of this one: XLA may neither merge steps' matmuls nor
+            # start a send before the previous step's recv (a kind's halves run in order).
+            return (sum(o.reshape(-1)[0].astype(jnp.float32) for o in out),) + out
         return op
 
     harness = harness_seconds(mesh, x, idx, steps)
 
-    def time(op):
-        return (Timer(mesh, lambda x, i: (x, i, ()), repeat(op), *steps)((x, idx)) - harness) * 1e6
+    kernels = {}
+
+    def time(op, name):
+        if trace:
+            print(f"  overlap, {name}: device kernels per step of the long program:", flush=True)
+        timer = Timer(mesh, lambda x, i: (x, i, ()), repeat(op), *steps)
+        seconds = timer((x, idx), trace=trace)
+        if trace:
+            kernels[name] = timer.kernels
+        return (seconds - harness) * 1e6
 
     streams = {"compute": lambda fn: fn()}
-    if collective_stream:
-        streams["collective"] = lambda fn: jax_ep.on_collective_stream(fn)()
+    for name in other_streams:
+        streams[name] = lambda fn, name=name: jax_ep.on_collective_stream(fn, name)()
     out = dict(tokens_per_rank=tokens, matmul=matmul, harness_us=harness * 1e6,
-               comm_us=time(layer(streams["compute"], work=False)),
-               matmuls_us=time(layer(streams["compute"], comm=False)))
+               comm_us=time(layer(streams["compute"], work=False), "comm"),
+               matmuls_us=time(layer(streams["compute"], comm=False), "matmuls"))
     for name, stream in streams.items():
         try:
-            out[f"together_{name}_stream_us"] = time(layer(stream))
-        except Exception as e:  # noqa: BLE001  (a jax without the collective stream)
+            out[f"together_{name}_stream_us"] = time(layer(stream), f"together_{name}_stream")
+        except Exception as e:  # noqa: BLE001  (a jax without stream placement)
             out[f"together_{name}_stream_us"] = None
             out[f"{name}_stream_error"] = str(e)[:300]
     print("  overlap:", json.dumps(out), flush=True)
-    return out
+    return dict(out, kernels=kernels) if trace else out
 
 
 def table(results):
@@ -319,8 +329,8 @@ def main(argv=None):
                         help="also time split ops around a matmul (the config's token count)")
     parser.add_argument("--trace", action="store_true",
                         help="also record each op's kernel times on the devices (profiler)")
-    parser.add_argument("--collective-stream", action="store_true",
-                        help="--overlap also with the halves on XLA's collective stream")
+    parser.add_argument("--streams", default="",
+                        help="--overlap also with the halves on these XLA streams, e.g. collective,1")
     args = parser.parse_args(argv)
     cfg = CONFIGS[args.config]
     if args.graphs:  # before the backend starts
@@ -344,7 +354,9 @@ def main(argv=None):
                               check=i == 0, steps=cfg["steps"], trace=args.trace)
     print(table(results))
     overlap = (bench_overlap(mesh, cfg, cfg["tokens"], args.num_sms, not args.bf16, rng,
-                             cfg["steps"], args.collective_stream) if args.overlap else None)
+                             cfg["steps"], [s for s in args.streams.split(",") if s],
+                             trace=args.trace)
+               if args.overlap else None)
     record = dict(machine=args.machine, date=datetime.date.today().isoformat(),
                   command="python -m bench.ep " + " ".join(sys.argv[1:] if argv is None else argv),
                   config=args.config, num_ranks=len(devices), device=devices[0].device_kind,

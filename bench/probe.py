@@ -8,12 +8,14 @@ from __future__ import annotations
 import argparse
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from bench.ep import CONFIGS, bench_size
 
 MODES = {-1: "copy engine", 0: "push bulk-copy", 1: "push st.v4", 2: "pull bulk-copy",
-         3: "pull ld.v4"}
+         3: "pull ld.v4", 4: "push + local", 5: "push rows"}
+# 4: st.v4 to the peer amid a send's local traffic; 5: st.v4 a warp per 7168-byte row
 
 
 def main():
@@ -31,6 +33,16 @@ def main():
         for mode, name in MODES.items():
             row = [_native.peer_gbps(0, 1, 256 << 20, b, mode, 10, both) for b in blocks]
             print(f"{name:16s}" + "".join(f"{g:8.1f}" for g in row), flush=True)
+
+    # The same stores into memory XLA allocated (where the dispatch writes), one way.
+    size = 256 << 20
+    dst = jax.device_put(jnp.zeros((size,), jnp.uint8), jax.devices()[1])
+    print(f"\n{'into XLA memory':16s}" + "".join(f"{b:>8d}" for b in blocks))
+    for mode in (1, 5):
+        row = [_native.peer_gbps(0, 1, size, b, mode, 10, False, dst.unsafe_buffer_pointer())
+               for b in blocks]
+        print(f"{MODES[mode]:16s}" + "".join(f"{g:8.1f}" for g in row), flush=True)
+    del dst
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
     print(f"\njax_ep V3, {args.tokens} tokens/rank: time us (physical GB/s)")

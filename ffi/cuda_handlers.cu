@@ -211,8 +211,9 @@ std::shared_ptr<void> cuda_connect(const std::vector<std::vector<int>>& groups,
 int64_t cuda_handler_calls() { return handler_calls.load(); }
 
 double cuda_peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iters,
-                      bool both_ways) {
-  return cuda::peer_gbps(src, dst, bytes, blocks, mode, iters, both_ways);
+                      bool both_ways, uintptr_t dst_buffer) {
+  return cuda::peer_gbps(src, dst, bytes, blocks, mode, iters, both_ways,
+                         reinterpret_cast<void*>(dst_buffer));
 }
 
 }  // namespace jax_ep

@@ -51,7 +51,7 @@ NB_MODULE(_native, m) {
   m.def("cuda_handler_calls", &cuda_handler_calls);
   m.def("peer_gbps", &cuda_peer_gbps, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"),
         nb::arg("blocks"), nb::arg("mode"), nb::arg("iters"), nb::arg("both_ways"),
-        nb::call_guard<nb::gil_scoped_release>());
+        nb::arg("dst_buffer") = 0, nb::call_guard<nb::gil_scoped_release>());
 #else
   m.attr("has_cuda") = false;
 #endif

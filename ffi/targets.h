@@ -1,5 +1,6 @@
 // The custom-call targets each backend exports, by op name.
 #pragma once
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
@@ -24,7 +25,7 @@ std::shared_ptr<void> cuda_connect(const std::vector<std::vector<int>>& groups,
 int64_t cuda_handler_calls();
 // Peer bandwidth of a transfer mechanism, GB/s per direction (kernels/cuda/backend.h).
 double cuda_peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iters,
-                      bool both_ways);
+                      bool both_ways, uintptr_t dst_buffer);
 #endif
 
 }  // namespace jax_ep

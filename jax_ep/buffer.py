@@ -142,7 +142,8 @@ class Buffer:
         """The first half of dispatch: returns once the tokens are on their way. Run other work,
         then dispatch_recv(pending). Not differentiable (use dispatch under grad). At most two
         sent dispatches may await their recv at once (their two slots); a third send would wait
-        for the first recv and end in the timeout error."""
+        for the first recv and end in the timeout error. XLA orders only what data orders: in a
+        loop, let each send's inputs depend on an earlier recv's outputs."""
         return Pending(*self._dispatch_start(True, x, topk_idx, topk_weights, handle, layout,
                                              expert_alignment, fp8, round_scale, capacity, mode),
                        kind="dispatch")

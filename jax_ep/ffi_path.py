@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _native, layout
+from jax_ep import _native, layout, streams
 from jax_ep.primitives import RankRows, Routing, Unsplit
 
 
@@ -23,6 +23,12 @@ def register_targets():
     if _native.has_cuda:
         for name, capsule in _native.cuda_targets().items():
             jax.ffi.register_ffi_target(f"jax_ep_{name}", capsule, platform="CUDA")
+
+
+def _custom_call(target, shapes, *args, has_side_effect=True, **attributes):
+    """Custom call `target` on args, on the stream streams.on_collective_stream chose, if any."""
+    call = jax.ffi.ffi_call(target, shapes, has_side_effect=has_side_effect)
+    return streams.placed(lambda *operands: call(*operands, **attributes))(*args)
 
 
 class _Move(NamedTuple):  # static configuration of a dispatch
@@ -97,8 +103,8 @@ def _dispatch_call(cfg: _Move, x, topk_idx, topk_weights):
               jax.ShapeDtypeStruct((cfg.experts_per_rank,), i32),
               jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((), i32),
               jax.ShapeDtypeStruct((), i32))
-    out = _varying_like(jax.ffi.ffi_call("jax_ep_dispatch", shapes, has_side_effect=True)(
-        x, topk_idx, topk_weights, **_attrs(cfg)), x, topk_idx, topk_weights)
+    out = _varying_like(_custom_call("jax_ep_dispatch", shapes, x, topk_idx, topk_weights,
+                                     **_attrs(cfg)), x, topk_idx, topk_weights)
     x_rows, scales = out[0], out[1] if cfg.fp8 else None
     return RankRows(x_rows, scales, out[2], out[3]), Routing(*out[4:])
 
@@ -107,8 +113,8 @@ def _dispatch_cached_call(cfg: _Move, x, send_pos, num_rows, recv_counts):
     if cfg.low_latency:
         return _ll_cached_recv(cfg, _ll_cached_send(cfg, BOTH, x, send_pos, num_rows, recv_counts))
     x_rows, scales = _varying_like(
-        jax.ffi.ffi_call("jax_ep_dispatch_cached", _x_rows_shapes(cfg, x.shape[1]),
-                         has_side_effect=True)(x, send_pos, num_rows, **_attrs(cfg)),
+        _custom_call("jax_ep_dispatch_cached", _x_rows_shapes(cfg, x.shape[1]), x, send_pos,
+                     num_rows, **_attrs(cfg)),
         x, send_pos, num_rows)
     return x_rows, scales if cfg.fp8 else None
 
@@ -119,9 +125,9 @@ def _combine_call(cfg: _Sum, row_data, send_pos, num_rows, recv_counts, bias):
                                                       recv_counts, bias))
     shape = jax.ShapeDtypeStruct((send_pos.shape[0], row_data.shape[1]), cfg.out_dtype)
     bias = _no_bias() if bias is None else bias
-    return _varying_like(jax.ffi.ffi_call("jax_ep_combine", shape, has_side_effect=True)(
-        row_data, send_pos, bias, buffer_id=np.int64(cfg.buffer_id), op_key=_op_key(),
-        has_bias=cfg.bias_dtype is not None), row_data, send_pos, bias)
+    return _varying_like(_custom_call(
+        "jax_ep_combine", shape, row_data, send_pos, bias, buffer_id=np.int64(cfg.buffer_id),
+        op_key=_op_key(), has_bias=cfg.bias_dtype is not None), row_data, send_pos, bias)
 
 
 def _no_bias():
@@ -163,9 +169,9 @@ def _ll_dispatch_ffi(cfg: _Move, phase, inputs, ticket, cached):
               _empty(cfg.experts_per_rank if recv and not cached else 0),   # tokens_per_expert
               _empty(), _empty())                                           # num_recv, dropped
     ticket = jnp.zeros((0,), jnp.int32) if ticket is None else ticket
-    out = jax.ffi.ffi_call("jax_ep_ll_dispatch", shapes, has_side_effect=True)(
-        *inputs, ticket, buffer_id=np.int64(cfg.buffer_id), half=np.int32(phase),
-        cached=bool(cached), out_rows=np.int32(cfg.rows), fp8=bool(cfg.fp8),
+    out = _custom_call(
+        "jax_ep_ll_dispatch", shapes, *inputs, ticket, buffer_id=np.int64(cfg.buffer_id),
+        half=np.int32(phase), cached=bool(cached), out_rows=np.int32(cfg.rows), fp8=bool(cfg.fp8),
         round_scale=bool(cfg.round_scale))
     return _varying_like(out, *inputs)
 
@@ -208,9 +214,9 @@ def _ll_combine_ffi(cfg: _Sum, phase, inputs, ticket):
     shapes = (_empty(tokens, row_data.shape[1], dtype=cfg.out_dtype),
               _TICKET if phase == SEND else _empty(0))
     ticket = jnp.zeros((0,), jnp.int32) if ticket is None else ticket
-    out = jax.ffi.ffi_call("jax_ep_ll_combine", shapes, has_side_effect=True)(
-        *inputs, ticket, buffer_id=np.int64(cfg.buffer_id), half=np.int32(phase),
-        has_bias=cfg.bias_dtype is not None)
+    out = _custom_call(
+        "jax_ep_ll_combine", shapes, *inputs, ticket, buffer_id=np.int64(cfg.buffer_id),
+        half=np.int32(phase), has_bias=cfg.bias_dtype is not None)
     return _varying_like(out, *inputs)
 
 
@@ -370,7 +376,7 @@ class Ffi(Unsplit):
                   jax.ShapeDtypeStruct((), i32),
                   jax.ShapeDtypeStruct((experts_per_rank,), i32))  # counts before capacity
         topk_rows = jax.lax.stop_gradient(topk_rows)  # integers: nothing to differentiate
-        out = _varying_like(jax.ffi.ffi_call("jax_ep_expert_layout", shapes)(
-            topk_rows, alignment=np.int32(alignment), block_rows=np.int32(block_rows)),
-            topk_rows)
+        out = _varying_like(_custom_call(
+            "jax_ep_expert_layout", shapes, topk_rows, has_side_effect=False,
+            alignment=np.int32(alignment), block_rows=np.int32(block_rows)), topk_rows)
         return layout.ExpertMaps(*out[:5])

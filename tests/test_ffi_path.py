@@ -157,8 +157,9 @@ def test_a_rank_that_never_arrives_is_an_error_not_a_hang():
 
 
 def test_split_ops_placed_on_the_collective_stream():
-    """on_collective_stream wraps the halves as calls with XLA's collective-stream annotation
-    (GPU only honours it; here the results must simply not change)."""
+    """on_collective_stream places the halves' custom calls, and nothing else, in calls with XLA's
+    stream annotation (XLA cannot assign a stream to a call nested in one; only GPU honours the
+    annotation: here the results must simply not change)."""
     mesh = make_mesh(4)
     buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
     x, idx, w = random_inputs(np.random.default_rng(9), 4, T, H, E, K, 4, "random")
@@ -174,3 +175,13 @@ def test_split_ops_placed_on_the_collective_stream():
     plain = run(mesh, step(lambda fn: fn()), x, idx, w)
     streamed = run(mesh, step(lambda fn: jax_ep.on_collective_stream(fn)()), x, idx, w)
     assert_bitwise_equal(streamed, plain)
+    spec = jax.sharding.PartitionSpec("ep")
+    combined = lambda *a: step(lambda fn: jax_ep.on_collective_stream(fn)())(*a)[1]  # noqa: E731
+    text = jax.jit(jax.shard_map(combined, mesh=mesh, in_specs=spec, out_specs=spec)).lower(
+        x, idx, w).as_text()
+    placed = [f for f in text.split("func.func")[1:] if f.split("(")[0].strip().startswith(
+        "private @compute_on")]
+    calls = "stablehlo.custom_call @jax_ep_"
+    assert sum(body.count(calls) for body in placed) == text.count(calls) > 0  # all placed
+    for body in placed:
+        assert " call @" not in body, body[:300]

@@ -98,6 +98,16 @@ def test_cuda_float32_and_odd_widths(mode):
 
 
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_cuda_fp8_wide_rows(mode):
+    """FP8 rows so wide that a kernel's static and dynamic shared memory pass 48 KB together."""
+    mesh, step = steps(4, 61440, "rank", True, 1, None, mode)
+    rng = np.random.default_rng(5)
+    x, idx, w = random_inputs(rng, mesh.size, 4, 61440, E, K, mesh.size, "random")
+    bias = jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+    assert_matches_reference(step, x, idx, w, bias, x)
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
 def test_cuda_inside_loops_and_gradients(mode):
     """Many ops in one jitted fori_loop (sequence numbers live on device), and a gradient."""
     mesh, _ = steps(128, 2048, "expert", False, 1, None)
@@ -190,13 +200,13 @@ def test_cuda_command_buffers(mode, split):
     assert "COMMAND_BUFFER" in out.stdout.split()
 
 
-@pytest.mark.xfail(reason="the XLA of jax 0.11.2 rejects it: 'No ExecutionStreamId found for "
-                          "call-start ... _xla_stream_annotation=collective' on 2 GPUs, and aborts "
-                          "the process on 1 GPU (2026-11-30)", strict=False)
-def test_cuda_low_latency_on_the_collective_stream():
-    """The split halves on XLA's collective stream (jax >= 0.11.1) with a matmul on the compute
-    stream between send and recv: the same results as on one stream. In a child process, so
-    that an XLA abort fails this test only."""
+@pytest.mark.parametrize("stream,flags", [
+    ("collective", ""),
+    ("1", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")])
+def test_cuda_low_latency_on_another_stream(stream, flags):
+    """The split halves on another XLA stream (jax >= 0.11.1) with a matmul on the compute stream
+    between send and recv: the same results as on one stream; also under command buffers. In a
+    child process, so that an XLA abort fails this test only."""
     code = """
         import jax, jax.numpy as jnp, numpy as np, jax_ep
         from helpers import assert_bitwise_equal, buffers, make_mesh, random_inputs, run
@@ -209,7 +219,7 @@ def test_cuda_low_latency_on_the_collective_stream():
 
         def step(streamed):
             def place(fn):
-                return jax_ep.on_collective_stream(fn)() if streamed else fn()
+                return jax_ep.on_collective_stream(fn, %r)() if streamed else fn()
 
             def fn(x, idx, w, a):
                 pending = place(lambda: buf.dispatch_send(x, idx, w, layout="expert_padded", fp8=True))
@@ -227,8 +237,8 @@ def test_cuda_low_latency_on_the_collective_stream():
         streamed = run(mesh, step(True), x, idx, w, a)
         assert_bitwise_equal(streamed, plain)
         print("OK")
-    """ % (E, K)
-    out = _subprocess(code, {}, 300)
+    """ % (E, K, stream)
+    out = _subprocess(code, {"XLA_FLAGS": flags}, 300)
     print(out.stdout[-3000:], out.stderr[-3000:])
     assert "OK" in out.stdout.split(), f"exit status {out.returncode}"
 

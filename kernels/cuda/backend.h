@@ -57,7 +57,9 @@ std::string low_latency_combine(Comm& comm, int device, cudaStream_t stream,
 // Bandwidth (GB/s per direction) of moving bytes from device src to device dst, and at the same
 // time from dst to src when both_ways: the ceilings the benchmark reports. mode -1: the copy
 // engine; from `blocks` SMs: 0 bulk-copy (TMA) stores, 1 plain stores, 2 bulk-copy loads,
-// 3 plain loads.
-double peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iters, bool both_ways);
+// 3 plain loads, 4 plain stores amid local traffic like a dispatch's, 5 plain stores of whole
+// 7168-byte rows, a warp per row (-1 for another mode). Into dst_buffer (one way) if given.
+double peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iters, bool both_ways,
+                 void* dst_buffer);
 
 }  // namespace jax_ep::cuda

@@ -17,7 +17,7 @@
 namespace jax_ep::cuda {
 
 constexpr int kMailboxPointers = 4;
-constexpr size_t kDefaultSharedBytes = 48 * 1024;  // dynamic shared memory without opting in
+constexpr size_t kDefaultSharedBytes = 48 * 1024;  // static + dynamic, without opting in
 
 // The low-latency ops (low_latency.cu) send through regions the Buffer owns, so they need no
 // address exchange: each rank receives into its own region, [2 slots by op parity][R sources]
@@ -246,12 +246,14 @@ class Comm {
 // Lets `device` read and write `peer`'s memory (idempotent); an error message if it cannot.
 std::string enable_peer_access(int device, int peer);
 
-// kernel<<<blocks, threads, smem, stream>>>(args...), opting in to more than the default
-// dynamic shared memory only when needed (a driver call).
+// kernel<<<blocks, threads, smem, stream>>>(args...), opting in to more dynamic shared memory
+// only when the kernel's static and dynamic shared memory exceed the default (driver calls).
 template <typename... Params, typename... Args>
 cudaError_t launch(void (*kernel)(Params...), int blocks, int threads, size_t smem,
                    cudaStream_t stream, Args... args) {
-  if (smem > kDefaultSharedBytes)
+  cudaFuncAttributes attributes;
+  if (cudaError_t err = cudaFuncGetAttributes(&attributes, kernel); err != cudaSuccess) return err;
+  if (attributes.sharedSizeBytes + smem > kDefaultSharedBytes)
     if (cudaError_t err = cudaFuncSetAttribute(
             kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)); err != cudaSuccess)
       return err;

@@ -35,12 +35,32 @@ __global__ void __launch_bounds__(kWarps * 32) push_bulk(uint8_t* dst, int64_t b
   if (lane == 0) bulk_wait_all();
 }
 
-// Plain 16-byte stores from registers into peer memory.
-__global__ void push_stores(int4* dst, int64_t vectors) {
+// Plain 16-byte stores from registers into peer memory. With `local`, the traffic of a
+// dispatch's send beside them: each vector also goes to local memory, after loading twice its
+// bytes from there (a BF16 row read, its FP8 row written to a local and a peer rank).
+__global__ void push_stores(int4* dst, int64_t vectors, int4* local) {
   const int4 v = make_int4(threadIdx.x, blockIdx.x, 1, 2);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < vectors;
-       i += int64_t(gridDim.x) * blockDim.x)
-    dst[i] = v;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    if (local) {
+      const int4 a = local[vectors + 2 * i], b = local[vectors + 2 * i + 1];
+      local[i] = make_int4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w);
+      dst[i] = local[i];
+    } else {
+      dst[i] = v;
+    }
+  }
+}
+
+// Plain 16-byte stores laid out like a dispatch's: each warp writes whole rows of `row_bytes`
+// (a V3 FP8 row), the warps of the grid many rows at once.
+__global__ void push_rows(uint8_t* dst, int64_t bytes, int row_bytes) {
+  const int warps = gridDim.x * blockDim.x / 32, lane = threadIdx.x % 32;
+  const int64_t rows = bytes / row_bytes;
+  for (int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < rows; r += warps) {
+    int4* row = reinterpret_cast<int4*>(dst + r * row_bytes);
+    for (int i = lane; i < row_bytes / 16; i += 32) row[i] = make_int4(i, int(r), 1, 2);
+  }
 }
 
 // One warp bulk-loads chunks of peer memory into a ring of stages; the other warps release them.
@@ -98,7 +118,9 @@ namespace {
 struct Transfer {
   int from, to, mode, blocks;
   int64_t bytes;
-  void *src = nullptr, *dst = nullptr;
+  void* dst = nullptr;  // given (e.g. an XLA buffer on `to`), else allocated here
+  void* src = nullptr;
+  bool own_dst = dst == nullptr;
   int* sink = nullptr;
   cudaStream_t stream = nullptr;
 
@@ -106,9 +128,9 @@ struct Transfer {
   bool setup() {
     if (!enable_peer_access(from, to).empty() || !enable_peer_access(to, from).empty()) return false;
     cudaSetDevice(to);
-    cudaMalloc(&dst, bytes);
+    if (own_dst) cudaMalloc(&dst, bytes);
     cudaSetDevice(from);
-    cudaMalloc(&src, bytes);
+    cudaMalloc(&src, mode == 4 ? 3 * bytes : bytes);
     cudaSetDevice(runner());
     cudaMalloc(&sink, sizeof(int));
     cudaStreamCreate(&stream);
@@ -122,9 +144,11 @@ struct Transfer {
     switch (mode) {
       case -1: cudaMemcpyPeerAsync(dst, to, src, from, bytes, stream); break;
       case 0: push_bulk<<<blocks, kWarps * 32, kWarps * kDepth * kChunk, stream>>>(static_cast<uint8_t*>(dst), bytes); break;
-      case 1: push_stores<<<blocks, 512, 0, stream>>>(static_cast<int4*>(dst), bytes / 16); break;
+      case 1: push_stores<<<blocks, 512, 0, stream>>>(static_cast<int4*>(dst), bytes / 16, nullptr); break;
+      case 5: push_rows<<<blocks, 768, 0, stream>>>(static_cast<uint8_t*>(dst), bytes, 7168); break;
+      case 4: push_stores<<<blocks, 512, 0, stream>>>(static_cast<int4*>(dst), bytes / 16, static_cast<int4*>(src)); break;
       case 2: pull_bulk<<<blocks, (kWarps + 1) * 32, 12 * 2 * kChunk, stream>>>(static_cast<const uint8_t*>(src), bytes, uint64_t(10e9)); break;
-      default: pull_loads<<<blocks, 512, 0, stream>>>(static_cast<const int4*>(src), bytes / 16, sink);
+      case 3: pull_loads<<<blocks, 512, 0, stream>>>(static_cast<const int4*>(src), bytes / 16, sink);
     }
   }
   void finish() {
@@ -138,17 +162,18 @@ struct Transfer {
     cudaSetDevice(from);
     cudaFree(src);
     cudaSetDevice(to);
-    cudaFree(dst);
+    if (own_dst) cudaFree(dst);
   }
 };
 
 }  // namespace
 
-double peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iters,
-                 bool both_ways) {
+double peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iters, bool both_ways,
+                 void* dst_buffer) {
+  if (mode < -1 || mode > 5 || (dst_buffer && both_ways)) return -1.0;
   int previous = 0;
   cudaGetDevice(&previous);
-  std::vector<Transfer> transfers{{src, dst, mode, blocks, bytes}};
+  std::vector<Transfer> transfers{{src, dst, mode, blocks, bytes, dst_buffer}};
   if (both_ways) transfers.push_back({dst, src, mode, blocks, bytes});
   bool ok = true;
   for (auto& t : transfers) ok = ok && t.setup();
