@@ -237,7 +237,8 @@ def bench_overlap(mesh, cfg, tokens, num_sms, fp8, rng, steps, other_streams, ma
                   trace=False):
     """Split dispatch and combine with a matmul between each send and recv, against the two
     alone: the overlap saves what `apart - together` says. On XLA's compute stream and, when
-    asked, with the halves on other XLA streams; with `trace`, each variant's kernels."""
+    asked, with the halves annotated for other XLA streams; with `trace`, each variant's
+    kernels."""
     num_ranks, hidden = mesh.size, cfg["hidden"]
     sharding = NamedSharding(mesh, P("ep"))
     idx = jax.device_put(jnp.asarray(routing(rng, num_ranks, tokens, cfg["num_experts"],
@@ -285,7 +286,9 @@ def bench_overlap(mesh, cfg, tokens, num_sms, fp8, rng, steps, other_streams, ma
 
     streams = {"compute": lambda fn: fn()}
     for name in other_streams:
-        streams[name] = lambda fn, name=name: jax_ep.on_collective_stream(fn, name)()
+        if name == "compute":
+            raise ValueError("--streams: 'compute' is the variant without annotation")
+        streams[name] = lambda fn, name=name: jax_ep.on_stream(fn, name)()
     out = dict(tokens_per_rank=tokens, matmul=matmul, harness_us=harness * 1e6,
                comm_us=time(layer(streams["compute"], work=False), "comm"),
                matmuls_us=time(layer(streams["compute"], comm=False), "matmuls"))
@@ -330,7 +333,8 @@ def main(argv=None):
     parser.add_argument("--trace", action="store_true",
                         help="also record each op's kernel times on the devices (profiler)")
     parser.add_argument("--streams", default="",
-                        help="--overlap also with the halves on these XLA streams, e.g. collective,1")
+                        help="--overlap also with the halves annotated for these XLA streams, "
+                             "e.g. collective,1")
     args = parser.parse_args(argv)
     cfg = CONFIGS[args.config]
     if args.graphs:  # before the backend starts

@@ -36,7 +36,7 @@ def main():
 
     # The same stores into memory XLA allocated (where the dispatch writes), one way.
     size = 256 << 20
-    dst = jax.device_put(jnp.zeros((size,), jnp.uint8), jax.devices()[1])
+    dst = jax.device_put(jnp.zeros((size,), jnp.uint8), jax.devices()[1]).block_until_ready()
     print(f"\n{'into XLA memory':16s}" + "".join(f"{b:>8d}" for b in blocks))
     for mode in (1, 5):
         row = [_native.peer_gbps(0, 1, size, b, mode, 10, False, dst.unsafe_buffer_pointer())

@@ -5,10 +5,10 @@ import os
 
 from jax_ep.buffer import Buffer
 from jax_ep.layout import dequantize_fp8
-from jax_ep.streams import on_collective_stream
+from jax_ep.streams import on_stream
 from jax_ep.types import DispatchResult, Handle, Pending
 
-__all__ = ["Buffer", "DispatchResult", "Handle", "Pending", "dequantize_fp8", "on_collective_stream"]
+__all__ = ["Buffer", "DispatchResult", "Handle", "Pending", "dequantize_fp8", "on_stream"]
 
 
 def _register():

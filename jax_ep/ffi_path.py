@@ -25,10 +25,10 @@ def register_targets():
             jax.ffi.register_ffi_target(f"jax_ep_{name}", capsule, platform="CUDA")
 
 
-def _custom_call(target, shapes, *args, has_side_effect=True, **attributes):
-    """Custom call `target` on args, on the stream streams.on_collective_stream chose, if any."""
+def _custom_call(target, shapes, *args, stream, has_side_effect=True, **attributes):
+    """Custom call `target` on args, annotated for XLA stream `stream` (streams.on_stream)."""
     call = jax.ffi.ffi_call(target, shapes, has_side_effect=has_side_effect)
-    return streams.placed(lambda *operands: call(*operands, **attributes))(*args)
+    return streams.placed(lambda *operands: call(*operands, **attributes), stream)(*args)
 
 
 class _Move(NamedTuple):  # static configuration of a dispatch
@@ -40,6 +40,7 @@ class _Move(NamedTuple):  # static configuration of a dispatch
     round_scale: bool
     x_dtype: str
     low_latency: bool
+    stream: str | None  # the XLA stream its calls are annotated for (streams.on_stream)
 
 
 class _Sum(NamedTuple):  # static configuration of a combine
@@ -49,6 +50,7 @@ class _Sum(NamedTuple):  # static configuration of a combine
     out_dtype: str
     bias_dtype: str | None
     low_latency: bool
+    stream: str | None
 
 
 def _varying_axes(value):
@@ -104,7 +106,7 @@ def _dispatch_call(cfg: _Move, x, topk_idx, topk_weights):
               jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((), i32),
               jax.ShapeDtypeStruct((), i32))
     out = _varying_like(_custom_call("jax_ep_dispatch", shapes, x, topk_idx, topk_weights,
-                                     **_attrs(cfg)), x, topk_idx, topk_weights)
+                                     stream=cfg.stream, **_attrs(cfg)), x, topk_idx, topk_weights)
     x_rows, scales = out[0], out[1] if cfg.fp8 else None
     return RankRows(x_rows, scales, out[2], out[3]), Routing(*out[4:])
 
@@ -114,7 +116,7 @@ def _dispatch_cached_call(cfg: _Move, x, send_pos, num_rows, recv_counts):
         return _ll_cached_recv(cfg, _ll_cached_send(cfg, BOTH, x, send_pos, num_rows, recv_counts))
     x_rows, scales = _varying_like(
         _custom_call("jax_ep_dispatch_cached", _x_rows_shapes(cfg, x.shape[1]), x, send_pos,
-                     num_rows, **_attrs(cfg)),
+                     num_rows, stream=cfg.stream, **_attrs(cfg)),
         x, send_pos, num_rows)
     return x_rows, scales if cfg.fp8 else None
 
@@ -126,8 +128,9 @@ def _combine_call(cfg: _Sum, row_data, send_pos, num_rows, recv_counts, bias):
     shape = jax.ShapeDtypeStruct((send_pos.shape[0], row_data.shape[1]), cfg.out_dtype)
     bias = _no_bias() if bias is None else bias
     return _varying_like(_custom_call(
-        "jax_ep_combine", shape, row_data, send_pos, bias, buffer_id=np.int64(cfg.buffer_id),
-        op_key=_op_key(), has_bias=cfg.bias_dtype is not None), row_data, send_pos, bias)
+        "jax_ep_combine", shape, row_data, send_pos, bias, stream=cfg.stream,
+        buffer_id=np.int64(cfg.buffer_id), op_key=_op_key(), has_bias=cfg.bias_dtype is not None),
+        row_data, send_pos, bias)
 
 
 def _no_bias():
@@ -170,7 +173,8 @@ def _ll_dispatch_ffi(cfg: _Move, phase, inputs, ticket, cached):
               _empty(), _empty())                                           # num_recv, dropped
     ticket = jnp.zeros((0,), jnp.int32) if ticket is None else ticket
     out = _custom_call(
-        "jax_ep_ll_dispatch", shapes, *inputs, ticket, buffer_id=np.int64(cfg.buffer_id),
+        "jax_ep_ll_dispatch", shapes, *inputs, ticket, stream=cfg.stream,
+        buffer_id=np.int64(cfg.buffer_id),
         half=np.int32(phase), cached=bool(cached), out_rows=np.int32(cfg.rows), fp8=bool(cfg.fp8),
         round_scale=bool(cfg.round_scale))
     return _varying_like(out, *inputs)
@@ -215,7 +219,8 @@ def _ll_combine_ffi(cfg: _Sum, phase, inputs, ticket):
               _TICKET if phase == SEND else _empty(0))
     ticket = jnp.zeros((0,), jnp.int32) if ticket is None else ticket
     out = _custom_call(
-        "jax_ep_ll_combine", shapes, *inputs, ticket, buffer_id=np.int64(cfg.buffer_id),
+        "jax_ep_ll_combine", shapes, *inputs, ticket, stream=cfg.stream,
+        buffer_id=np.int64(cfg.buffer_id),
         half=np.int32(phase), has_bias=cfg.bias_dtype is not None)
     return _varying_like(out, *inputs)
 
@@ -236,7 +241,7 @@ def _ll_combine_recv(cfg: _Sum, sent_and_out):
 
 def _back_to_tokens(cfg: _Move, ct_rows, send_pos, num_rows, recv_counts, dtype):
     """The adjoint of moving rows: every token gets the sum of its rows' cotangents."""
-    cfg_sum = _Sum(cfg.buffer_id, cfg.num_ranks, dtype, dtype, None, cfg.low_latency)
+    cfg_sum = _Sum(cfg.buffer_id, cfg.num_ranks, dtype, dtype, None, cfg.low_latency, cfg.stream)
     return _combine(cfg_sum, ct_rows.astype(dtype), send_pos, num_rows, recv_counts, None)
 
 
@@ -298,7 +303,7 @@ def _combine_fwd(cfg, row_data, send_pos, num_rows, recv_counts, bias):
 def _combine_bwd(cfg, res, ct):
     send_pos, num_rows, recv_counts, rows = res
     move = _Move(cfg.buffer_id, cfg.num_ranks, 0, rows, False, False, cfg.out_dtype,
-                 cfg.low_latency)
+                 cfg.low_latency, cfg.stream)
     ct_rows, _ = _dispatch_cached(move, ct, send_pos, num_rows, recv_counts)
     ct_bias = None if cfg.bias_dtype is None else ct.astype(cfg.bias_dtype)
     return ct_rows.astype(cfg.rows_dtype), None, None, None, ct_bias
@@ -318,12 +323,12 @@ class Ffi(Unsplit):
 
     def _move(self, x, rows, fp8, round_scale, low_latency):
         return _Move(self.buffer_id, self.num_ranks, self.experts_per_rank, rows, bool(fp8),
-                     bool(round_scale), x.dtype.name, bool(low_latency))
+                     bool(round_scale), x.dtype.name, bool(low_latency), streams.current())
 
     def _sum(self, row_data, bias, out_dtype, low_latency):
         return _Sum(self.buffer_id, self.num_ranks, row_data.dtype.name,
                     jnp.dtype(out_dtype).name, None if bias is None else bias.dtype.name,
-                    bool(low_latency))
+                    bool(low_latency), streams.current())
 
     def dispatch(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):
         return _dispatch(self._move(x, rows, fp8, round_scale, low_latency), x, topk_idx,
@@ -377,6 +382,7 @@ class Ffi(Unsplit):
                   jax.ShapeDtypeStruct((experts_per_rank,), i32))  # counts before capacity
         topk_rows = jax.lax.stop_gradient(topk_rows)  # integers: nothing to differentiate
         out = _varying_like(_custom_call(
-            "jax_ep_expert_layout", shapes, topk_rows, has_side_effect=False,
-            alignment=np.int32(alignment), block_rows=np.int32(block_rows)), topk_rows)
+            "jax_ep_expert_layout", shapes, topk_rows, stream=streams.current(),
+            has_side_effect=False, alignment=np.int32(alignment), block_rows=np.int32(block_rows)),
+            topk_rows)
         return layout.ExpertMaps(*out[:5])

@@ -1,5 +1,5 @@
-"""Running jax_ep's custom calls on a stream of XLA's other than its compute stream, so that
-compute overlaps them."""
+"""Asking XLA to run jax_ep's custom calls on one of its streams other than the compute stream,
+so that compute could overlap them."""
 from __future__ import annotations
 
 import contextvars
@@ -7,17 +7,42 @@ import inspect
 
 import jax
 
-_placement = contextvars.ContextVar("jax_ep_placement", default=None)
+_stream = contextvars.ContextVar("jax_ep_stream", default=None)
 
 
-def on_collective_stream(fn, stream="collective"):
-    """fn (e.g. lambda: buf.dispatch_send(...)) with its jax_ep custom calls placed on XLA stream
-    `stream` (compute_on "gpu_stream:<stream>", jax >= 0.11.1 on GPU; other backends ignore it).
-    Only the custom calls move: XLA cannot assign a stream to calls nested in the placed one, and
-    jax.numpy makes such calls. Use it inside shard_map, and for every half of a kind of op alike:
-    the low-latency kernels of one kind must run in order on one stream (their op numbers and slot
-    releases count on it); a numbered stream ("1") is one stream, "collective" may be any of
-    XLA's extra compute streams."""
+def on_stream(fn, stream="1"):
+    """fn (e.g. lambda: buf.dispatch_send(...)) with the jax_ep custom calls it makes annotated
+    for XLA stream `stream` (compute_on "gpu_stream:<stream>", jax >= 0.11.1; only GPUs read it).
+    The Buffer methods called inside fn record the stream, so their gradients' calls carry it too;
+    fn's own jax.numpy work stays where it was (XLA assigns no stream to calls nested in an
+    annotated one). Call the Buffer methods inside fn itself: a jitted function traced outside
+    on_stream keeps that trace. The low-latency kernels of one kind must run in order on one
+    stream: give every half of a kind the same numbered stream ("collective" is accepted, but
+    XLA may spread such calls over several streams). Measured with jax 0.11.2: XLA accepts the
+    annotation and runs the calls correctly, on its one compute stream."""
+    _placement(stream)  # fails here on a jax without stream placement
+
+    def on(*args, **kwargs):
+        token = _stream.set(stream)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _stream.reset(token)
+
+    return on
+
+
+def current():
+    """The stream on_stream asked for around this call, or None."""
+    return _stream.get()
+
+
+def placed(call, stream):
+    """`call` (a function of arrays) annotated for XLA stream `stream`, or as it is for None."""
+    return call if stream is None else _placement(stream)(call)
+
+
+def _placement(stream):
     from jax.experimental import compute_on as compute_on_module
 
     form = compute_on_module.compute_on
@@ -26,19 +51,4 @@ def on_collective_stream(fn, stream="collective"):
     if form is None:
         raise NotImplementedError(f"jax {jax.__version__} cannot place a call on another stream "
                                   "(needs jax.experimental.compute_on with out_memory_spaces)")
-    place = form(compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device)
-
-    def placed_fn(*args, **kwargs):
-        token = _placement.set(place)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _placement.reset(token)
-
-    return placed_fn
-
-
-def placed(call):
-    """A custom call's function, on the stream on_collective_stream chose around it, if any."""
-    place = _placement.get()
-    return call if place is None else place(call)
+    return form(compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device)

@@ -156,13 +156,26 @@ def test_a_rank_that_never_arrives_is_an_error_not_a_hang():
         jax.block_until_ready(lonely(x, idx))
 
 
-def test_split_ops_placed_on_the_collective_stream():
-    """on_collective_stream places the halves' custom calls, and nothing else, in calls with XLA's
-    stream annotation (XLA cannot assign a stream to a call nested in one; only GPU honours the
-    annotation: here the results must simply not change)."""
+def _assert_every_call_placed(text, stream):
+    """Every jax_ep custom call of the lowered `text` sits alone (no nested call: XLA assigns
+    those no stream) in a computation annotated for `stream`."""
+    placed = [f for f in text.split("func.func")[1:]
+              if f.split("(")[0].strip().startswith("private @compute_on")]
+    calls = "stablehlo.custom_call @jax_ep_"
+    assert sum(body.count(calls) for body in placed) == text.count(calls) > 0
+    assert f'_xla_stream_annotation = "{stream}"' in text
+    for body in placed:
+        assert " call @" not in body, body[:300]
+
+
+def test_ops_placed_on_another_stream():
+    """on_stream annotates the custom calls of the ops made inside it, and nothing else, for an
+    XLA stream, also the calls of their gradients (traced after on_stream returned); results
+    do not change (only GPUs read the annotation)."""
     mesh = make_mesh(4)
     buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
     x, idx, w = random_inputs(np.random.default_rng(9), 4, T, H, E, K, 4, "random")
+    spec = jax.sharding.PartitionSpec("ep")
 
     def step(place):
         def fn(x, idx, w):
@@ -172,16 +185,20 @@ def test_split_ops_placed_on_the_collective_stream():
             return d._replace(handle=None), place(lambda: buf.combine_recv(pending))
         return fn
 
+    on_stream = lambda fn: jax_ep.on_stream(fn, "2")()  # noqa: E731
     plain = run(mesh, step(lambda fn: fn()), x, idx, w)
-    streamed = run(mesh, step(lambda fn: jax_ep.on_collective_stream(fn)()), x, idx, w)
-    assert_bitwise_equal(streamed, plain)
-    spec = jax.sharding.PartitionSpec("ep")
-    combined = lambda *a: step(lambda fn: jax_ep.on_collective_stream(fn)())(*a)[1]  # noqa: E731
-    text = jax.jit(jax.shard_map(combined, mesh=mesh, in_specs=spec, out_specs=spec)).lower(
-        x, idx, w).as_text()
-    placed = [f for f in text.split("func.func")[1:] if f.split("(")[0].strip().startswith(
-        "private @compute_on")]
-    calls = "stablehlo.custom_call @jax_ep_"
-    assert sum(body.count(calls) for body in placed) == text.count(calls) > 0  # all placed
-    for body in placed:
-        assert " call @" not in body, body[:300]
+    assert_bitwise_equal(run(mesh, step(on_stream), x, idx, w), plain)
+    combined = lambda *a: step(on_stream)(*a)[1]  # noqa: E731
+    _assert_every_call_placed(jax.jit(jax.shard_map(
+        combined, mesh=mesh, in_specs=spec, out_specs=spec)).lower(x, idx, w).as_text(), "2")
+
+    def loss(x, idx, w):
+        def layer(x, idx, w):
+            d = buf.dispatch(x, idx, w, layout="expert")
+            return buf.combine(jnp.tanh(d.x), d.handle, topk_weights=d.topk_weights)
+        y = jax.shard_map(lambda *a: jax_ep.on_stream(lambda: layer(*a), "2")(), mesh=mesh,
+                          in_specs=spec, out_specs=spec)(x, idx, w)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    for grad in (jax.grad(loss), jax.grad(jax.jit(loss))):
+        _assert_every_call_placed(jax.jit(grad).lower(x, idx, w).as_text(), "2")

@@ -203,10 +203,11 @@ def test_cuda_command_buffers(mode, split):
 @pytest.mark.parametrize("stream,flags", [
     ("collective", ""),
     ("1", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")])
-def test_cuda_low_latency_on_another_stream(stream, flags):
-    """The split halves on another XLA stream (jax >= 0.11.1) with a matmul on the compute stream
-    between send and recv: the same results as on one stream; also under command buffers. In a
-    child process, so that an XLA abort fails this test only."""
+def test_cuda_low_latency_annotated_for_another_stream(stream, flags):
+    """The split halves annotated for another XLA stream (jax >= 0.11.1), a matmul between send
+    and recv: XLA compiles and runs them (with jax 0.11.2 still on its compute stream), with the
+    results of the plain program; also with command buffers asked for. In a child process, so
+    that an XLA abort fails this test only."""
     code = """
         import jax, jax.numpy as jnp, numpy as np, jax_ep
         from helpers import assert_bitwise_equal, buffers, make_mesh, random_inputs, run
@@ -219,7 +220,7 @@ def test_cuda_low_latency_on_another_stream(stream, flags):
 
         def step(streamed):
             def place(fn):
-                return jax_ep.on_collective_stream(fn, %r)() if streamed else fn()
+                return jax_ep.on_stream(fn, %r)() if streamed else fn()
 
             def fn(x, idx, w, a):
                 pending = place(lambda: buf.dispatch_send(x, idx, w, layout="expert_padded", fp8=True))

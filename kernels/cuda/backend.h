@@ -58,7 +58,8 @@ std::string low_latency_combine(Comm& comm, int device, cudaStream_t stream,
 // time from dst to src when both_ways: the ceilings the benchmark reports. mode -1: the copy
 // engine; from `blocks` SMs: 0 bulk-copy (TMA) stores, 1 plain stores, 2 bulk-copy loads,
 // 3 plain loads, 4 plain stores amid local traffic like a dispatch's, 5 plain stores of whole
-// 7168-byte rows, a warp per row (-1 for another mode). Into dst_buffer (one way) if given.
+// 7168-byte rows, a warp per row. A push (one way) may write into dst_buffer, which must hold
+// `bytes` on dst. -1: an unknown mode, dst_buffer with a pull or both ways, a CUDA error.
 double peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iters, bool both_ways,
                  void* dst_buffer);
 

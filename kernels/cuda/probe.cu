@@ -120,7 +120,7 @@ struct Transfer {
   int64_t bytes;
   void* dst = nullptr;  // given (e.g. an XLA buffer on `to`), else allocated here
   void* src = nullptr;
-  bool own_dst = dst == nullptr;
+  bool own_dst = dst == nullptr;  // after dst: initialised from the dst given, if any
   int* sink = nullptr;
   cudaStream_t stream = nullptr;
 
@@ -170,7 +170,7 @@ struct Transfer {
 
 double peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iters, bool both_ways,
                  void* dst_buffer) {
-  if (mode < -1 || mode > 5 || (dst_buffer && both_ways)) return -1.0;
+  if (mode < -1 || mode > 5 || (dst_buffer && (both_ways || mode == 2 || mode == 3))) return -1.0;
   int previous = 0;
   cudaGetDevice(&previous);
   std::vector<Transfer> transfers{{src, dst, mode, blocks, bytes, dst_buffer}};
