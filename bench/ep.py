@@ -81,7 +81,8 @@ class Timer:
         self.short, self.long = program(short), program(long)
         self.kernels = None
 
-    def __call__(self, args, repeats=5, trace=False):  # args = (x, topk_idx)
+    def __call__(self, args, repeats=5, trace=None):  # args = (x, topk_idx)
+        """Seconds per step; with `trace` (a label) also the device kernels, in self.kernels."""
         def seconds(fn):
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
@@ -91,6 +92,7 @@ class Timer:
         short = min(seconds(self.short) for _ in range(repeats))
         long = min(seconds(self.long) for _ in range(repeats))
         if trace:  # the long program once more, under the profiler
+            print(f"  {trace}: device kernels per step of the long program:", flush=True)
             self.kernels = kernel_summary(device_kernels(self.long, args), self.long_steps)
             print_summary(self.kernels)
         return (long - short) / self.steps
@@ -202,9 +204,7 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
                   "combine": Timer(mesh, combine_prologue, repeat(combine), *steps)}
         raw = {}
         for op, timer in timers.items():
-            if trace:
-                print(f"  {impl} {op}, device kernels per step of the long program:", flush=True)
-            raw[op] = timer((x, idx), trace=trace)
+            raw[op] = timer((x, idx), trace=f"{impl} {op}" if trace else None)
         if check and impl != "jax_ep_padded":  # weighted (by 0): not the same round trip
             # Finished before this impl's Buffer can be collected (a closed Buffer fails its
             # queued ops).
@@ -276,10 +276,8 @@ def bench_overlap(mesh, cfg, tokens, num_sms, fp8, rng, steps, other_streams, ma
     kernels = {}
 
     def time(op, name):
-        if trace:
-            print(f"  overlap, {name}: device kernels per step of the long program:", flush=True)
         timer = Timer(mesh, lambda x, i: (x, i, ()), repeat(op), *steps)
-        seconds = timer((x, idx), trace=trace)
+        seconds = timer((x, idx), trace=f"overlap, {name}" if trace else None)
         if trace:
             kernels[name] = timer.kernels
         return (seconds - harness) * 1e6

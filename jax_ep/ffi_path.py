@@ -174,9 +174,8 @@ def _ll_dispatch_ffi(cfg: _Move, phase, inputs, ticket, cached):
     ticket = jnp.zeros((0,), jnp.int32) if ticket is None else ticket
     out = _custom_call(
         "jax_ep_ll_dispatch", shapes, *inputs, ticket, stream=cfg.stream,
-        buffer_id=np.int64(cfg.buffer_id),
-        half=np.int32(phase), cached=bool(cached), out_rows=np.int32(cfg.rows), fp8=bool(cfg.fp8),
-        round_scale=bool(cfg.round_scale))
+        buffer_id=np.int64(cfg.buffer_id), half=np.int32(phase), cached=bool(cached),
+        out_rows=np.int32(cfg.rows), fp8=bool(cfg.fp8), round_scale=bool(cfg.round_scale))
     return _varying_like(out, *inputs)
 
 
@@ -220,8 +219,8 @@ def _ll_combine_ffi(cfg: _Sum, phase, inputs, ticket):
     ticket = jnp.zeros((0,), jnp.int32) if ticket is None else ticket
     out = _custom_call(
         "jax_ep_ll_combine", shapes, *inputs, ticket, stream=cfg.stream,
-        buffer_id=np.int64(cfg.buffer_id),
-        half=np.int32(phase), has_bias=cfg.bias_dtype is not None)
+        buffer_id=np.int64(cfg.buffer_id), half=np.int32(phase),
+        has_bias=cfg.bias_dtype is not None)
     return _varying_like(out, *inputs)
 
 

@@ -118,9 +118,8 @@ namespace {
 struct Transfer {
   int from, to, mode, blocks;
   int64_t bytes;
-  void* dst = nullptr;  // given (e.g. an XLA buffer on `to`), else allocated here
-  void* src = nullptr;
-  bool own_dst = dst == nullptr;  // after dst: initialised from the dst given, if any
+  void* given_dst = nullptr;  // e.g. an XLA buffer on `to`; else dst is allocated here
+  void *src = nullptr, *dst = nullptr;
   int* sink = nullptr;
   cudaStream_t stream = nullptr;
 
@@ -128,7 +127,8 @@ struct Transfer {
   bool setup() {
     if (!enable_peer_access(from, to).empty() || !enable_peer_access(to, from).empty()) return false;
     cudaSetDevice(to);
-    if (own_dst) cudaMalloc(&dst, bytes);
+    dst = given_dst;
+    if (!given_dst) cudaMalloc(&dst, bytes);
     cudaSetDevice(from);
     cudaMalloc(&src, mode == 4 ? 3 * bytes : bytes);
     cudaSetDevice(runner());
@@ -145,8 +145,8 @@ struct Transfer {
       case -1: cudaMemcpyPeerAsync(dst, to, src, from, bytes, stream); break;
       case 0: push_bulk<<<blocks, kWarps * 32, kWarps * kDepth * kChunk, stream>>>(static_cast<uint8_t*>(dst), bytes); break;
       case 1: push_stores<<<blocks, 512, 0, stream>>>(static_cast<int4*>(dst), bytes / 16, nullptr); break;
-      case 5: push_rows<<<blocks, 768, 0, stream>>>(static_cast<uint8_t*>(dst), bytes, 7168); break;
       case 4: push_stores<<<blocks, 512, 0, stream>>>(static_cast<int4*>(dst), bytes / 16, static_cast<int4*>(src)); break;
+      case 5: push_rows<<<blocks, 768, 0, stream>>>(static_cast<uint8_t*>(dst), bytes, 7168); break;
       case 2: pull_bulk<<<blocks, (kWarps + 1) * 32, 12 * 2 * kChunk, stream>>>(static_cast<const uint8_t*>(src), bytes, uint64_t(10e9)); break;
       case 3: pull_loads<<<blocks, 512, 0, stream>>>(static_cast<const int4*>(src), bytes / 16, sink);
     }
@@ -162,7 +162,7 @@ struct Transfer {
     cudaSetDevice(from);
     cudaFree(src);
     cudaSetDevice(to);
-    if (own_dst) cudaFree(dst);
+    if (!given_dst) cudaFree(dst);
   }
 };
 
