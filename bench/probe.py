@@ -1,7 +1,7 @@
 """How many SMs does a peer transfer need? Raw GPU0 -> GPU1 bandwidth of each mechanism from
 a given number of SMs, and jax_ep's V3 dispatch/combine against num_sms.
 
-    python -m bench.probe [--blocks 8,16,24,32,48,64,132]
+    python -m bench.probe [--blocks 8,16,24,32,48,64,132] [--mib 29.4,256] [--modes 1,6,7] [--no-ep]
 """
 from __future__ import annotations
 
@@ -14,25 +14,36 @@ import numpy as np
 from bench.ep import CONFIGS, bench_size
 
 MODES = {-1: "copy engine", 0: "push bulk-copy", 1: "push st.v4", 2: "pull bulk-copy",
-         3: "pull ld.v4", 4: "push + local", 5: "push rows"}
-# 4: st.v4 to the peer amid a send's local traffic; 5: st.v4 a warp per 7168-byte row
+         3: "pull ld.v4", 4: "push + local", 5: "push rows", 6: "send rows", 7: "send rows peer"}
+# 4: st.v4 to the peer amid a send's local traffic; 5: st.v4 a warp per 7168-byte row;
+# 6: the dispatch's own row path (BF16 rows quantised to FP8, to a local and the peer's row);
+# 7: the same, to the peer's row only
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--blocks", default="8,16,24,32,48,64,132")
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--mib", default="256", help="transfer sizes, MiB, comma-separated")
+    parser.add_argument("--modes", default=",".join(map(str, MODES)))
+    parser.add_argument("--no-ep", action="store_true", help="only the raw transfers")
     args = parser.parse_args()
     from jax_ep import _native
 
     blocks = [int(b) for b in args.blocks.split(",")]
-    for both in (False, True):
-        print(f"\nGB/s per direction, {'both directions at once' if both else 'GPU0 -> GPU1'}; "
-              "columns: SMs (blocks)")
-        print(f"{'':16s}" + "".join(f"{b:>8d}" for b in blocks))
-        for mode, name in MODES.items():
-            row = [_native.peer_gbps(0, 1, 256 << 20, b, mode, 10, both) for b in blocks]
-            print(f"{name:16s}" + "".join(f"{g:8.1f}" for g in row), flush=True)
+    modes = [int(m) for m in args.modes.split(",")]
+    for mib in (float(m) for m in args.mib.split(",")):
+        size = int(mib * (1 << 20)) // 7168 * 7168  # whole rows for modes 5-7
+        for both in (False, True):
+            print(f"\nGB/s per direction, {size / 1e6:.1f} MB, "
+                  f"{'both directions at once' if both else 'GPU0 -> GPU1'}; columns: SMs (blocks)")
+            print(f"{'':16s}" + "".join(f"{b:>8d}" for b in blocks))
+            for mode in modes:
+                row = [_native.peer_gbps(0, 1, size, b, mode, max(10, int(2e9 // size)), both)
+                       for b in blocks]
+                print(f"{MODES[mode]:16s}" + "".join(f"{g:8.1f}" for g in row), flush=True)
+    if args.no_ep:
+        return
 
     # The same stores into memory XLA allocated (where the dispatch writes), one way.
     size = 256 << 20

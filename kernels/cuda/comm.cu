@@ -1,4 +1,6 @@
+#include <mutex>
 #include <stdexcept>
+#include <unordered_map>
 
 #include "kernels/cuda/comm.cuh"
 
@@ -126,6 +128,16 @@ std::string Comm::rank_on(int device, Rank** out) {
            wait_name(f.what) + ") and stopped; the CUDA context is lost, restart the process";
   *out = &it->second;
   return {};
+}
+
+cudaError_t static_shared_bytes(const void* kernel, size_t* bytes) {
+  static std::mutex mutex;
+  static std::unordered_map<const void*, size_t> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = known.find(kernel); it != known.end()) return *bytes = it->second, cudaSuccess;
+  cudaFuncAttributes attributes;
+  if (cudaError_t err = cudaFuncGetAttributes(&attributes, kernel); err != cudaSuccess) return err;
+  return *bytes = known[kernel] = attributes.sharedSizeBytes, cudaSuccess;
 }
 
 int bandwidth_blocks(const Knobs& knobs, int device) {

@@ -246,14 +246,19 @@ class Comm {
 // Lets `device` read and write `peer`'s memory (idempotent); an error message if it cannot.
 std::string enable_peer_access(int device, int peer);
 
+// A kernel's static shared memory, looked up once per kernel (handlers run on several threads).
+cudaError_t static_shared_bytes(const void* kernel, size_t* bytes);
+
 // kernel<<<blocks, threads, smem, stream>>>(args...), opting in to more dynamic shared memory
 // only when the kernel's static and dynamic shared memory exceed the default (driver calls).
 template <typename... Params, typename... Args>
 cudaError_t launch(void (*kernel)(Params...), int blocks, int threads, size_t smem,
                    cudaStream_t stream, Args... args) {
-  cudaFuncAttributes attributes;
-  if (cudaError_t err = cudaFuncGetAttributes(&attributes, kernel); err != cudaSuccess) return err;
-  if (attributes.sharedSizeBytes + smem > kDefaultSharedBytes)
+  size_t static_smem = 0;
+  if (cudaError_t err = static_shared_bytes(reinterpret_cast<const void*>(kernel), &static_smem);
+      err != cudaSuccess)
+    return err;
+  if (static_smem + smem > kDefaultSharedBytes)
     if (cudaError_t err = cudaFuncSetAttribute(
             kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)); err != cudaSuccess)
       return err;

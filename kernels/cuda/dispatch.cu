@@ -159,17 +159,40 @@ __global__ void __launch_bounds__(kSendWarps * 32, 1) send_kernel(Params p, bool
   const int num_scales = kFp8 ? a.scales_per_row() : 0;
   float* scales = scale_stage + warp * num_scales;
 
-  for (int t = blockIdx.x * kSendWarps + warp; t < a.num_tokens; t += gridDim.x * kSendWarps) {
-    // Lane d holds the token's row on rank d (-1: not sent there, or past the capacity).
-    int32_t pos = -1;
+  // A token's routing, loaded one token ahead (its loads in flight while the warp sends the
+  // current row): lane d its slot among the rows sent to rank d, that chunk's first row there;
+  // lane k < 32 its k-th expert and weight.
+  struct Route {
+    int32_t slot = -1, chunk_row = 0, expert = -1;
+    float weight = 0.f;
+  };
+  auto route_of = [&](int t) {
+    Route r;
+    if (t >= a.num_tokens) return r;
     if (lane < R) {
-      int32_t* sp = a.send_pos + int64_t(t) * R + lane;
-      pos = *sp;
-      if (!a.cached && pos >= 0) {
-        pos += first_row[lane] + link.self->chunk_rows[t / kRouteTokens][lane];
-        if (pos >= a.out_rows) pos = -1;
-        *sp = pos;
-      }
+      r.slot = a.send_pos[int64_t(t) * R + lane];
+      if (!a.cached) r.chunk_row = link.self->chunk_rows[t / kRouteTokens][lane];
+    }
+    if (!a.cached && lane < a.num_topk) {
+      r.expert = a.topk_idx[int64_t(t) * a.num_topk + lane];
+      r.weight = a.topk_weights[int64_t(t) * a.num_topk + lane];
+    }
+    return r;
+  };
+  const int stride = gridDim.x * kSendWarps;
+  Route next = route_of(blockIdx.x * kSendWarps + warp);
+  for (int t = blockIdx.x * kSendWarps + warp; t < a.num_tokens; t += stride) {
+    const Route route = next;
+    next = route_of(t + stride);
+    if (t + stride < a.num_tokens)  // and the next row into L2, its first loads then hit there
+      for (int64_t at = lane * 128; at < in_row; at += 32 * 128)
+        prefetch_l2(static_cast<const uint8_t*>(a.x) + (t + stride) * in_row + at);
+    // Lane d holds the token's row on rank d (-1: not sent there, or past the capacity).
+    int32_t pos = route.slot;
+    if (!a.cached && pos >= 0) {
+      pos += first_row[lane] + route.chunk_row;
+      if (pos >= a.out_rows) pos = -1;
+      a.send_pos[int64_t(t) * R + lane] = pos;
     }
     const uint32_t targets = __ballot_sync(~0u, pos >= 0);
     if (!targets) continue;
@@ -182,13 +205,8 @@ __global__ void __launch_bounds__(kSendWarps * 32, 1) send_kernel(Params p, bool
       scales_of[warp][lane] = kFp8 ? static_cast<float*>(dest[lane][1]) + int64_t(pos) * num_scales
                                    : nullptr;
     __syncwarp();
-    // Lane k's slot (the first 32), loaded now so that its latency hides behind the row's.
-    int32_t expert = -1;
-    float weight = 0.f;
-    if (!a.cached && lane < a.num_topk) {
-      expert = a.topk_idx[int64_t(t) * a.num_topk + lane];
-      weight = a.topk_weights[int64_t(t) * a.num_topk + lane];
-    }
+    int32_t expert = route.expert;
+    float weight = route.weight;
     send_row<T, kFp8>(row, a.hidden, a.round_scale, targets, out, scales_of[warp], scales, 0,
                       (a.hidden + Step::kStep - 1) / Step::kStep, aligned);
     if (!a.cached) {  // local expert ids and weights as each destination sees them

@@ -5,6 +5,7 @@
 
 #include "kernels/cuda/comm.cuh"
 #include "kernels/cuda/ptx.cuh"
+#include "kernels/cuda/rows.cuh"
 
 namespace jax_ep::cuda {
 namespace {
@@ -60,6 +61,33 @@ __global__ void push_rows(uint8_t* dst, int64_t bytes, int row_bytes) {
   for (int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < rows; r += warps) {
     int4* row = reinterpret_cast<int4*>(dst + r * row_bytes);
     for (int i = lane; i < row_bytes / 16; i += 32) row[i] = make_int4(i, int(r), 1, 2);
+  }
+}
+
+// The dispatch send's row path alone (send_row, as the send kernel calls it): each warp
+// quantises whole V3 rows (7168 BF16 elements from local memory) to FP8 and stores them, and
+// their scales, into the peer's rows and, when `local` is set, into local rows too.
+constexpr int kRowElems = 7168, kRowScales = kRowElems / kFp8Block, kRowWarps = 24;
+
+__global__ void __launch_bounds__(kRowWarps * 32, 1)
+    push_send_rows(const uint8_t* x, uint8_t* local, uint8_t* peer, int64_t rows) {
+  using Step = RowStep<__nv_bfloat16, true>;
+  __shared__ float stage[kRowWarps][kRowScales];
+  __shared__ uint8_t* row_on[kRowWarps][2];
+  __shared__ float* scales_on[kRowWarps][2];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t r = int64_t(blockIdx.x) * kRowWarps + warp; r < rows;
+       r += int64_t(gridDim.x) * kRowWarps) {
+    if (lane < 2) {
+      uint8_t* base = lane ? peer : local;
+      row_on[warp][lane] = base + r * kRowElems;
+      scales_on[warp][lane] = reinterpret_cast<float*>(base + rows * kRowElems) + r * kRowScales;
+    }
+    __syncwarp();
+    send_row<__nv_bfloat16, true>(x + r * kRowElems * 2, kRowElems, false, local ? 3u : 2u,
+                                  row_on[warp], scales_on[warp], stage[warp], 0,
+                                  kRowElems / Step::kStep, true);
+    __syncwarp();
   }
 }
 
@@ -123,14 +151,18 @@ struct Transfer {
   int* sink = nullptr;
   cudaStream_t stream = nullptr;
 
+  int64_t rows() const { return bytes / kRowElems; }  // modes 6, 7: FP8 rows of 7168 bytes
+  // Modes 6, 7 write the rows' scales (4 bytes per 128) after them.
+  int64_t dst_bytes() const { return mode >= 6 ? bytes + bytes / 32 : bytes; }
   int runner() const { return mode == 2 || mode == 3 ? to : from; }
   bool setup() {
     if (!enable_peer_access(from, to).empty() || !enable_peer_access(to, from).empty()) return false;
     cudaSetDevice(to);
     dst = given_dst;
-    if (!given_dst) cudaMalloc(&dst, bytes);
+    if (!given_dst) cudaMalloc(&dst, dst_bytes());
     cudaSetDevice(from);
-    cudaMalloc(&src, mode == 4 ? 3 * bytes : bytes);
+    cudaMalloc(&src, mode == 4 ? 3 * bytes : mode >= 6 ? 2 * bytes + dst_bytes() : bytes);
+    if (mode >= 6) cudaMemset(src, 0, 2 * bytes);  // the quantisation's work does not depend on values
     cudaSetDevice(runner());
     cudaMalloc(&sink, sizeof(int));
     cudaStreamCreate(&stream);
@@ -147,6 +179,13 @@ struct Transfer {
       case 1: push_stores<<<blocks, 512, 0, stream>>>(static_cast<int4*>(dst), bytes / 16, nullptr); break;
       case 4: push_stores<<<blocks, 512, 0, stream>>>(static_cast<int4*>(dst), bytes / 16, static_cast<int4*>(src)); break;
       case 5: push_rows<<<blocks, 768, 0, stream>>>(static_cast<uint8_t*>(dst), bytes, 7168); break;
+      case 6:
+      case 7: {
+        uint8_t* x = static_cast<uint8_t*>(src);
+        push_send_rows<<<blocks, kRowWarps * 32, 0, stream>>>(
+            x, mode == 6 ? x + 2 * bytes : nullptr, static_cast<uint8_t*>(dst), rows());
+        break;
+      }
       case 2: pull_bulk<<<blocks, (kWarps + 1) * 32, 12 * 2 * kChunk, stream>>>(static_cast<const uint8_t*>(src), bytes, uint64_t(10e9)); break;
       case 3: pull_loads<<<blocks, 512, 0, stream>>>(static_cast<const int4*>(src), bytes / 16, sink);
     }
@@ -170,7 +209,8 @@ struct Transfer {
 
 double peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iters, bool both_ways,
                  void* dst_buffer) {
-  if (mode < -1 || mode > 5 || (dst_buffer && (both_ways || mode == 2 || mode == 3))) return -1.0;
+  if (mode < -1 || mode > 7 || (dst_buffer && (both_ways || mode == 2 || mode == 3 || mode >= 6)))
+    return -1.0;
   int previous = 0;
   cudaGetDevice(&previous);
   std::vector<Transfer> transfers{{src, dst, mode, blocks, bytes, dst_buffer}};
