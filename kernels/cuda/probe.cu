@@ -66,25 +66,29 @@ __global__ void push_rows(uint8_t* dst, int64_t bytes, int row_bytes) {
 
 // The dispatch send's row path alone (send_row, as the send kernel calls it): each warp
 // quantises whole V3 rows (7168 BF16 elements from local memory) to FP8 and stores them, and
-// their scales, into the peer's rows and, when `local` is set, into local rows too.
+// their scales, into the peer's rows and/or local rows (either may be null); rows
+// [first_row, end_row) of `rows`.
 constexpr int kRowElems = 7168, kRowScales = kRowElems / kFp8Block, kRowWarps = 24;
+constexpr int kMaxStaged = 8;  // chunks of a staged copy (modes 8, 9)
 
 __global__ void __launch_bounds__(kRowWarps * 32, 1)
-    push_send_rows(const uint8_t* x, uint8_t* local, uint8_t* peer, int64_t rows) {
+    push_send_rows(const uint8_t* x, uint8_t* local, uint8_t* peer, int64_t rows,
+                   int64_t first_row, int64_t end_row) {
   using Step = RowStep<__nv_bfloat16, true>;
   __shared__ float stage[kRowWarps][kRowScales];
   __shared__ uint8_t* row_on[kRowWarps][2];
   __shared__ float* scales_on[kRowWarps][2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t r = int64_t(blockIdx.x) * kRowWarps + warp; r < rows;
+  for (int64_t r = first_row + int64_t(blockIdx.x) * kRowWarps + warp; r < end_row;
        r += int64_t(gridDim.x) * kRowWarps) {
-    if (lane < 2) {
+    if (lane < 2 && (lane ? peer : local)) {
       uint8_t* base = lane ? peer : local;
       row_on[warp][lane] = base + r * kRowElems;
       scales_on[warp][lane] = reinterpret_cast<float*>(base + rows * kRowElems) + r * kRowScales;
     }
     __syncwarp();
-    send_row<__nv_bfloat16, true>(x + r * kRowElems * 2, kRowElems, false, local ? 3u : 2u,
+    send_row<__nv_bfloat16, true>(x + r * kRowElems * 2, kRowElems, false,
+                                  (local ? 1u : 0u) | (peer ? 2u : 0u),
                                   row_on[warp], scales_on[warp], stage[warp], 0,
                                   kRowElems / Step::kStep, true);
     __syncwarp();
@@ -150,9 +154,12 @@ struct Transfer {
   void *src = nullptr, *dst = nullptr;
   int* sink = nullptr;
   cudaStream_t stream = nullptr;
+  cudaStream_t copier = nullptr;            // modes 8, 9: the copy engine's stream
+  cudaEvent_t packed[kMaxStaged] = {}, copied = nullptr;
 
-  int64_t rows() const { return bytes / kRowElems; }  // modes 6, 7: FP8 rows of 7168 bytes
-  // Modes 6, 7 write the rows' scales (4 bytes per 128) after them.
+  int chunks() const { return mode == 8 ? 4 : 8; }  // modes 8, 9
+  int64_t rows() const { return bytes / kRowElems; }  // modes 6-9: FP8 rows of 7168 bytes
+  // Modes 6-9 write the rows' scales (4 bytes per 128) after them.
   int64_t dst_bytes() const { return mode >= 6 ? bytes + bytes / 32 : bytes; }
   int runner() const { return mode == 2 || mode == 3 ? to : from; }
   bool setup() {
@@ -166,6 +173,11 @@ struct Transfer {
     cudaSetDevice(runner());
     cudaMalloc(&sink, sizeof(int));
     cudaStreamCreate(&stream);
+    if (mode >= 8) {
+      cudaStreamCreateWithFlags(&copier, cudaStreamNonBlocking);
+      for (int c = 0; c < chunks(); ++c) cudaEventCreateWithFlags(&packed[c], cudaEventDisableTiming);
+      cudaEventCreateWithFlags(&copied, cudaEventDisableTiming);
+    }
     cudaFuncSetAttribute(push_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          kWarps * kDepth * kChunk);
     cudaFuncSetAttribute(pull_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, 12 * 2 * kChunk);
@@ -183,7 +195,26 @@ struct Transfer {
       case 7: {
         uint8_t* x = static_cast<uint8_t*>(src);
         push_send_rows<<<blocks, kRowWarps * 32, 0, stream>>>(
-            x, mode == 6 ? x + 2 * bytes : nullptr, static_cast<uint8_t*>(dst), rows());
+            x, mode == 6 ? x + 2 * bytes : nullptr, static_cast<uint8_t*>(dst), rows(), 0, rows());
+        break;
+      }
+      case 8:
+      case 9: {  // chunks quantised into local staging, each moved by the copy engine meanwhile
+        uint8_t* x = static_cast<uint8_t*>(src);
+        uint8_t *staging = x + 2 * bytes, *to_rows = static_cast<uint8_t*>(dst);
+        for (int c = 0; c < chunks(); ++c) {
+          const int64_t first = rows() * c / chunks(), end = rows() * (c + 1) / chunks();
+          push_send_rows<<<blocks, kRowWarps * 32, 0, stream>>>(x, staging, nullptr, rows(), first, end);
+          cudaEventRecord(packed[c], stream);
+          cudaStreamWaitEvent(copier, packed[c], 0);
+          cudaMemcpyPeerAsync(to_rows + first * kRowElems, to, staging + first * kRowElems, from,
+                              (end - first) * kRowElems, copier);
+        }
+        const int64_t scales = rows() * kRowElems;  // then every row's scales at once
+        cudaMemcpyPeerAsync(to_rows + scales, to, staging + scales, from, rows() * kRowScales * 4,
+                            copier);
+        cudaEventRecord(copied, copier);
+        cudaStreamWaitEvent(stream, copied, 0);
         break;
       }
       case 2: pull_bulk<<<blocks, (kWarps + 1) * 32, 12 * 2 * kChunk, stream>>>(static_cast<const uint8_t*>(src), bytes, uint64_t(10e9)); break;
@@ -197,6 +228,11 @@ struct Transfer {
   void release() {
     cudaSetDevice(runner());
     cudaStreamDestroy(stream);
+    if (copier) {
+      cudaStreamDestroy(copier);
+      for (int c = 0; c < chunks(); ++c) cudaEventDestroy(packed[c]);
+      cudaEventDestroy(copied);
+    }
     cudaFree(sink);
     cudaSetDevice(from);
     cudaFree(src);
@@ -209,7 +245,7 @@ struct Transfer {
 
 double peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iters, bool both_ways,
                  void* dst_buffer) {
-  if (mode < -1 || mode > 7 || (dst_buffer && (both_ways || mode == 2 || mode == 3 || mode >= 6)))
+  if (mode < -1 || mode > 9 || (dst_buffer && (both_ways || mode == 2 || mode == 3 || mode >= 6)))
     return -1.0;
   int previous = 0;
   cudaGetDevice(&previous);
