@@ -95,6 +95,28 @@ __global__ void __launch_bounds__(kRowWarps * 32, 1)
   }
 }
 
+// The combine's row path alone (sum_rows, as the pull kernel calls it): each warp sums a V3 row
+// of BF16 from local memory and the same row of the peer's memory into a local BF16 row.
+constexpr int kSumWarps = 16;
+
+__global__ void __launch_bounds__(kSumWarps * 32)
+    pull_sum_rows(const uint8_t* local, const uint8_t* peer, uint8_t* out, int64_t rows) {
+  constexpr int kRowBytes = kRowElems * 2;
+  __shared__ const int4* row_at[kSumWarps][2];
+  CombineArgs a{};
+  a.width = kRowElems;
+  a.rows_dtype = a.out_dtype = a.bias_dtype = Dtype::kBF16;
+  a.out = out;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t r = int64_t(blockIdx.x) * kSumWarps + warp; r < rows;
+       r += int64_t(gridDim.x) * kSumWarps) {
+    if (lane < 2) row_at[warp][lane] = reinterpret_cast<const int4*>((lane ? peer : local) + r * kRowBytes);
+    __syncwarp();
+    sum_rows(a, int(r), 3u, row_at[warp], 0, kRowBytes / 16);
+    __syncwarp();
+  }
+}
+
 // One warp bulk-loads chunks of peer memory into a ring of stages; the other warps release them.
 __global__ void __launch_bounds__((kWarps + 1) * 32) pull_bulk(const uint8_t* src, int64_t bytes,
                                                                uint64_t timeout_ns) {
@@ -160,16 +182,17 @@ struct Transfer {
   int chunks() const { return mode == 8 ? 4 : 8; }  // modes 8, 9
   int64_t rows() const { return bytes / kRowElems; }  // modes 6-9: FP8 rows of 7168 bytes
   // Modes 6-9 write the rows' scales (4 bytes per 128) after them.
-  int64_t dst_bytes() const { return mode >= 6 ? bytes + bytes / 32 : bytes; }
-  int runner() const { return mode == 2 || mode == 3 ? to : from; }
+  // Mode 10 keeps its local rows and its output on `to`.
+  int64_t dst_bytes() const { return mode == 10 ? 2 * bytes : mode >= 6 ? bytes + bytes / 32 : bytes; }
+  int runner() const { return mode == 2 || mode == 3 || mode == 10 ? to : from; }
   bool setup() {
     if (!enable_peer_access(from, to).empty() || !enable_peer_access(to, from).empty()) return false;
     cudaSetDevice(to);
     dst = given_dst;
     if (!given_dst) cudaMalloc(&dst, dst_bytes());
     cudaSetDevice(from);
-    cudaMalloc(&src, mode == 4 ? 3 * bytes : mode >= 6 ? 2 * bytes + dst_bytes() : bytes);
-    if (mode >= 6) cudaMemset(src, 0, 2 * bytes);  // the quantisation's work does not depend on values
+    cudaMalloc(&src, mode == 4 ? 3 * bytes : mode >= 6 && mode <= 9 ? 2 * bytes + dst_bytes() : bytes);
+    if (mode >= 6 && mode <= 9) cudaMemset(src, 0, 2 * bytes);  // the quantisation's work does not depend on values
     cudaSetDevice(runner());
     cudaMalloc(&sink, sizeof(int));
     cudaStreamCreate(&stream);
@@ -217,6 +240,12 @@ struct Transfer {
         cudaStreamWaitEvent(stream, copied, 0);
         break;
       }
+      case 10: {  // bytes: the peer's BF16 rows; local rows and the output live in dst
+        uint8_t* here = static_cast<uint8_t*>(dst);
+        pull_sum_rows<<<blocks, kSumWarps * 32, 0, stream>>>(
+            here, static_cast<const uint8_t*>(src), here + bytes, bytes / (kRowElems * 2));
+        break;
+      }
       case 2: pull_bulk<<<blocks, (kWarps + 1) * 32, 12 * 2 * kChunk, stream>>>(static_cast<const uint8_t*>(src), bytes, uint64_t(10e9)); break;
       case 3: pull_loads<<<blocks, 512, 0, stream>>>(static_cast<const int4*>(src), bytes / 16, sink);
     }
@@ -245,7 +274,7 @@ struct Transfer {
 
 double peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iters, bool both_ways,
                  void* dst_buffer) {
-  if (mode < -1 || mode > 9 || (dst_buffer && (both_ways || mode == 2 || mode == 3 || mode >= 6)))
+  if (mode < -1 || mode > 10 || (dst_buffer && (both_ways || mode == 2 || mode == 3 || mode >= 6)))
     return -1.0;
   int previous = 0;
   cudaGetDevice(&previous);
