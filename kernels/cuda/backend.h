@@ -58,8 +58,10 @@ std::string low_latency_combine(Comm& comm, int device, cudaStream_t stream,
 // time from dst to src when both_ways: the ceilings the benchmark reports. mode -1: the copy
 // engine; from `blocks` SMs: 0 bulk-copy (TMA) stores, 1 plain stores, 2 bulk-copy loads,
 // 3 plain loads, 4 plain stores amid local traffic like a dispatch's, 5 plain stores of whole
-// 7168-byte rows, a warp per row. A push (one way) may write into dst_buffer, which must hold
-// `bytes` on dst. -1: an unknown mode, dst_buffer with a pull or both ways, a CUDA error.
+// 7168-byte rows, a warp per row, 6 the dispatch's row path (BF16 rows quantised to FP8 by
+// send_row) to a local and the peer's row, 7 the same to the peer's row only. The pushes of
+// modes -1, 0, 1, 4, 5, one way, may write into dst_buffer, which must hold `bytes` on dst.
+// -1: an unknown mode, dst_buffer with another mode or both ways, a CUDA error.
 double peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iters, bool both_ways,
                  void* dst_buffer);
 

@@ -53,6 +53,9 @@ __global__ void push_stores(int4* dst, int64_t vectors, int4* local) {
   }
 }
 
+// A V3 row: 7168 elements, FP8 bytes on the wire; modes 5-7 move whole rows.
+constexpr int kRowElems = 7168, kRowScales = kRowElems / kFp8Block;
+
 // Plain 16-byte stores laid out like a dispatch's: each warp writes whole rows of `row_bytes`
 // (a V3 FP8 row), the warps of the grid many rows at once.
 __global__ void push_rows(uint8_t* dst, int64_t bytes, int row_bytes) {
@@ -68,7 +71,7 @@ __global__ void push_rows(uint8_t* dst, int64_t bytes, int row_bytes) {
 // quantises whole V3 rows (7168 BF16 elements from local memory) to FP8 and stores them, and
 // their scales, into the peer's rows and/or local rows (either may be null); rows
 // [first_row, end_row) of `rows`.
-constexpr int kRowElems = 7168, kRowScales = kRowElems / kFp8Block, kRowWarps = 24;
+constexpr int kRowWarps = 24;
 constexpr int kMaxStaged = 8;  // chunks of a staged copy (modes 8, 9)
 
 __global__ void __launch_bounds__(kRowWarps * 32, 1)
@@ -213,7 +216,7 @@ struct Transfer {
       case 0: push_bulk<<<blocks, kWarps * 32, kWarps * kDepth * kChunk, stream>>>(static_cast<uint8_t*>(dst), bytes); break;
       case 1: push_stores<<<blocks, 512, 0, stream>>>(static_cast<int4*>(dst), bytes / 16, nullptr); break;
       case 4: push_stores<<<blocks, 512, 0, stream>>>(static_cast<int4*>(dst), bytes / 16, static_cast<int4*>(src)); break;
-      case 5: push_rows<<<blocks, 768, 0, stream>>>(static_cast<uint8_t*>(dst), bytes, 7168); break;
+      case 5: push_rows<<<blocks, 768, 0, stream>>>(static_cast<uint8_t*>(dst), bytes, kRowElems); break;
       case 6:
       case 7: {
         uint8_t* x = static_cast<uint8_t*>(src);

@@ -134,13 +134,7 @@ __device__ __forceinline__ void send_row(const uint8_t* row, int hidden, bool ro
     const int end = min(hidden, end_step * Step::kStep) / kFp8Block;
     for (uint32_t m = targets; m; m &= m - 1) {
       float* to = scale_dst[__ffs(m) - 1];
-      if ((first | end) % 4 == 0 &&
-          (reinterpret_cast<uintptr_t>(to) | reinterpret_cast<uintptr_t>(stage)) % 16 == 0) {
-        for (int i = first / 4 + lane; i < end / 4; i += 32)  // a row's scales in few stores
-          reinterpret_cast<float4*>(to)[i] = reinterpret_cast<const float4*>(stage)[i];
-      } else {
-        for (int i = first + lane; i < end; i += 32) to[i] = stage[i];
-      }
+      for (int i = first + lane; i < end; i += 32) to[i] = stage[i];
     }
   }
 }
