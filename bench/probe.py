@@ -15,12 +15,14 @@ from bench.ep import CONFIGS, bench_size
 
 MODES = {-1: "copy engine", 0: "push bulk-copy", 1: "push st.v4", 2: "pull bulk-copy",
          3: "pull ld.v4", 4: "push + local", 5: "push rows", 6: "send rows", 7: "send rows peer",
-         8: "staged 4 CE", 9: "staged 8 CE", 10: "combine rows"}
+         8: "staged 4 CE", 9: "staged 8 CE", 10: "combine rows", 11: "quantise local", 12: "lean local", 13: "lean peer"}
 # 4: st.v4 to the peer amid a send's local traffic; 5: st.v4 a warp per 7168-byte row;
 # 6: the dispatch's own row path (BF16 rows quantised to FP8, to a local and the peer's row);
 # 7: the same, to the peer's row only; 8, 9: the same rows quantised into local staging in 4 or 8
 # chunks, each chunk moved to the peer by the copy engine while the next is quantised; 10: the
-# combine's row path (a BF16 row of the peer's and a local one summed into a local row), a pull
+# combine's row path (a BF16 row of the peer's and a local one summed into a local row), a pull;
+# 11: mode 6 into local rows only (the quantisation's own rate); 12, 13: a row path specialised
+# to V3 rows (all loads of half a row in flight), into local rows or the peer's
 
 
 def main():

@@ -90,11 +90,43 @@ __global__ void __launch_bounds__(kRowWarps * 32, 1)
       scales_on[warp][lane] = reinterpret_cast<float*>(base + rows * kRowElems) + r * kRowScales;
     }
     __syncwarp();
-    send_row<__nv_bfloat16, true>(x + r * kRowElems * 2, kRowElems, false,
-                                  (local ? 1u : 0u) | (peer ? 2u : 0u),
-                                  row_on[warp], scales_on[warp], stage[warp], 0,
-                                  kRowElems / Step::kStep, true);
+    const uint32_t targets = (local ? 1u : 0u) | (peer ? 2u : 0u);
+    send_row<__nv_bfloat16, true>(x + r * kRowElems * 2, kRowElems, false, targets, row_on[warp],
+                                  scales_on[warp], stage[warp], 0, kRowElems / Step::kStep, true);
     __syncwarp();
+  }
+}
+
+// A lean FP8 row path, specialised to V3 rows, against send_row (modes 12 local, 13 peer): a warp quantises a whole V3 row, all loads of half a
+// row in flight, the scales gathered by shuffles and stored at the row's end.
+__global__ void __launch_bounds__(kRowWarps * 32, 1)
+    quantise_rows_lean(const uint8_t* x, uint8_t* dst, int64_t rows) {
+  constexpr int kSteps = kRowElems / 512, kHalf = kSteps / 2;  // 512 elements a warp step
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* scales = reinterpret_cast<float*>(dst + rows * kRowElems);
+  for (int64_t r = int64_t(blockIdx.x) * kRowWarps + warp; r < rows; r += int64_t(gridDim.x) * kRowWarps) {
+    const int4* src = reinterpret_cast<const int4*>(x + r * kRowElems * 2) + lane * 2;
+    int4* out = reinterpret_cast<int4*>(dst + r * kRowElems) + lane;
+    float kept[2] = {0.f, 0.f};  // lane l keeps the scales of blocks l and 32 + l
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      int4 v[kHalf][2];
+#pragma unroll
+      for (int u = 0; u < kHalf; ++u) {
+        v[u][0] = __ldg(src + (h * kHalf + u) * 64);
+        v[u][1] = __ldg(src + (h * kHalf + u) * 64 + 1);
+      }
+#pragma unroll
+      for (int u = 0; u < kHalf; ++u) {
+        const int step = h * kHalf + u;
+        float scale;
+        out[step * 32] = quantize16<__nv_bfloat16>(v[u], false, &scale);
+        const float block_scale = __shfl_sync(~0u, scale, (lane % 4) * 8);
+        if (lane / 4 == step % 8) kept[step / 8] = block_scale;
+      }
+    }
+    scales[r * kRowScales + lane] = kept[0];
+    if (32 + lane < kRowScales) scales[r * kRowScales + 32 + lane] = kept[1];
   }
 }
 
@@ -183,10 +215,11 @@ struct Transfer {
   cudaEvent_t packed[kMaxStaged] = {}, copied = nullptr;
 
   int chunks() const { return mode == 8 ? 4 : 8; }  // modes 8, 9
-  int64_t rows() const { return bytes / kRowElems; }  // modes 6-9: FP8 rows of 7168 bytes
-  // Modes 6-9 write the rows' scales (4 bytes per 128) after them.
-  // Mode 10 keeps its local rows and its output on `to`.
-  int64_t dst_bytes() const { return mode == 10 ? 2 * bytes : mode >= 6 ? bytes + bytes / 32 : bytes; }
+  // Modes 6-9 and 11-13 quantise BF16 rows (2 * bytes, from src) into FP8 rows of 7168 bytes,
+  // their scales (4 bytes per 128) after them; mode 10 keeps its local rows and output on `to`.
+  bool quantises() const { return mode >= 6 && mode != 10; }
+  int64_t rows() const { return bytes / kRowElems; }
+  int64_t dst_bytes() const { return mode == 10 ? 2 * bytes : quantises() ? bytes + bytes / 32 : bytes; }
   int runner() const { return mode == 2 || mode == 3 || mode == 10 ? to : from; }
   bool setup() {
     if (!enable_peer_access(from, to).empty() || !enable_peer_access(to, from).empty()) return false;
@@ -194,12 +227,13 @@ struct Transfer {
     dst = given_dst;
     if (!given_dst) cudaMalloc(&dst, dst_bytes());
     cudaSetDevice(from);
-    cudaMalloc(&src, mode == 4 ? 3 * bytes : mode >= 6 && mode <= 9 ? 2 * bytes + dst_bytes() : bytes);
-    if (mode >= 6 && mode <= 9) cudaMemset(src, 0, 2 * bytes);  // the quantisation's work does not depend on values
+    // x, then local rows (modes 6, 8, 9, 11, 12); the quantisation's work does not depend on values
+    cudaMalloc(&src, mode == 4 ? 3 * bytes : quantises() ? 2 * bytes + dst_bytes() : bytes);
+    if (quantises()) cudaMemset(src, 0, 2 * bytes);
     cudaSetDevice(runner());
     cudaMalloc(&sink, sizeof(int));
     cudaStreamCreate(&stream);
-    if (mode >= 8) {
+    if (mode == 8 || mode == 9) {
       cudaStreamCreateWithFlags(&copier, cudaStreamNonBlocking);
       for (int c = 0; c < chunks(); ++c) cudaEventCreateWithFlags(&packed[c], cudaEventDisableTiming);
       cudaEventCreateWithFlags(&copied, cudaEventDisableTiming);
@@ -217,13 +251,19 @@ struct Transfer {
       case 1: push_stores<<<blocks, 512, 0, stream>>>(static_cast<int4*>(dst), bytes / 16, nullptr); break;
       case 4: push_stores<<<blocks, 512, 0, stream>>>(static_cast<int4*>(dst), bytes / 16, static_cast<int4*>(src)); break;
       case 5: push_rows<<<blocks, 768, 0, stream>>>(static_cast<uint8_t*>(dst), bytes, kRowElems); break;
+      case 11:  // the quantisation alone, into local rows
       case 6:
       case 7: {
         uint8_t* x = static_cast<uint8_t*>(src);
         push_send_rows<<<blocks, kRowWarps * 32, 0, stream>>>(
-            x, mode == 6 ? x + 2 * bytes : nullptr, static_cast<uint8_t*>(dst), rows(), 0, rows());
+            x, mode == 7 ? nullptr : x + 2 * bytes, mode == 11 ? nullptr : static_cast<uint8_t*>(dst), rows(), 0, rows());
         break;
       }
+      case 12:
+      case 13:
+        quantise_rows_lean<<<blocks, kRowWarps * 32, 0, stream>>>(
+            static_cast<const uint8_t*>(src), mode == 12 ? static_cast<uint8_t*>(src) + 2 * bytes : static_cast<uint8_t*>(dst), rows());
+        break;
       case 8:
       case 9: {  // chunks quantised into local staging, each moved by the copy engine meanwhile
         uint8_t* x = static_cast<uint8_t*>(src);
@@ -277,7 +317,7 @@ struct Transfer {
 
 double peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iters, bool both_ways,
                  void* dst_buffer) {
-  if (mode < -1 || mode > 10 || (dst_buffer && (both_ways || mode == 2 || mode == 3 || mode >= 6)))
+  if (mode < -1 || mode > 13 || (dst_buffer && (both_ways || mode == 2 || mode == 3 || mode >= 6)))
     return -1.0;
   int previous = 0;
   cudaGetDevice(&previous);

@@ -50,6 +50,18 @@ __device__ __forceinline__ float abs_max16(const int4* v) {
   }
 }
 
+// Element i of one lane's 16, as float32: a bfloat16 is the high half of its float32, so one
+// shift or mask (the conversion the compiler emits takes two for odd elements).
+template <typename T>
+__device__ __forceinline__ float element_as_float(const int4* v, int i) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t pair = reinterpret_cast<const uint32_t*>(v)[i / 2];
+    return __uint_as_float(i % 2 ? pair & 0xffff0000u : pair << 16);
+  } else {
+    return reinterpret_cast<const float*>(v)[i];
+  }
+}
+
 // The e4m3 bytes of one lane's 16 elements, with the scale of their 128-channel block: one
 // multiply and half a paired conversion per element.
 template <typename T>
@@ -61,13 +73,12 @@ __device__ __forceinline__ int4 quantize16(const int4* v, bool round_scale, floa
     max_abs = fmaxf(max_abs, __shfl_xor_sync(~0u, max_abs, off));
   const Fp8Block block = Fp8Block::make(max_abs, round_scale);
   *scale = block.scale;
-  const T* x = reinterpret_cast<const T*>(v);
   uint32_t q[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     float f[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) f[j] = block.scaled(static_cast<float>(x[4 * i + j]));
+    for (int j = 0; j < 4; ++j) f[j] = block.scaled(element_as_float<T>(v, 4 * i + j));
     const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(f[0], f[1]), __NV_SATFINITE, __NV_E4M3);
     const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(f[2], f[3]), __NV_SATFINITE, __NV_E4M3);
     q[i] = lo | hi << 16;
