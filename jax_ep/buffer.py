@@ -60,13 +60,16 @@ class Buffer:
         if axis_name not in mesh.axis_names:
             _fail(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
         num_ranks = mesh.shape[axis_name]
+        for name, value in (("num_experts", num_experts), ("hidden", hidden),
+                            ("num_topk", num_topk), ("max_tokens_per_rank", max_tokens_per_rank),
+                            ("num_sms", num_sms)):
+            if int(value) != value or value < 1:
+                _fail(f"{name} must be a positive integer, got {value!r}")
+        num_experts, hidden, num_topk = int(num_experts), int(hidden), int(num_topk)
+        max_tokens_per_rank, num_sms = int(max_tokens_per_rank), int(num_sms)
         if num_experts % num_ranks:
             _fail(f"num_experts={num_experts} must be divisible by the {num_ranks} ranks of "
                   f"axis {axis_name!r}")
-        for name, value in (("hidden", hidden), ("num_topk", num_topk),
-                            ("max_tokens_per_rank", max_tokens_per_rank), ("num_sms", num_sms)):
-            if int(value) != value or value < 1:
-                _fail(f"{name} must be a positive integer, got {value!r}")
         if low_latency_tokens is None:
             low_latency_tokens = min(max_tokens_per_rank, 256)
         if int(low_latency_tokens) != low_latency_tokens or not 0 <= low_latency_tokens <= min(
@@ -141,9 +144,9 @@ class Buffer:
                       mode="auto"):
         """The first half of dispatch: returns once the tokens are on their way. Run other work,
         then dispatch_recv(pending). Not differentiable (use dispatch under grad). At most two
-        sent dispatches may await their recv at once (their two slots); a third send would wait
-        for the first recv and end in the timeout error. XLA orders only what data orders: in a
-        loop, let each send's inputs depend on an earlier recv's outputs."""
+        sent dispatches may await their recv at once (their two slots), in either order; a third
+        send would wait for the first recv and end in the timeout error. XLA orders only what
+        data orders: in a loop, let each send's inputs depend on an earlier recv's outputs."""
         return Pending(*self._dispatch_start(True, x, topk_idx, topk_weights, handle, layout,
                                              expert_alignment, fp8, round_scale, capacity, mode),
                        kind="dispatch")
@@ -171,6 +174,7 @@ class Buffer:
             _fail(f"layout must be one of {', '.join(map(repr, _LAYOUTS))}, got {layout_name!r}")
         if int(alignment) != alignment or alignment < 1:
             _fail(f"expert_alignment must be a positive integer, got {alignment!r}")
+        alignment = int(alignment)
         if layout_name == "expert_padded" and alignment != 1:
             _fail(f"expert_alignment must be 1 in the expert_padded layout (every expert's block "
                   f"has `capacity` rows), got {alignment!r}")
@@ -290,7 +294,7 @@ class Buffer:
     def combine_send(self, expert_out, handle, topk_weights=None, bias=None):
         """The first half of combine: returns once the rows are on their way back. Run other
         work, then combine_recv(pending). Not differentiable (use combine under grad). At most
-        two sent combines may await their recv at once."""
+        two sent combines may await their recv at once, in either order."""
         return Pending(*self._combine_start(True, expert_out, handle, topk_weights, bias),
                        kind="combine")
 

@@ -71,6 +71,14 @@ def _varying_like(outputs, *inputs):
     return jax.tree.map(vary, outputs)
 
 
+def _all_varying(*args):
+    """The arguments varying like the most varying of them: a custom_vjp's backward returns
+    gradients that vary like the cotangents, so an input that does not vary (weights made
+    inside shard_map, a replicated x) must become varying first; its gradient then gets the
+    psum that the cast transposes into."""
+    return _varying_like(args, *(a for a in args if a is not None))
+
+
 _op_keys = itertools.count(1)
 
 
@@ -330,8 +338,8 @@ class Ffi(Unsplit):
                     bool(low_latency), streams.current())
 
     def dispatch(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):
-        return _dispatch(self._move(x, rows, fp8, round_scale, low_latency), x, topk_idx,
-                         topk_weights)
+        return _dispatch(self._move(x, rows, fp8, round_scale, low_latency),
+                         *_all_varying(x, topk_idx, topk_weights))
 
     def dispatch_send(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):
         if not low_latency:
@@ -343,8 +351,8 @@ class Ffi(Unsplit):
 
     def dispatch_cached(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale,
                         low_latency=False):
-        return _dispatch_cached(self._move(x, rows, fp8, round_scale, low_latency), x, send_pos,
-                                num_rows, recv_counts)
+        return _dispatch_cached(self._move(x, rows, fp8, round_scale, low_latency),
+                                *_all_varying(x, send_pos, num_rows, recv_counts))
 
     def dispatch_cached_send(self, x, send_pos, num_rows, recv_counts, *, rows, fp8,
                              round_scale, low_latency):
@@ -358,8 +366,8 @@ class Ffi(Unsplit):
 
     def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype,
                 low_latency=False):
-        return _combine(self._sum(row_data, bias, out_dtype, low_latency), row_data, send_pos,
-                        num_rows, recv_counts, bias)
+        return _combine(self._sum(row_data, bias, out_dtype, low_latency),
+                        *_all_varying(row_data, send_pos, num_rows, recv_counts, bias))
 
     def combine_send(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype,
                      low_latency):

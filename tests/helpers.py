@@ -1,6 +1,8 @@
 """Shared test helpers: meshes, routings, running a per-rank function under shard_map."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,6 +148,47 @@ def pipeline(buf, layout="rank", expert_alignment=1, fp8=False, round_scale=Fals
                     send_pos=h.send_pos)
 
     return step
+
+
+def out_of_order(buf, mode="low_latency", rounds=2):
+    """Split ops whose recv halves run out of send order, and a whole op while a sent one waits,
+    forced by data dependencies, over `rounds` (the low-latency slots get reused): a per-rank
+    step returning every op's outputs."""
+
+    def after(a, b):  # a, once b exists
+        return jax.lax.optimization_barrier((a, b))[0]
+
+    def step(x, topk_idx, topk_weights):
+        xs = [x * (i + 1) for i in range(4)]
+        outs = []
+        for _ in range(rounds):
+            send = functools.partial(buf.dispatch_send, topk_idx=topk_idx,
+                                     topk_weights=topk_weights, mode=mode)
+            pa = send(xs[0])
+            db = buf.dispatch(after(xs[1], pa), topk_idx, topk_weights, mode=mode)
+            da = buf.dispatch_recv(after(pa, db.x))
+            pc = send(after(xs[2], da.x))
+            pd = send(after(xs[3], pc))
+            dd = buf.dispatch_recv(pd)
+            dc = buf.dispatch_recv(after(pc, dd.x))
+            qa = buf.combine_send(after(da.x, dc.x), da.handle)
+            qc = buf.combine_send(after(dc.x, qa), dc.handle)
+            yc = buf.combine_recv(qc)
+            ya = buf.combine_recv(after(qa, yc))
+            outs += [d._replace(handle=None) for d in (da, db, dc, dd)] + [ya, yc]
+            xs = [after(xi, ya) for xi in xs]
+        return outs
+
+    return step
+
+
+def assert_same_ops(got, want):
+    """Outputs of out_of_order: dispatches bitwise equal, combines within calc_diff < 5e-6."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        if isinstance(g, jax_ep.DispatchResult):
+            assert_bitwise_equal(g, w, f"op {i}")
+        else:
+            assert calc_diff(g.astype(jnp.float32), w.astype(jnp.float32)) < 5e-6, f"op {i}"
 
 
 def assert_matches_reference(step, *args):

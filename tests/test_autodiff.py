@@ -122,3 +122,31 @@ def test_cached_dispatch_gradient():
         results[impl] = jax.jit(jax.grad(lambda x2: jnp.sum(f(x, x2, idx) ** 2)))(x)
     np.testing.assert_allclose(results["ffi"], results["reference"], rtol=1e-6, atol=1e-7)
     assert float(jnp.abs(results["ffi"]).sum()) > 0
+
+
+@pytest.mark.parametrize("case", ["no weights", "weights made inside", "replicated x"])
+def test_gradients_of_inputs_that_do_not_vary(case):
+    """Inputs the same on every rank (no topk_weights, weights made inside shard_map, a
+    replicated x): the custom-call path's gradients equal the reference path's."""
+    mesh = make_mesh(4)
+    rng = np.random.default_rng(3)
+    x, idx, _ = random_inputs(rng, 4, T, H, E, K, 4, "random", jnp.float32)
+    cotangent = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+    x_spec = P() if case == "replicated x" else P("ep")
+    x = x[:T] if case == "replicated x" else x
+
+    def grads(impl):
+        buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
+                            max_tokens_per_rank=T, impl=impl)
+
+        def step(x, idx):
+            w = None if case == "no weights" else jnp.full(idx.shape, 0.5, jnp.float32)
+            d = buf.dispatch(x, idx, w, layout="expert")
+            return buf.combine(jnp.tanh(d.x), d.handle, topk_weights=d.topk_weights)
+
+        f = jax.shard_map(step, mesh=mesh, in_specs=(x_spec, P("ep")), out_specs=P("ep"))
+        return np.asarray(jax.jit(jax.grad(lambda x: jnp.vdot(f(x, idx), cotangent)))(x))
+
+    want = grads("reference")
+    assert relative_error(grads("ffi"), want) < 1e-6
+    assert np.abs(want).max() > 0

@@ -28,6 +28,8 @@ def test_attributes():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(axis_name="tp"), "axis_name 'tp'"),
     (dict(num_experts=6), "num_experts=6 must be divisible"),
+    (dict(num_experts=0), "num_experts must be a positive integer"),
+    (dict(num_experts=-4), "num_experts must be a positive integer"),
     (dict(impl="nccl"), "impl"),
     (dict(hidden=0), "hidden"),
     (dict(max_tokens_per_rank=2.5), "max_tokens_per_rank"),
@@ -38,6 +40,18 @@ def test_construction_errors(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         jax_ep.Buffer(make_mesh(4, 2), args.pop("axis_name"), **args)
+
+
+def test_integral_floats_are_accepted():
+    """num_experts=16.0 or expert_alignment=4.0 mean 16 and 4 (and say so in the attributes)."""
+    mesh = make_mesh(4)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=float(E), hidden=H, num_topk=K,
+                        max_tokens_per_rank=T)
+    assert buf.num_experts == E and isinstance(buf.num_experts, int)
+    x, idx, w = random_inputs(np.random.default_rng(0), 4, T, H, E, K, 4, "random")
+    out = run(mesh, lambda x, idx, w: buf.dispatch(x, idx, w, layout="expert",
+                                                   expert_alignment=4.0).group_sizes, x, idx, w)
+    assert np.all(np.asarray(out) % 4 == 0)
 
 
 def expect_error(setup, fn, match, *args):

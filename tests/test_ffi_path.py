@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import jax_ep
-from helpers import (ROUTINGS, assert_bitwise_equal, assert_matches_reference, buffers,
-                     make_mesh, pipeline, random_inputs, run)
+from helpers import (ROUTINGS, assert_bitwise_equal, assert_matches_reference, assert_same_ops,
+                     buffers, make_mesh, out_of_order, pipeline, random_inputs, run)
 
 T, H, E, K = 16, 256, 16, 4
 
@@ -166,6 +166,18 @@ def _assert_every_call_placed(text, stream):
     assert f'_xla_stream_annotation = "{stream}"' in text
     for body in placed:
         assert " call @" not in body, body[:300]
+
+
+@pytest.mark.parametrize("num_ranks", [1, 4])
+def test_recv_halves_out_of_send_order(num_ranks):
+    """Recv halves in the other order than their sends, and a whole op while a sent one waits,
+    give every op its own results, round after round."""
+    mesh = make_mesh(num_ranks)
+    bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
+    x, idx, w = random_inputs(np.random.default_rng(11), num_ranks, T, H, E, K, num_ranks,
+                              "random")
+    got, want = (run(mesh, out_of_order(bufs[impl]), x, idx, w) for impl in ("ffi", "reference"))
+    assert_same_ops(got, want)
 
 
 def test_ops_placed_on_another_stream():

@@ -244,6 +244,28 @@ def test_cuda_low_latency_annotated_for_another_stream(stream, flags):
     assert "OK" in out.stdout.split(), f"exit status {out.returncode}"
 
 
+def test_cuda_low_latency_recv_halves_out_of_send_order():
+    """The low-latency kernels with recv halves in the other order than their sends, and a whole
+    op while a sent one waits (helpers.out_of_order), against the reference path. In a child
+    process: a slot protocol that deadlocks ends in the timeout's trap, which loses the context."""
+    code = """
+        import jax, numpy as np
+        from helpers import assert_same_ops, buffers, make_mesh, out_of_order, random_inputs, run
+        mesh = make_mesh(len(jax.devices("gpu")), devices=jax.devices("gpu"))
+        bufs = buffers(mesh, num_experts=%d, hidden=2048, num_topk=%d, max_tokens_per_rank=128,
+                       timeout_s=10.0)
+        x, idx, w = random_inputs(np.random.default_rng(12), mesh.size, 128, 2048, %d, %d,
+                                  mesh.size, "random")
+        got, want = (run(mesh, out_of_order(bufs[impl], rounds=3), x, idx, w)
+                     for impl in ("ffi", "reference"))
+        assert_same_ops(got, want)
+        print("OK")
+    """ % (E, K, E, K)
+    out = _subprocess(code, {}, 300)
+    print(out.stdout[-3000:], out.stderr[-3000:])
+    assert "OK" in out.stdout.split(), f"exit status {out.returncode}"
+
+
 @pytest.mark.skipif(len(jax.devices()) < 2 if jax.default_backend() == "gpu" else True,
                     reason="needs 2 GPUs")
 def test_cuda_peer_that_never_arrives_times_out():

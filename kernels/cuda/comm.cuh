@@ -24,16 +24,18 @@ constexpr size_t kDefaultSharedBytes = 48 * 1024;  // static + dynamic, without 
 // [tokens] rows, one region per kind of op. Rows move in parts of kPartElems elements, each part
 // with a flag the sender raises to the op's number; nothing waits for a whole grid. Ops of each
 // kind are numbered on device; a sender reuses a slot once its receivers released the op two
-// before. A receiver releases an op at the start of its next kernel of that kind, when the
-// kernel boundary has ordered every read of it: a plain store, off the critical path. Both this
-// and the op numbers need a kind's kernels to run in order on one stream.
+// before in that slot. A receiver releases an op at the start of its next kernel of that kind,
+// when the kernel boundary has ordered every read of it: a plain store, off the critical path.
+// Both this and the op numbers need a kind's kernels to run in order on one stream; recv halves
+// may run in either order.
 enum LowLatencyKind : int { kLowLatencyDispatch = 0, kLowLatencyCombine = 1 };
 constexpr int kPartElems = 1024;  // elements of a row under one flag
 
 struct LowLatencyState {
   uint64_t started[2];              // [kind]: blocks of send halves started, gridDim.x per op
-  uint64_t received[2];             // [kind]: the last op whose recv half finished here
-  uint64_t released[2][kMaxRanks];  // [kind][dst]: the last op dst finished reading
+  // Per slot, as recv halves may finish out of send order (at most two ops await theirs).
+  uint64_t received[2][2];             // [kind][slot]: the last op of the slot received here
+  uint64_t released[2][2][kMaxRanks];  // [kind][slot][dst]: the last op of it dst finished reading
   uint64_t counts[2][kMaxRanks];    // [slot][src]: op << 24 | rows src sent here (fresh dispatch)
 };
 

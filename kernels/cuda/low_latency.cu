@@ -28,14 +28,16 @@ constexpr int kChunks = kMaxTokens / 32;
 // The op this kernel serves. A send half's blocks count themselves on `started`; every send half
 // of a kind runs gridDim.x blocks, so the count names the op. A recv half serves the op its send
 // half returned, whose low 32 bits the ticket holds: the last op sent, or the one before.
-// Block 0 first releases, on every source, the last op this rank received (see comm.cuh).
+// Block 0 first releases, on every source, the last op of each slot this rank received (see
+// comm.cuh).
 __device__ __forceinline__ uint64_t start_op(const Link& link, int kind, int half,
                                              const int32_t* ticket_in) {
   __shared__ uint64_t op;
   const LowLatencyState& mine = link.self->low_latency;
   if (blockIdx.x == 0 && threadIdx.x < link.num_ranks)
-    store_relaxed(&link.peers[threadIdx.x]->low_latency.released[kind][link.rank],
-                  *reinterpret_cast<const volatile uint64_t*>(&mine.received[kind]));
+    for (int slot = 0; slot < 2; ++slot)
+      store_relaxed(&link.peers[threadIdx.x]->low_latency.released[kind][slot][link.rank],
+                    *reinterpret_cast<const volatile uint64_t*>(&mine.received[kind][slot]));
   if (threadIdx.x == 0) {
     auto* started = reinterpret_cast<unsigned long long*>(&link.self->low_latency.started[kind]);
     if (half & kSend) {
@@ -53,14 +55,14 @@ __device__ __forceinline__ uint64_t start_op(const Link& link, int kind, int hal
 __device__ __forceinline__ void wait_slot_free(const Link& link, int kind, uint64_t op) {
   const int d = threadIdx.x;
   if (d < link.num_ranks && op > 2)
-    wait_for(link, &link.self->low_latency.released[kind][d], op - 2, kWaitReleased, d);
+    wait_for(link, &link.self->low_latency.released[kind][op & 1][d], op - 2, kWaitReleased, d);
   __syncthreads();
 }
 
 // The end of a recv half, in every block: the next kernel of this kind releases the op.
 __device__ __forceinline__ void finish_recv(const Link& link, int kind, uint64_t op) {
   if (threadIdx.x == 0)
-    *reinterpret_cast<volatile uint64_t*>(&link.self->low_latency.received[kind]) = op;
+    *reinterpret_cast<volatile uint64_t*>(&link.self->low_latency.received[kind][op & 1]) = op;
 }
 
 // How a warp's work splits rows into pieces of whole parts: few rows still use many warps.
