@@ -1,12 +1,14 @@
 """jax_ep.Buffer: dispatch and combine of SPEC §3, built from the primitives of a backend."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import layout
-from jax_ep.primitives import done
+from jax_ep.primitives import all_varying, done
 from jax_ep.reference import Reference
 from jax_ep.types import DispatchResult, Handle, Pending
 
@@ -21,6 +23,28 @@ def _raise_if_invalid(here, everywhere, num_experts):
         raise ValueError(f"jax_ep: topk_idx holds {int(everywhere)} expert id(s) outside "
                          f"[-1, {num_experts}) ({int(here)} on this rank); they were excluded "
                          f"from the dispatch")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _straight_through_rows(combine, x, q, scales, handle):
+    return _dequantized(x, q, scales)
+
+
+def _dequantized(x, q, scales):
+    flat = layout.dequantize_fp8(q.reshape(-1, q.shape[-1]), scales.reshape(-1, scales.shape[-1]))
+    return flat.reshape(q.shape).astype(x.dtype)
+
+
+def _straight_through_fwd(combine, x, q, scales, handle):
+    return _dequantized(x, q, scales), (q, scales, handle)
+
+
+def _straight_through_bwd(combine, res, ct):
+    q, scales, handle = res
+    return combine(ct, handle), jnp.zeros_like(q), jnp.zeros_like(scales), None
+
+
+_straight_through_rows.defvjp(_straight_through_fwd, _straight_through_bwd)
 
 
 def _fail(message):
@@ -290,6 +314,15 @@ class Buffer:
         """y[t] = bias[t] + sum over the rows from token t of w * expert_out[row] -> [T, H]."""
         arrays, finish = self._combine_start(False, expert_out, handle, topk_weights, bias)
         return finish(arrays)
+
+    def dequantize(self, d, x):
+        """An FP8 dispatch's rows (d of dispatch(x, ..., fp8=True), any layout) as x.dtype values,
+        q * scale, whose gradient goes straight through to x: the combine of the rows'
+        cotangents, as if x had been dispatched unquantised. (A cotangent of d.x itself is
+        float8 like d.x: dequantize_fp8(d.x, d.scales) would send x only a rounded, scaled one.)"""
+        if d.scales is None:
+            _fail("dequantize needs the result of an fp8 dispatch")
+        return _straight_through_rows(self.combine, *all_varying(x, d.x, d.scales), d.handle)
 
     def combine_send(self, expert_out, handle, topk_weights=None, bias=None):
         """The first half of combine: returns once the rows are on their way back. Run other

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _native, layout, streams
-from jax_ep.primitives import RankRows, Routing, Unsplit
+from jax_ep.primitives import RankRows, Routing, Unsplit, all_varying, varying_like
 
 
 
@@ -53,32 +53,6 @@ class _Sum(NamedTuple):  # static configuration of a combine
     stream: str | None
 
 
-def _varying_axes(value):
-    aval = jax.typeof(value)
-    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; older: aval.vma
-    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
-
-
-def _varying_like(outputs, *inputs):
-    """Custom calls return values JAX sees as the same on every rank; they vary like their inputs
-    (shard_map's check_vma needs to know)."""
-    axes = frozenset().union(*map(_varying_axes, inputs))
-
-    def vary(out):
-        missing = tuple(sorted(axes - _varying_axes(out)))
-        return jax.lax.pcast(out, missing, to="varying") if missing else out
-
-    return jax.tree.map(vary, outputs)
-
-
-def _all_varying(*args):
-    """The arguments varying like the most varying of them: a custom_vjp's backward returns
-    gradients that vary like the cotangents, so an input that does not vary (weights made
-    inside shard_map, a replicated x) must become varying first; its gradient then gets the
-    psum that the cast transposes into."""
-    return _varying_like(args, *(a for a in args if a is not None))
-
-
 _op_keys = itertools.count(1)
 
 
@@ -113,7 +87,7 @@ def _dispatch_call(cfg: _Move, x, topk_idx, topk_weights):
               jax.ShapeDtypeStruct((cfg.experts_per_rank,), i32),
               jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((), i32),
               jax.ShapeDtypeStruct((), i32))
-    out = _varying_like(_custom_call("jax_ep_dispatch", shapes, x, topk_idx, topk_weights,
+    out = varying_like(_custom_call("jax_ep_dispatch", shapes, x, topk_idx, topk_weights,
                                      stream=cfg.stream, **_attrs(cfg)), x, topk_idx, topk_weights)
     x_rows, scales = out[0], out[1] if cfg.fp8 else None
     return RankRows(x_rows, scales, out[2], out[3]), Routing(*out[4:])
@@ -122,7 +96,7 @@ def _dispatch_call(cfg: _Move, x, topk_idx, topk_weights):
 def _dispatch_cached_call(cfg: _Move, x, send_pos, num_rows, recv_counts):
     if cfg.low_latency:
         return _ll_cached_recv(cfg, _ll_cached_send(cfg, BOTH, x, send_pos, num_rows, recv_counts))
-    x_rows, scales = _varying_like(
+    x_rows, scales = varying_like(
         _custom_call("jax_ep_dispatch_cached", _x_rows_shapes(cfg, x.shape[1]), x, send_pos,
                      num_rows, stream=cfg.stream, **_attrs(cfg)),
         x, send_pos, num_rows)
@@ -135,7 +109,7 @@ def _combine_call(cfg: _Sum, row_data, send_pos, num_rows, recv_counts, bias):
                                                       recv_counts, bias))
     shape = jax.ShapeDtypeStruct((send_pos.shape[0], row_data.shape[1]), cfg.out_dtype)
     bias = _no_bias() if bias is None else bias
-    return _varying_like(_custom_call(
+    return varying_like(_custom_call(
         "jax_ep_combine", shape, row_data, send_pos, bias, stream=cfg.stream,
         buffer_id=np.int64(cfg.buffer_id), op_key=_op_key(), has_bias=cfg.bias_dtype is not None),
         row_data, send_pos, bias)
@@ -184,7 +158,7 @@ def _ll_dispatch_ffi(cfg: _Move, phase, inputs, ticket, cached):
         "jax_ep_ll_dispatch", shapes, *inputs, ticket, stream=cfg.stream,
         buffer_id=np.int64(cfg.buffer_id), half=np.int32(phase), cached=bool(cached),
         out_rows=np.int32(cfg.rows), fp8=bool(cfg.fp8), round_scale=bool(cfg.round_scale))
-    return _varying_like(out, *inputs)
+    return varying_like(out, *inputs)
 
 
 def _ll_dispatch_send(cfg: _Move, phase, x, topk_idx, topk_weights):
@@ -229,7 +203,7 @@ def _ll_combine_ffi(cfg: _Sum, phase, inputs, ticket):
         "jax_ep_ll_combine", shapes, *inputs, ticket, stream=cfg.stream,
         buffer_id=np.int64(cfg.buffer_id), half=np.int32(phase),
         has_bias=cfg.bias_dtype is not None)
-    return _varying_like(out, *inputs)
+    return varying_like(out, *inputs)
 
 
 def _ll_combine_send(cfg: _Sum, phase, row_data, send_pos, num_rows, recv_counts, bias):
@@ -339,7 +313,7 @@ class Ffi(Unsplit):
 
     def dispatch(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):
         return _dispatch(self._move(x, rows, fp8, round_scale, low_latency),
-                         *_all_varying(x, topk_idx, topk_weights))
+                         *all_varying(x, topk_idx, topk_weights))
 
     def dispatch_send(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):
         if not low_latency:
@@ -352,7 +326,7 @@ class Ffi(Unsplit):
     def dispatch_cached(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale,
                         low_latency=False):
         return _dispatch_cached(self._move(x, rows, fp8, round_scale, low_latency),
-                                *_all_varying(x, send_pos, num_rows, recv_counts))
+                                *all_varying(x, send_pos, num_rows, recv_counts))
 
     def dispatch_cached_send(self, x, send_pos, num_rows, recv_counts, *, rows, fp8,
                              round_scale, low_latency):
@@ -367,7 +341,7 @@ class Ffi(Unsplit):
     def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype,
                 low_latency=False):
         return _combine(self._sum(row_data, bias, out_dtype, low_latency),
-                        *_all_varying(row_data, send_pos, num_rows, recv_counts, bias))
+                        *all_varying(row_data, send_pos, num_rows, recv_counts, bias))
 
     def combine_send(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype,
                      low_latency):
@@ -388,7 +362,7 @@ class Ffi(Unsplit):
                   jax.ShapeDtypeStruct((), i32),
                   jax.ShapeDtypeStruct((experts_per_rank,), i32))  # counts before capacity
         topk_rows = jax.lax.stop_gradient(topk_rows)  # integers: nothing to differentiate
-        out = _varying_like(_custom_call(
+        out = varying_like(_custom_call(
             "jax_ep_expert_layout", shapes, topk_rows, stream=streams.current(),
             has_side_effect=False, alignment=np.int32(alignment), block_rows=np.int32(block_rows)),
             topk_rows)

@@ -18,7 +18,35 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
+
 Array = Any
+
+
+def _varying_axes(value):
+    aval = jax.typeof(value)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; older: aval.vma
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def varying_like(outputs, *inputs):
+    """outputs varying over every mesh axis that one of inputs varies over: custom calls return
+    values JAX sees as the same on every rank (shard_map's check_vma needs to know)."""
+    axes = frozenset().union(*map(_varying_axes, inputs))
+
+    def vary(out):
+        missing = tuple(sorted(axes - _varying_axes(out)))
+        return jax.lax.pcast(out, missing, to="varying") if missing else out
+
+    return jax.tree.map(vary, outputs)
+
+
+def all_varying(*args):
+    """The arguments varying like the most varying of them: a custom_vjp's backward returns
+    gradients that vary like the cotangents, so an input that does not vary (weights made
+    inside shard_map, a replicated x) must become varying first; its gradient then gets the
+    psum that the cast transposes into."""
+    return varying_like(args, *(a for a in args if a is not None))
 
 
 class RankRows(NamedTuple):

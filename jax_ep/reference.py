@@ -1,13 +1,16 @@
 """The reference path: rank-level dispatch and combine with jax.lax.all_to_all (capacity-padded,
 one [R, T] block per peer). It is the readable statement of the row order, the capacity drops
-and the combine order; JAX differentiates it natively."""
+and the combine order. JAX differentiates it natively, except that x's rows go back as SPEC §3
+says, by a combine (float32 sums, rounded once)."""
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from jax_ep import layout
-from jax_ep.primitives import RankRows, Routing, Unsplit
+from jax_ep.primitives import RankRows, Routing, Unsplit, all_varying
 
 
 def _kept_slot(send_pos):
@@ -38,6 +41,24 @@ def _place(received, recv_counts, rows, fill):
     target = jnp.where(ok, pos, rows).reshape(-1)
     out = jnp.full((rows,) + received.shape[2:], fill, received.dtype)
     return out.at[target].set(received.reshape((num_ranks * t,) + received.shape[2:]), mode="drop")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def _move_rows(ref, x, send_pos, recv_counts, rows):
+    """x's row for every (token, destination rank) in send_pos, placed at each destination."""
+    return _place(_send(ref.axis, lambda d: x, send_pos, 0), recv_counts, rows, 0)
+
+
+def _move_rows_fwd(ref, x, send_pos, recv_counts, rows):
+    return _move_rows(ref, x, send_pos, recv_counts, rows), (send_pos, recv_counts)
+
+
+def _move_rows_bwd(ref, rows, res, ct):
+    send_pos, recv_counts = res
+    return ref.combine(ct, send_pos, None, recv_counts, None, out_dtype=ct.dtype), None, None
+
+
+_move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
 
 
 class Reference(Unsplit):
@@ -84,7 +105,7 @@ class Reference(Unsplit):
             return (_place(_send(self.axis, lambda d: q, send_pos, 0), recv_counts, rows, 0),
                     _place(_send(self.axis, lambda d: scales, send_pos, 0.0), recv_counts, rows,
                            0.0))
-        return _place(_send(self.axis, lambda d: x, send_pos, 0), recv_counts, rows, 0), None
+        return _move_rows(self, *all_varying(x, send_pos, recv_counts), rows), None
 
     def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype,
                 low_latency=False):

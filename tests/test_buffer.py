@@ -86,6 +86,7 @@ def expect_error(setup, fn, match, *args):
     (lambda b, x, i, w: b.combine(b.dispatch(x, i, w).x.astype(jnp.int32),
                                   b.dispatch(x, i, w).handle), "expert_out must have dtype"),
     (lambda b, x, i, w: b.dispatch(x, i, w, mode="fast"), "mode must be"),
+    (lambda b, x, i, w: b.dequantize(b.dispatch(x, i, w), x), "needs the result of an fp8"),
     (lambda b, x, i, w: b.dispatch(x, i, w, layout="expert_padded", expert_alignment=8),
      "expert_alignment must be 1 in the expert_padded"),
     (lambda b, x, i, w: b.combine(*(lambda d: (d.x.reshape(-1, H), d.handle))(

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_ep.buffer import Buffer
-from jax_ep.layout import dequantize_fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +110,7 @@ def moe_block(buffer: Buffer, params, x, cfg: MoEConfig, token_axes=()):
     topk_idx, topk_weights, scores = route(x, params["router"], cfg)
     d = buffer.dispatch(x, topk_idx, topk_weights, layout="expert",
                         expert_alignment=cfg.expert_alignment, fp8=cfg.fp8)
-    rows = dequantize_fp8(d.x, d.scales).astype(x.dtype) if cfg.fp8 else d.x
+    rows = buffer.dequantize(d, x) if cfg.fp8 else d.x
 
     def grouped(lhs, rhs):
         return jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), d.group_sizes)
