@@ -153,9 +153,7 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
             def expert_rows(d):
                 if not fp8:
                     return d.x
-                flat = jax_ep.dequantize_fp8(d.x.reshape(-1, hidden),
-                                             d.scales.reshape(-1, hidden // 128))
-                return flat.reshape(d.x.shape).astype(jnp.bfloat16)
+                return jax_ep.dequantize_fp8(d.x, d.scales).astype(jnp.bfloat16)
         else:
             base = (AllToAll if impl == "lax_all_to_all" else RaggedAllToAll)(
                 "ep", num_ranks, num_experts)
@@ -172,10 +170,7 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
                 if not fp8:
                     return parts[0]
                 q = jax.lax.bitcast_convert_type(parts[0], jnp.float8_e4m3fn)
-                shape = q.shape
-                flat = jax_ep.dequantize_fp8(q.reshape(-1, shape[-1]),
-                                             parts[1].reshape(-1, shape[-1] // 128))
-                return flat.reshape(shape).astype(jnp.bfloat16)
+                return jax_ep.dequantize_fp8(q, parts[1]).astype(jnp.bfloat16)
 
         def dispatch_outputs(x, idx, dispatch=dispatch):
             return dispatch(x, idx)[1]

@@ -27,16 +27,11 @@ def _raise_if_invalid(here, everywhere, num_experts):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _straight_through_rows(combine, x, q, scales, handle):
-    return _dequantized(x, q, scales)
-
-
-def _dequantized(x, q, scales):
-    flat = layout.dequantize_fp8(q.reshape(-1, q.shape[-1]), scales.reshape(-1, scales.shape[-1]))
-    return flat.reshape(q.shape).astype(x.dtype)
+    return layout.dequantize_fp8(q, scales).astype(x.dtype)
 
 
 def _straight_through_fwd(combine, x, q, scales, handle):
-    return _dequantized(x, q, scales), (q, scales, handle)
+    return _straight_through_rows(combine, x, q, scales, handle), (q, scales, handle)
 
 
 def _straight_through_bwd(combine, res, ct):

@@ -155,9 +155,9 @@ _straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
 
 
 def dequantize_fp8(q, scales):
-    t, h = q.shape
-    blocks = q.astype(jnp.float32).reshape(t, h // FP8_BLOCK, FP8_BLOCK)
-    return (blocks * scales[..., None]).reshape(t, h)
+    """[..., H] e4m3fn and [..., H/128] scales -> [..., H] float32: q * scale."""
+    blocks = q.astype(jnp.float32).reshape(scales.shape + (FP8_BLOCK,))
+    return (blocks * scales[..., None]).reshape(q.shape)
 
 
 # ---------------------------------------------------------------- expert layout (receiver side)
