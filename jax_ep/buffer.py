@@ -66,8 +66,8 @@ class Buffer:
     num_sms bounds the multiprocessors the CUDA kernels use; timeout_s bounds every wait for a
     peer (then an error, never a hang). low_latency_tokens (default min(N, 256), at most 1024,
     0 = none) is the largest T the low-latency kernels take; the CUDA backend reserves
-    2 * R * low_latency_tokens * (8 H + H / 32 + 8 K + 16 ceil(H / 512)) bytes per GPU for them
-    (see docs).
+    2 * R * low_latency_tokens * (8 H + H / 32 + 8 K + 16 ceil(H / 512)) + 16 E bytes per GPU
+    for them (see docs).
     check_invalid: every fresh dispatch also raises (at run time, through a host callback) when
     topk_idx holds ids outside [-1, E); otherwise they are excluded and only counted in
     num_invalid (the CPU backend raises either way).

@@ -58,13 +58,16 @@ std::string connect_into(Comm& comm, const std::vector<std::vector<int>>& groups
       ll.tokens = shape.low_latency_tokens;
       ll.hidden = shape.hidden;
       ll.num_topk = shape.num_topk;
-      if (ll.tokens > 0) {  // both kinds' regions, zeroed: no flag raised yet
+      if (ll.tokens > 0) {  // both kinds' regions and the expert rows, zeroed: no flag raised yet
         const int64_t per_kind[2] = {2 * int64_t(num_ranks) * ll.tokens * ll.row_bytes(kLowLatencyDispatch),
                                      2 * int64_t(num_ranks) * ll.tokens * ll.row_bytes(kLowLatencyCombine)};
-        JAX_EP_CUDA_TRY(cudaMalloc(&rank.regions, per_kind[0] + per_kind[1]));
+        const int64_t expert_rows = sizeof(uint64_t) * 2 * num_ranks * experts_per_rank;
+        const int64_t bytes = per_kind[0] + per_kind[1] + expert_rows;
+        JAX_EP_CUDA_TRY(cudaMalloc(&rank.regions, bytes));
         ll.region[kLowLatencyDispatch][r] = rank.regions;
         ll.region[kLowLatencyCombine][r] = rank.regions + per_kind[0];
-        JAX_EP_CUDA_TRY(cudaMemset(rank.regions, 0, per_kind[0] + per_kind[1]));
+        ll.expert_rows[r] = reinterpret_cast<uint64_t*>(rank.regions + per_kind[0] + per_kind[1]);
+        JAX_EP_CUDA_TRY(cudaMemset(rank.regions, 0, bytes));
       }
       rank.link.self = states[r];
       JAX_EP_CUDA_TRY(cudaHostGetDevicePointer(&rank.link.failure, failure, 0));
@@ -83,6 +86,7 @@ std::string connect_into(Comm& comm, const std::vector<std::vector<int>>& groups
         link.peers[p] = states[p];
         for (int kind : {kLowLatencyDispatch, kLowLatencyCombine})
           link.low_latency.region[kind][p] = peer.low_latency.region[kind][p];
+        link.low_latency.expert_rows[p] = peer.low_latency.expert_rows[p];
       }
   }
   return {};

@@ -97,6 +97,13 @@ struct LowLatencyLink {
   __host__ __device__ uint64_t* flags(int kind, uint8_t* row) const {
     return reinterpret_cast<uint64_t*>(row + flags_at(kind));
   }
+  // Rank `on`'s [2 slots][R sources][E_l] words op << 16 | rows, per local expert, that each
+  // source's dispatch sends there (fresh dispatch): the receiver's tally costs no pass over rows.
+  uint64_t* expert_rows[kMaxRanks];
+  __host__ __device__ uint64_t* expert_rows_from(int on, int slot, int src, int num_ranks,
+                                                 int experts_per_rank) const {
+    return expert_rows[on] + (int64_t(slot) * num_ranks + src) * experts_per_rank;
+  }
 };
 
 // What every kernel of an op needs to reach its peers.
@@ -123,6 +130,12 @@ __device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
 
 __device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Orders this thread's earlier writes (and those it observed) before its later ones, for every
+// observer in the system: with a relaxed flag store after it, a release.
+__device__ __forceinline__ void fence_release_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {

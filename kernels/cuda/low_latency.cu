@@ -3,12 +3,13 @@
 // no step waits for a whole grid: every part of a row carries its own flag.
 //   dispatch send  every block finds each token's row j among those this rank sends to d (a
 //                  ballot scan over the T tokens, redundant per block; block 0 tells each rank
-//                  how many rows it gets); warps quantise and store pieces of each token's row
-//                  once per destination rank straight into row j of that rank's region, with the
-//                  token's local expert ids and weights, then raise the pieces' flags.
+//                  how many rows it gets, in all and per expert); warps quantise and store
+//                  pieces of each token's row once per destination rank straight into row j of
+//                  that rank's region, with the token's local expert ids and weights, then raise
+//                  the pieces' flags.
 //   dispatch recv  warps take pieces of the output rows in (source rank, token) order, wait for
-//                  their flags and copy them into XLA's buffers; block 0 tallies tokens per
-//                  expert.
+//                  their flags and copy them into XLA's buffers; block 0 sums the sources'
+//                  counts per expert.
 //   combine send   each received row goes back into row j of its source's region, flagged;
 //   combine recv   each token sums its rows from its region in rank order, onto the bias, piece
 //                  by piece as their flags rise.
@@ -25,14 +26,13 @@ constexpr int kWarps = 16;
 constexpr int kMaxTokens = 1024;  // the Buffer's bound on low_latency_tokens
 constexpr int kChunks = kMaxTokens / 32;
 
-// The op this kernel serves. A send half's blocks count themselves on `started`; every send half
-// of a kind runs gridDim.x blocks, so the count names the op. A recv half serves the op its send
-// half returned, whose low 32 bits the ticket holds: the last op sent, or the one before.
-// Block 0 first releases, on every source, the last op of each slot this rank received (see
-// comm.cuh).
-__device__ __forceinline__ uint64_t start_op(const Link& link, int kind, int half,
-                                             const int32_t* ticket_in) {
-  __shared__ uint64_t op;
+// The op this kernel serves, into `op` once the caller's next barrier has passed. A send half's
+// blocks count themselves on `started`; every send half of a kind runs gridDim.x blocks, so the
+// count names the op. A recv half serves the op its send half returned, whose low 32 bits the
+// ticket holds: the last op sent, or the one before. Block 0 first releases, on every source, the
+// last op of each slot this rank received (see comm.cuh).
+__device__ __forceinline__ void begin_op(const Link& link, int kind, int half,
+                                         const int32_t* ticket_in, uint64_t* op) {
   const LowLatencyState& mine = link.self->low_latency;
   if (blockIdx.x == 0 && threadIdx.x < link.num_ranks)
     for (int slot = 0; slot < 2; ++slot)
@@ -41,22 +41,20 @@ __device__ __forceinline__ uint64_t start_op(const Link& link, int kind, int hal
   if (threadIdx.x == 0) {
     auto* started = reinterpret_cast<unsigned long long*>(&link.self->low_latency.started[kind]);
     if (half & kSend) {
-      op = atomicAdd(started, 1ull) / gridDim.x + 1;
+      *op = atomicAdd(started, 1ull) / gridDim.x + 1;
     } else {
       const uint64_t last = *reinterpret_cast<volatile unsigned long long*>(started) / gridDim.x;
-      op = last - uint32_t(uint32_t(last) - uint32_t(*ticket_in));
+      *op = last - uint32_t(uint32_t(last) - uint32_t(*ticket_in));
     }
   }
-  __syncthreads();
-  return op;
 }
 
-// Before writing into the slot of op `op` on every rank: each has read op - 2 from it.
+// Before writing into the slot of op `op` on every rank: each has read op - 2 from it. Warp 1
+// waits (warp 0 is free for other work meanwhile); the caller's next barrier completes it.
 __device__ __forceinline__ void wait_slot_free(const Link& link, int kind, uint64_t op) {
-  const int d = threadIdx.x;
-  if (d < link.num_ranks && op > 2)
+  const int d = threadIdx.x - 32;
+  if (d >= 0 && d < link.num_ranks && op > 2)
     wait_for(link, &link.self->low_latency.released[kind][op & 1][d], op - 2, kWaitReleased, d);
-  __syncthreads();
 }
 
 // The end of a recv half, in every block: the next kernel of this kind releases the op.
@@ -148,58 +146,104 @@ struct SendScan {
   }
 };
 
-// A warp per chunk of 32 tokens ballots their destinations; warp 0 scans the chunks. Block 0 also
-// counts invalid expert ids and tells every rank how many rows it gets.
-__device__ __forceinline__ void scan_tokens(const DispatchParams& p, uint64_t op, SendScan& scan) {
-  const DispatchArgs& a = p.d.a;
-  const Link& link = p.link;
-  const int R = link.num_ranks, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+// A warp per chunk of 32 tokens ballots their destinations; bad[warp] counts the invalid expert
+// ids its chunks hold. Needs no op number, so it runs while the op starts.
+__device__ __forceinline__ void ballot_tokens(const DispatchArgs& a, int num_ranks, SendScan& scan,
+                                              int32_t* bad) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int chunks = (a.num_tokens + 31) / 32;
-  __shared__ int32_t invalid;
-  if (threadIdx.x == 0) invalid = 0;
-  __syncthreads();
+  int invalid = 0;
   for (int c = warp; c < chunks; c += kWarps) {
     const int t = c * 32 + lane;
     uint32_t m = 0;
     if (t < a.num_tokens) {
       if (a.cached) {
-        for (int d = 0; d < R; ++d) m |= uint32_t(a.send_pos[int64_t(t) * R + d] >= 0) << d;
+        for (int d = 0; d < num_ranks; ++d)
+          m |= uint32_t(a.send_pos[int64_t(t) * num_ranks + d] >= 0) << d;
       } else {
         const int32_t* topk = a.topk_idx + int64_t(t) * a.num_topk;
         m = dest_rank_mask(topk, a.num_topk, a.num_experts, a.experts_per_rank());
-        if (blockIdx.x == 0)
-          if (int bad = count_invalid(topk, a.num_topk, a.num_experts)) atomicAdd(&invalid, bad);
+        invalid += count_invalid(topk, a.num_topk, a.num_experts);
       }
     }
-    for (int d = 0; d < R; ++d) {
+    for (int d = 0; d < num_ranks; ++d) {
       const uint32_t ballot = __ballot_sync(~0u, m >> d & 1u);
       if (lane == 0) scan.sent_to[c][d] = ballot;
     }
   }
-  __syncthreads();
-  if (warp == 0) {
-    for (int d = 0; d < R; ++d) {
-      const int n = lane < chunks ? __popc(scan.sent_to[lane][d]) : 0;
-      int inclusive = n;
+  for (int off = 16; off; off /= 2) invalid += __shfl_xor_sync(~0u, invalid, off);
+  if (lane == 0) bad[warp] = invalid;
+}
+
+// Warp 0, after the ballots: each chunk's first row per rank. total[d]: rows sent to rank d.
+__device__ __forceinline__ void scan_rows(int num_tokens, int num_ranks, SendScan& scan,
+                                          int32_t* total) {
+  const int lane = threadIdx.x % 32, chunks = (num_tokens + 31) / 32;
+  for (int d = 0; d < num_ranks; ++d) {
+    const int n = lane < chunks ? __popc(scan.sent_to[lane][d]) : 0;
+    int inclusive = n;
 #pragma unroll
-      for (int off = 1; off < 32; off *= 2) {
-        const int up = __shfl_up_sync(~0u, inclusive, off);
-        if (lane >= off) inclusive += up;
-      }
-      if (lane < chunks) scan.before[lane][d] = inclusive - n;
-      const int total = __shfl_sync(~0u, inclusive, 31);
-      if (blockIdx.x == 0 && lane == 0 && !a.cached)
-        store_relaxed(&link.peers[d]->low_latency.counts[op & 1][link.rank],
-                      op << 24 | uint64_t(total));
+    for (int off = 1; off < 32; off *= 2) {
+      const int up = __shfl_up_sync(~0u, inclusive, off);
+      if (lane >= off) inclusive += up;
     }
-    if (blockIdx.x == 0 && lane == 0 && !a.cached) *a.num_invalid = invalid;
+    if (lane < chunks) scan.before[lane][d] = inclusive - n;
+    if (lane == 31) total[d] = inclusive;
   }
+}
+
+// Block 0 of a fresh dispatch: per expert, the tokens this rank sends it (a token counts once per
+// expert however many of its slots name it), tally[e] zeroed beforehand.
+__device__ __forceinline__ void tally_sent(const DispatchArgs& a, int32_t* tally) {
+  const int K = a.num_topk;
+  for (int i = threadIdx.x; i < a.num_tokens * K; i += blockDim.x) {
+    const int32_t* topk = a.topk_idx + int64_t(i / K) * K;
+    const int k = i % K;
+    const int32_t e = topk[k];
+    if (is_routed(e, a.num_experts) && !row_has_expert(topk, k, e)) atomicAdd(&tally[e], 1);
+  }
+}
+
+// The start of a send half: the routing scan runs beside the op's start and the wait for its
+// slot. Then block 0 tells every rank how many rows it gets and how many of them go to each of
+// its experts, and counts the invalid ids. `tally`: shared memory for num_experts counts.
+__device__ __forceinline__ uint64_t start_send(const DispatchParams& p, const uint64_t& op_ref,
+                                               SendScan& scan, int32_t* tally) {
+  const DispatchArgs& a = p.d.a;
+  const Link& link = p.link;
+  const int R = link.num_ranks, warp = threadIdx.x / 32, El = a.experts_per_rank();
+  const bool block_zero_fresh = blockIdx.x == 0 && !a.cached;
+  __shared__ int32_t bad[kWarps], total[kMaxRanks];
+  if (block_zero_fresh)
+    for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) tally[e] = 0;
+  ballot_tokens(a, R, scan, bad);
+  __syncthreads();  // the op's number, the ballots, the zeroed tally
+  const uint64_t op = op_ref;
+  wait_slot_free(link, kLowLatencyDispatch, op);
+  if (warp == 0) scan_rows(a.num_tokens, R, scan, total);
+  if (block_zero_fresh) tally_sent(a, tally);
   __syncthreads();
+  if (block_zero_fresh) {
+    const int d = threadIdx.x;
+    if (d < R)
+      store_relaxed(&link.peers[d]->low_latency.counts[op & 1][link.rank],
+                    op << 24 | uint64_t(total[d]));
+    if (d == 0) {
+      int invalid = 0;
+      for (int w = 0; w < kWarps; ++w) invalid += bad[w];
+      *a.num_invalid = invalid;
+    }
+    for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x)
+      store_relaxed(link.low_latency.expert_rows_from(e / El, int(op & 1), link.rank, R, El) + e % El,
+                    op << 16 | uint64_t(tally[e]));
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0 && p.d.ticket_out) *p.d.ticket_out = int32_t(op);
+  return op;
 }
 
 template <typename T, bool kFp8>
-__device__ __forceinline__ void send_tokens(const DispatchParams& p, uint64_t op, float* stage,
-                                            bool aligned) {
+__device__ __forceinline__ void send_tokens(const DispatchParams& p, const uint64_t& op_ref,
+                                            float* stage, int32_t* tally, bool aligned) {
   using Step = RowStep<T, kFp8>;
   static_assert(kPartElems % Step::kStep == 0, "a part is whole steps");
   constexpr int kStepsPerPart = kPartElems / Step::kStep;
@@ -207,7 +251,7 @@ __device__ __forceinline__ void send_tokens(const DispatchParams& p, uint64_t op
   const Link& link = p.link;
   const LowLatencyLink& ll = link.low_latency;
   const int R = link.num_ranks, me = link.rank, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int slot = int(op & 1), K = a.num_topk;
+  const int K = a.num_topk;
   const bool fresh = !a.cached;
   __shared__ SendScan scan;
   __shared__ uint8_t* x_dst[kWarps][kMaxRanks];  // the warp's token's row on each rank
@@ -227,9 +271,8 @@ __device__ __forceinline__ void send_tokens(const DispatchParams& p, uint64_t op
       }
     }
   }
-  wait_slot_free(link, kLowLatencyDispatch, op);
-  scan_tokens(p, op, scan);
-  if (blockIdx.x == 0 && threadIdx.x == 0 && p.d.ticket_out) *p.d.ticket_out = int32_t(op);
+  const uint64_t op = start_send(p, op_ref, scan, tally);
+  const int slot = int(op & 1);
 
   const int steps = (a.hidden + Step::kStep - 1) / Step::kStep;
   // The token's row on destination `lane`, or -1.
@@ -270,7 +313,7 @@ __device__ __forceinline__ void send_tokens(const DispatchParams& p, uint64_t op
   }
   // One system fence for all of the warp's stores, then the flags of its pieces.
   __syncwarp();
-  __threadfence_system();
+  fence_release_sys();
   for (int u = blockIdx.x * kWarps + warp; u < units; u += stride) {
     const int t = u / pieces.pieces, piece = u % pieces.pieces;
     const uint32_t m = scan.mask(t, R);
@@ -284,24 +327,32 @@ __device__ __forceinline__ void send_tokens(const DispatchParams& p, uint64_t op
   }
 }
 
-// Block 0 (fresh dispatch): the distinct (row, local expert) pairs present, per expert.
+// Block 0 (fresh dispatch): tokens per local expert, as their sources counted them, less those in
+// rows dropped for capacity (rows [present, first[R])).
 __device__ __forceinline__ void tally_experts(const DispatchParams& p, uint64_t op,
                                               const int32_t* first, int present, int32_t* tally) {
   const DispatchArgs& a = p.d.a;
   const Link& link = p.link;
   const LowLatencyLink& ll = link.low_latency;
-  const int K = a.num_topk, El = a.experts_per_rank();
-  for (int e = threadIdx.x; e < El; e += blockDim.x) tally[e] = 0;
+  const int K = a.num_topk, El = a.experts_per_rank(), R = link.num_ranks, slot = int(op & 1);
+  for (int e = threadIdx.x; e < El; e += blockDim.x) {
+    int rows = 0;
+    for (int s = 0; s < R; ++s) {
+      const uint64_t* word = ll.expert_rows_from(link.rank, slot, s, R, El) + e;
+      wait_for(link, word, op << 16, kWaitCounts, s);
+      rows += int(*reinterpret_cast<const volatile uint64_t*>(word) & 0xffff);
+    }
+    tally[e] = rows;
+  }
   __syncthreads();
-  for (int row = threadIdx.x; row < present; row += blockDim.x) {  // a thread per row
+  for (int row = present + threadIdx.x; row < first[R]; row += blockDim.x) {
     const int s = source_of(first, row);
-    uint8_t* at = ll.row(kLowLatencyDispatch, link.rank, int(op & 1), s, row - first[s],
-                         link.num_ranks);
+    uint8_t* at = ll.row(kLowLatencyDispatch, link.rank, slot, s, row - first[s], R);
     wait_for(link, ll.flags(kLowLatencyDispatch, at), op, kWaitArrived, s);
     const int32_t* ids = reinterpret_cast<const int32_t*>(at + ll.meta_at());
     for (int k = 0; k < K; ++k) {
       const int32_t e = ids[k];
-      if (e >= 0 && !row_has_expert(ids, k, e)) atomicAdd(&tally[e], 1);  // pairs count once
+      if (e >= 0 && !row_has_expert(ids, k, e)) atomicSub(&tally[e], 1);
     }
   }
   __syncthreads();
@@ -365,13 +416,17 @@ __device__ __forceinline__ void receive_tokens(const DispatchParams& p, uint64_t
 
 template <typename T, bool kFp8>
 __global__ void __launch_bounds__(kWarps * 32, 1) dispatch_kernel(DispatchParams p, bool aligned) {
-  extern __shared__ float dynamic[];  // per warp its row's scales, then the expert tally
+  extern __shared__ float dynamic[];  // per warp its row's scales, then the expert tallies
   const int num_scales = kFp8 ? p.d.a.scales_per_row() : 0;
-  const uint64_t op = start_op(p.link, kLowLatencyDispatch, p.d.half, p.d.ticket_in);
+  int32_t* tally = reinterpret_cast<int32_t*>(dynamic + kWarps * num_scales);
+  __shared__ uint64_t op;
+  begin_op(p.link, kLowLatencyDispatch, p.d.half, p.d.ticket_in, &op);
   if (p.d.half & kSend)
-    send_tokens<T, kFp8>(p, op, dynamic + threadIdx.x / 32 * num_scales, aligned);
+    send_tokens<T, kFp8>(p, op, dynamic + threadIdx.x / 32 * num_scales, tally, aligned);
+  else
+    __syncthreads();
   if (p.d.half & kRecv)
-    receive_tokens(p, op, reinterpret_cast<int32_t*>(dynamic + kWarps * num_scales));
+    receive_tokens(p, op, tally);
 }
 
 struct CombineParams {
@@ -406,7 +461,7 @@ __device__ __forceinline__ void send_back(const CombineParams& p, uint64_t op) {
                min(row_bytes, pieces.end(piece) * kPartElems * elem));
   }
   __syncwarp();
-  __threadfence_system();
+  fence_release_sys();
   for (int u = blockIdx.x * kWarps + warp; u < units; u += stride) {
     const int i = u / pieces.pieces, piece = u % pieces.pieces;
     raise_flags(ll.flags(kLowLatencyCombine, dest(i)), pieces.first(piece), pieces.end(piece), op);
@@ -456,7 +511,9 @@ __device__ __forceinline__ void sum_back(const CombineParams& p, uint64_t op) {
 }
 
 __global__ void __launch_bounds__(kWarps * 32, 1) combine_kernel(CombineParams p) {
-  const uint64_t op = start_op(p.link, kLowLatencyCombine, p.c.half, p.c.ticket_in);
+  __shared__ uint64_t op;
+  begin_op(p.link, kLowLatencyCombine, p.c.half, p.c.ticket_in, &op);
+  __syncthreads();
   if (p.c.half & kSend) send_back(p, op);
   if (p.c.half & kRecv) sum_back(p, op);
 }
@@ -464,7 +521,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) combine_kernel(CombineParams p
 template <typename T, bool kFp8>
 cudaError_t launch_dispatch(const DispatchParams& p, int blocks, bool aligned, cudaStream_t stream) {
   const size_t smem = sizeof(float) * (kFp8 ? kWarps * p.d.a.scales_per_row() : 0) +
-                      sizeof(int32_t) * p.d.a.experts_per_rank();
+                      sizeof(int32_t) * p.d.a.num_experts;
   return launch(dispatch_kernel<T, kFp8>, blocks, kWarps * 32, smem, stream, p, aligned);
 }
 
