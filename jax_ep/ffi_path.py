@@ -25,8 +25,13 @@ def register_targets():
             jax.ffi.register_ffi_target(f"jax_ep_{name}", capsule, platform="CUDA")
 
 
-def _custom_call(target, shapes, *args, stream, has_side_effect=True, **attributes):
-    """Custom call `target` on args, annotated for XLA stream `stream` (streams.on_stream)."""
+def _custom_call(target, shapes, *args, stream, has_side_effect=False, **attributes):
+    """Custom call `target` on args, annotated for XLA stream `stream` (streams.on_stream).
+
+    A whole op has no side effect for XLA: every rank runs the same program, so whatever XLA
+    merges, drops or recomputes (jax.checkpoint), it does on all ranks alike, and the ops are
+    numbered on the device as they run. Split halves are marked as side-effecting: merging two
+    sends, or dropping one, would break the pairing of sends and recvs."""
     call = jax.ffi.ffi_call(target, shapes, has_side_effect=has_side_effect)
     return streams.placed(lambda *operands: call(*operands, **attributes), stream)(*args)
 
@@ -156,8 +161,9 @@ def _ll_dispatch_ffi(cfg: _Move, phase, inputs, ticket, cached):
     ticket = jnp.zeros((0,), jnp.int32) if ticket is None else ticket
     out = _custom_call(
         "jax_ep_ll_dispatch", shapes, *inputs, ticket, stream=cfg.stream,
-        buffer_id=np.int64(cfg.buffer_id), half=np.int32(phase), cached=bool(cached),
-        out_rows=np.int32(cfg.rows), fp8=bool(cfg.fp8), round_scale=bool(cfg.round_scale))
+        has_side_effect=phase != BOTH, buffer_id=np.int64(cfg.buffer_id), half=np.int32(phase),
+        cached=bool(cached), out_rows=np.int32(cfg.rows), fp8=bool(cfg.fp8),
+        round_scale=bool(cfg.round_scale))
     return varying_like(out, *inputs)
 
 
@@ -201,7 +207,7 @@ def _ll_combine_ffi(cfg: _Sum, phase, inputs, ticket):
     ticket = jnp.zeros((0,), jnp.int32) if ticket is None else ticket
     out = _custom_call(
         "jax_ep_ll_combine", shapes, *inputs, ticket, stream=cfg.stream,
-        buffer_id=np.int64(cfg.buffer_id), half=np.int32(phase),
+        has_side_effect=phase != BOTH, buffer_id=np.int64(cfg.buffer_id), half=np.int32(phase),
         has_bias=cfg.bias_dtype is not None)
     return varying_like(out, *inputs)
 
@@ -364,6 +370,6 @@ class Ffi(Unsplit):
         topk_rows = jax.lax.stop_gradient(topk_rows)  # integers: nothing to differentiate
         out = varying_like(_custom_call(
             "jax_ep_expert_layout", shapes, topk_rows, stream=streams.current(),
-            has_side_effect=False, alignment=np.int32(alignment), block_rows=np.int32(block_rows)),
+            alignment=np.int32(alignment), block_rows=np.int32(block_rows)),
             topk_rows)
         return layout.ExpertMaps(*out[:5])

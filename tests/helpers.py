@@ -200,3 +200,25 @@ def assert_matches_reference(step, *args):
         assert_bitwise_equal(got[part], want[part], part)
     assert calc_diff(got["y"].astype(jnp.float32), want["y"].astype(jnp.float32)) < 5e-6
     assert_bitwise_equal(step["ffi"](*args), got, "run to run")
+
+
+def layer_gradients(mesh, impl, remat, layout="rank", mode="auto", tokens=8, hidden=128,
+                    num_experts=16, num_topk=4):
+    """d/dx of a MoE layer (dispatch, tanh, combine) on `impl`'s path, the layer under
+    jax.checkpoint when `remat`: a whole op recomputed in the backward pass."""
+    rng = np.random.default_rng(5)
+    x, idx, w = random_inputs(rng, mesh.size, tokens, hidden, num_experts, num_topk, mesh.size,
+                              "random", jnp.float32)
+    cotangent = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=num_experts, hidden=hidden, num_topk=num_topk,
+                        max_tokens_per_rank=tokens, impl=impl)
+
+    def layer(x, idx, w):
+        d = buf.dispatch(x, idx, w, layout=layout, mode=mode)
+        weights = d.topk_weights if layout != "rank" else None
+        return buf.combine(jnp.tanh(d.x), d.handle, topk_weights=weights)
+
+    f = jax.shard_map(jax.checkpoint(layer) if remat else layer, mesh=mesh,
+                      in_specs=P("ep"), out_specs=P("ep"))
+    grad = jax.jit(jax.grad(lambda x: jnp.vdot(f(x, idx, w), cotangent)))
+    return np.asarray(grad(*put(mesh, x)))

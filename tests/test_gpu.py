@@ -14,8 +14,8 @@ import pytest
 
 import jax_ep
 
-from helpers import (assert_bitwise_equal, assert_matches_reference, buffers, calc_diff, make_mesh,
-                     pipeline, random_inputs, run)
+from helpers import (assert_bitwise_equal, assert_matches_reference, buffers, calc_diff,
+                     layer_gradients, make_mesh, pipeline, random_inputs, run)
 
 pytestmark = pytest.mark.gpu
 E, K = 16, 4
@@ -350,3 +350,12 @@ def test_cuda_invalid_ids_are_counted_and_the_checking_mode_raises(mode):
         jax.block_until_ready(run(mesh, counts(checking), x, jnp.asarray(bad), w))
     assert_bitwise_equal(run(mesh, counts(checking), x, jnp.asarray(clean), w)._replace(
         num_invalid=None), want._replace(num_invalid=None))
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_cuda_gradients_under_remat(mode):
+    """jax.checkpoint around a layer: its ops recomputed in the backward pass on the GPUs."""
+    mesh = make_mesh(len(gpus()), devices=gpus())
+    want = layer_gradients(mesh, "reference", False, "expert", mode)
+    got = layer_gradients(mesh, "ffi", True, "expert", mode)
+    assert calc_diff(got, want) < 1e-6 and np.abs(want).max() > 0
