@@ -237,8 +237,10 @@ def _dispatch(cfg, x, topk_idx, topk_weights):
     return _dispatch_call(cfg, x, topk_idx, topk_weights)
 
 
+# The forward rules call the differentiable ops themselves, so that a gradient's own forward
+# pass can be differentiated again (second order).
 def _dispatch_fwd(cfg, x, topk_idx, topk_weights):
-    rows, routing = _dispatch_call(cfg, x, topk_idx, topk_weights)
+    rows, routing = _dispatch(cfg, x, topk_idx, topk_weights)
     return (rows, routing), (routing.send_pos, routing.num_recv, routing.recv_counts,
                              rows.topk_idx)
 
@@ -264,7 +266,7 @@ def _dispatch_cached(cfg, x, send_pos, num_rows, recv_counts):
 
 
 def _dispatch_cached_fwd(cfg, x, send_pos, num_rows, recv_counts):
-    return (_dispatch_cached_call(cfg, x, send_pos, num_rows, recv_counts),
+    return (_dispatch_cached(cfg, x, send_pos, num_rows, recv_counts),
             (send_pos, num_rows, recv_counts))
 
 
@@ -283,7 +285,7 @@ def _combine(cfg, row_data, send_pos, num_rows, recv_counts, bias):
 
 
 def _combine_fwd(cfg, row_data, send_pos, num_rows, recv_counts, bias):
-    return (_combine_call(cfg, row_data, send_pos, num_rows, recv_counts, bias),
+    return (_combine(cfg, row_data, send_pos, num_rows, recv_counts, bias),
             (send_pos, num_rows, recv_counts, row_data.shape[0]))
 
 

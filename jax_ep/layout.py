@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep.primitives import varying_like
+
 FP8_BLOCK = 128
 FP8_MAX = np.float32(448.0)
 FP8_MIN_AMAX = np.float32(1e-4)
@@ -206,9 +208,8 @@ def expert_layout(topk_rows, experts_per_rank, alignment, capacity, block_rows=0
 
 def expert_weights(weight_rows, topk_rows, expert_src, expert_of_row):
     """[C]: weight of each expert row, the sum over the slots of its token naming that expert."""
-    src = jnp.maximum(expert_src, 0)
-    match = (topk_rows[src] == expert_of_row[:, None]) & (expert_src >= 0)[:, None]
-    return jnp.where(match, weight_rows[src], 0.0).sum(axis=1)
+    match = (_take(topk_rows, expert_src) == expert_of_row[:, None]) & (expert_src >= 0)[:, None]
+    return jnp.where(match, _take(weight_rows, expert_src), 0.0).sum(axis=1)
 
 
 @jax.custom_vjp
@@ -218,17 +219,20 @@ def expand_rows(rank_rows, expert_src, expert_rows):
 
 
 def _take(rows, index):
+    """rows[index], zeros where index is -1 (and everywhere when there are no rows)."""
+    if rows.shape[0] == 0:
+        return varying_like(jnp.zeros(index.shape + rows.shape[1:], rows.dtype), rows, index)
     picked = rows[jnp.maximum(index, 0)]
     return jnp.where((index >= 0).reshape((-1,) + (1,) * (rows.ndim - 1)), picked,
                      jnp.zeros((), rows.dtype))
 
 
 def _expand_rows_fwd(rank_rows, expert_src, expert_rows):
-    return _take(rank_rows, expert_src), expert_rows
+    return _take(rank_rows, expert_src), (expert_src, expert_rows)
 
 
-def _expand_rows_bwd(expert_rows, ct):
-    return reduce_expert_rows(ct, None, None, expert_rows).astype(ct.dtype), None, None
+def _expand_rows_bwd(res, ct):
+    return reduce_expert_rows(ct, None, *res).astype(ct.dtype), None, None
 
 
 expand_rows.defvjp(_expand_rows_fwd, _expand_rows_bwd)

@@ -202,10 +202,11 @@ def assert_matches_reference(step, *args):
     assert_bitwise_equal(step["ffi"](*args), got, "run to run")
 
 
-def layer_gradients(mesh, impl, remat, layout="rank", mode="auto", tokens=8, hidden=128,
-                    num_experts=16, num_topk=4):
+def layer_gradients(mesh, impl, remat, layout="rank", mode="auto", second_order=False, tokens=8,
+                    hidden=128, num_experts=16, num_topk=4):
     """d/dx of a MoE layer (dispatch, tanh, combine) on `impl`'s path, the layer under
-    jax.checkpoint when `remat`: a whole op recomputed in the backward pass."""
+    jax.checkpoint when `remat`: a whole op recomputed in the backward pass. second_order: a
+    Hessian-vector product instead (the gradient's own ops differentiated)."""
     rng = np.random.default_rng(5)
     x, idx, w = random_inputs(rng, mesh.size, tokens, hidden, num_experts, num_topk, mesh.size,
                               "random", jnp.float32)
@@ -220,5 +221,9 @@ def layer_gradients(mesh, impl, remat, layout="rank", mode="auto", tokens=8, hid
 
     f = jax.shard_map(jax.checkpoint(layer) if remat else layer, mesh=mesh,
                       in_specs=P("ep"), out_specs=P("ep"))
-    grad = jax.jit(jax.grad(lambda x: jnp.vdot(f(x, idx, w), cotangent)))
-    return np.asarray(grad(*put(mesh, x)))
+    if second_order:  # curvature after the layer too
+        grad = jax.grad(lambda x: jnp.vdot(jnp.tanh(f(x, idx, w)), cotangent))
+        grad = jax.grad(lambda x, g=grad: jnp.vdot(g(x), cotangent))
+    else:
+        grad = jax.grad(lambda x: jnp.vdot(f(x, idx, w), cotangent))
+    return np.asarray(jax.jit(grad)(*put(mesh, x)))

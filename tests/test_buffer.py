@@ -140,3 +140,23 @@ def test_cached_dispatch_with_other_token_count(setup):
 
     with pytest.raises(ValueError, match="x has 4 tokens but the handle routed 8"):
         run(mesh, fn, x, idx, w)
+
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert", "expert_padded"])
+def test_no_tokens_on_any_rank(layout):
+    """T = 0 on every rank: the reference path dispatches and combines nothing, in every layout.
+    (The custom-call path is not covered: a shard_map whose custom calls get only empty operands
+    and return non-empty results is rejected by Shardy at compile time.)"""
+    mesh = make_mesh(4)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
+                        impl="reference")
+
+    def fn(x, i, w):
+        d = buf.dispatch(x, i, w, layout=layout)
+        y = buf.combine(d.x, d.handle, topk_weights=None if layout == "rank" else d.topk_weights)
+        return y, d.tokens_per_expert
+
+    x = jnp.zeros((0, H), jnp.bfloat16)
+    y, per_expert = run(mesh, fn, x, jnp.zeros((0, K), jnp.int32), jnp.zeros((0, K), jnp.float32))
+    assert y.shape == (0, H) and not np.asarray(per_expert).any()
