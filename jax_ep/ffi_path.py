@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jax_ep import _native, layout, streams
 from jax_ep.primitives import RankRows, Routing, Unsplit, all_varying, varying_like
@@ -239,25 +240,30 @@ def _dispatch(cfg, x, topk_idx, topk_weights):
 
 # The forward rules call the differentiable ops themselves, so that a gradient's own forward
 # pass can be differentiated again (second order).
-def _dispatch_fwd(cfg, x, topk_idx, topk_weights):
-    rows, routing = _dispatch(cfg, x, topk_idx, topk_weights)
+def _dispatch_fwd(cfg, *args):
+    rows, routing = _dispatch(cfg, *custom_vjp_primal_tree_values(args))
     return (rows, routing), (routing.send_pos, routing.num_recv, routing.recv_counts,
                              rows.topk_idx)
 
 
 def _dispatch_bwd(cfg, res, ct):
+    """A cotangent JAX knows to be zero costs no combine: that of an FP8 dispatch's rows when
+    they are only used through Buffer.dequantize, that of the weights when nothing uses them."""
     send_pos, num_rows, recv_counts, topk_rows = res
     ct_rows = ct[0]
-    grad_x = _back_to_tokens(cfg, ct_rows.x, send_pos, num_rows, recv_counts, cfg.x_dtype)
-    # Each (token, slot) weight lives in exactly one rank's row; elsewhere the slot is -1.
-    ct_w = jnp.where(topk_rows >= 0, ct_rows.topk_weights, 0.0)
-    k = ct_w.shape[1]
-    padded = jnp.pad(ct_w, ((0, 0), (0, layout.align_up(k, 4) - k)))  # 16-byte rows
-    grad_w = _back_to_tokens(cfg, padded, send_pos, num_rows, recv_counts, "float32")[:, :k]
+    grad_x = grad_w = None
+    if not isinstance(ct_rows.x, SymbolicZero):
+        grad_x = _back_to_tokens(cfg, ct_rows.x, send_pos, num_rows, recv_counts, cfg.x_dtype)
+    if not isinstance(ct_rows.topk_weights, SymbolicZero):
+        # Each (token, slot) weight lives in exactly one rank's row; elsewhere the slot is -1.
+        ct_w = jnp.where(topk_rows >= 0, ct_rows.topk_weights, 0.0)
+        k = ct_w.shape[1]
+        padded = jnp.pad(ct_w, ((0, 0), (0, layout.align_up(k, 4) - k)))  # 16-byte rows
+        grad_w = _back_to_tokens(cfg, padded, send_pos, num_rows, recv_counts, "float32")[:, :k]
     return grad_x, None, grad_w
 
 
-_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -227,15 +227,18 @@ def _take(rows, index):
                      jnp.zeros((), rows.dtype))
 
 
-def _expand_rows_fwd(rank_rows, expert_src, expert_rows):
-    return _take(rank_rows, expert_src), (expert_src, expert_rows)
+def _expand_rows_fwd(*args):
+    rank_rows, expert_src, expert_rows = jax.custom_derivatives.custom_vjp_primal_tree_values(args)
+    return expand_rows(rank_rows, expert_src, expert_rows), (expert_src, expert_rows)
 
 
 def _expand_rows_bwd(res, ct):
+    if isinstance(ct, jax.custom_derivatives.SymbolicZero):  # stays a zero JAX sees
+        return None, None, None
     return reduce_expert_rows(ct, None, *res).astype(ct.dtype), None, None
 
 
-expand_rows.defvjp(_expand_rows_fwd, _expand_rows_bwd)
+expand_rows.defvjp(_expand_rows_fwd, _expand_rows_bwd, symbolic_zeros=True)
 
 
 @jax.custom_vjp

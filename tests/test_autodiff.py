@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ep
-from helpers import layer_gradients, make_mesh, random_inputs
+from helpers import layer_gradients, make_mesh, put, random_inputs
 
 T, H, E, K = 8, 128, 16, 4
 
@@ -205,3 +205,26 @@ def test_second_order_gradients(layout):
     assert relative_error(layer_gradients(mesh, "ffi", False, layout, second_order=True),
                           want) < 1e-6
     assert np.abs(want).max() > 0
+
+
+@pytest.mark.parametrize("layout,combines", [("rank", 2), ("expert", 3)])
+def test_fp8_backward_sends_no_zero_cotangents(layout, combines):
+    """FP8 rows used only through Buffer.dequantize: the backward combines the dequantized rows'
+    cotangents once, and the weights' where the layer uses them (expert layout), but not the
+    zero cotangents of the float8 rows (counted in the lowered program: forward combine
+    included)."""
+    mesh = make_mesh(4)
+    x, idx, w = random_inputs(np.random.default_rng(9), 4, T, 256, E, K, 4, "random",
+                              jnp.bfloat16)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=256, num_topk=K, max_tokens_per_rank=T)
+
+    def layer(x, idx, w):
+        d = buf.dispatch(x, idx, w, layout=layout, fp8=True)
+        weights = d.topk_weights if layout == "expert" else None
+        return buf.combine(jnp.tanh(buf.dequantize(d, x)), d.handle, topk_weights=weights)
+
+    f = jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    grad = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, idx, w).astype(jnp.float32) ** 2),
+                            argnums=(0, 1)))
+    text = grad.lower(*put(mesh, x, w)).as_text()
+    assert text.count("custom_call @jax_ep_combine(") == combines
