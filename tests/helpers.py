@@ -202,11 +202,12 @@ def assert_matches_reference(step, *args):
     assert_bitwise_equal(step["ffi"](*args), got, "run to run")
 
 
-def layer_gradients(mesh, impl, remat, layout="rank", mode="auto", second_order=False, tokens=8,
-                    hidden=128, num_experts=16, num_topk=4):
+def layer_gradients(mesh, impl, remat, layout="rank", mode="auto", second_order=False, fp8=False,
+                    tokens=8, hidden=128, num_experts=16, num_topk=4):
     """d/dx of a MoE layer (dispatch, tanh, combine) on `impl`'s path, the layer under
     jax.checkpoint when `remat`: a whole op recomputed in the backward pass. second_order: a
-    Hessian-vector product instead (the gradient's own ops differentiated)."""
+    Hessian-vector product instead (the gradient's own ops differentiated). fp8: the rows sent
+    in FP8 and used through Buffer.dequantize."""
     rng = np.random.default_rng(5)
     x, idx, w = random_inputs(rng, mesh.size, tokens, hidden, num_experts, num_topk, mesh.size,
                               "random", jnp.float32)
@@ -215,9 +216,10 @@ def layer_gradients(mesh, impl, remat, layout="rank", mode="auto", second_order=
                         max_tokens_per_rank=tokens, impl=impl)
 
     def layer(x, idx, w):
-        d = buf.dispatch(x, idx, w, layout=layout, mode=mode)
+        d = buf.dispatch(x, idx, w, layout=layout, mode=mode, fp8=fp8)
         weights = d.topk_weights if layout != "rank" else None
-        return buf.combine(jnp.tanh(d.x), d.handle, topk_weights=weights)
+        rows = buf.dequantize(d, x) if fp8 else d.x
+        return buf.combine(jnp.tanh(rows), d.handle, topk_weights=weights)
 
     f = jax.shard_map(jax.checkpoint(layer) if remat else layer, mesh=mesh,
                       in_specs=P("ep"), out_specs=P("ep"))

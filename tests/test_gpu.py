@@ -359,3 +359,15 @@ def test_cuda_gradients_under_remat(mode):
     want = layer_gradients(mesh, "reference", False, "expert", mode)
     got = layer_gradients(mesh, "ffi", True, "expert", mode)
     assert calc_diff(got, want) < 1e-6 and np.abs(want).max() > 0
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_cuda_second_order_and_fp8_gradients(mode):
+    """A Hessian-vector product through the ops, and the gradient of FP8 rows used through
+    Buffer.dequantize (whose backward skips the float8 rows' zero cotangents), against the
+    reference path on the same GPUs."""
+    mesh = make_mesh(len(gpus()), devices=gpus())
+    for kwargs in (dict(second_order=True), dict(fp8=True)):
+        want = layer_gradients(mesh, "reference", False, "expert", mode, **kwargs)
+        got = layer_gradients(mesh, "ffi", False, "expert", mode, **kwargs)
+        assert calc_diff(got, want) < 1e-6 and np.abs(want).max() > 0, kwargs
