@@ -94,7 +94,7 @@ def _dispatch_call(cfg: _Move, x, topk_idx, topk_weights):
               jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((), i32),
               jax.ShapeDtypeStruct((), i32))
     out = varying_like(_custom_call("jax_ep_dispatch", shapes, x, topk_idx, topk_weights,
-                                     stream=cfg.stream, **_attrs(cfg)), x, topk_idx, topk_weights)
+                                    stream=cfg.stream, **_attrs(cfg)), x, topk_idx, topk_weights)
     x_rows, scales = out[0], out[1] if cfg.fp8 else None
     return RankRows(x_rows, scales, out[2], out[3]), Routing(*out[4:])
 

@@ -224,8 +224,8 @@ def layer_gradients(mesh, impl, remat, layout="rank", mode="auto", second_order=
     f = jax.shard_map(jax.checkpoint(layer) if remat else layer, mesh=mesh,
                       in_specs=P("ep"), out_specs=P("ep"))
     if second_order:  # curvature after the layer too
-        grad = jax.grad(lambda x: jnp.vdot(jnp.tanh(f(x, idx, w)), cotangent))
-        grad = jax.grad(lambda x, g=grad: jnp.vdot(g(x), cotangent))
+        first = jax.grad(lambda x: jnp.vdot(jnp.tanh(f(x, idx, w)), cotangent))
+        grad = jax.grad(lambda x: jnp.vdot(first(x), cotangent))
     else:
         grad = jax.grad(lambda x: jnp.vdot(f(x, idx, w), cotangent))
     return np.asarray(jax.jit(grad)(*put(mesh, x)))
