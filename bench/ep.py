@@ -36,6 +36,9 @@ CONFIGS = {
 }
 IMPLS = ("jax_ep", "lax_all_to_all", "lax_ragged_all_to_all")
 GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,COLLECTIVES --xla_gpu_graph_min_graph_size=1"
+# Commands of a command buffer ordered by the buffers they share, not by program order: what lets
+# a matmul run beside a send half on one GPU.
+CONCURRENT_FLAGS = "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
 # jax_ep variants: (mode, layout, cached). "jax_ep" lets the Buffer choose (low-latency kernels up
 # to 256 tokens per rank); the others force one family, time the expert_padded decode layout, or
 # time dispatch with a cached handle (only x moves: the routing work of a fresh dispatch is left
@@ -230,9 +233,10 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
 
 def bench_overlap(mesh, cfg, tokens, num_sms, fp8, rng, steps, other_streams, matmul=2048,
                   trace=False):
-    """Split dispatch and combine with a matmul between each send and recv, against the two
-    alone: the overlap saves what `apart - together` says. On XLA's compute stream and, when
-    asked, with the halves annotated for other XLA streams; with `trace`, each variant's
+    """Split dispatch and combine with a matmul between each send and recv (run_between),
+    against the two alone: the overlap saves what `apart - together` says; on GPUs only with
+    --concurrent (command buffers whose commands XLA orders by the buffers they share). Also,
+    when asked, with the halves annotated for other XLA streams; with `trace`, each variant's
     kernels."""
     num_ranks, hidden = mesh.size, cfg["hidden"]
     sharding = NamedSharding(mesh, P("ep"))
@@ -255,11 +259,16 @@ def bench_overlap(mesh, cfg, tokens, num_sms, fp8, rng, steps, other_streams, ma
                 out = (busy(value, 0), busy(value, 1))
             else:
                 p = place(lambda: buf.dispatch_send(value, idx, fp8=fp8))
-                out = (busy(value, 0),) if work else ()
+                out = ()
+                if work:
+                    p, m = p.run_between(lambda v: busy(v, 0), value)
+                    out += (m,)
                 d = place(lambda: buf.dispatch_recv(p))
                 rows = (jax_ep.dequantize_fp8(d.x, d.scales) if fp8 else d.x).astype(jnp.bfloat16)
                 p = place(lambda: buf.combine_send(rows, d.handle))
-                out += (busy(rows, 1),) if work else ()
+                if work:
+                    p, m = p.run_between(lambda v: busy(v, 1), rows)
+                    out += (m,)
                 out += (place(lambda: buf.combine_recv(p)),)
             # The next step waits for all of this one: XLA may neither merge steps' matmuls nor
             # start a send before the previous step's recv (a kind's halves run in order).
@@ -321,6 +330,9 @@ def main(argv=None):
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--graphs", action="store_true",
                         help="run under XLA command buffers (CUDA graphs), as decode loops do")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="--graphs with independent commands run concurrently (%s)"
+                             % CONCURRENT_FLAGS)
     parser.add_argument("--overlap", action="store_true",
                         help="also time split ops around a matmul (the config's token count)")
     parser.add_argument("--trace", action="store_true",
@@ -330,8 +342,10 @@ def main(argv=None):
                              "e.g. collective,1")
     args = parser.parse_args(argv)
     cfg = CONFIGS[args.config]
-    if args.graphs:  # before the backend starts
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + GRAPH_FLAGS).strip()
+    args.graphs |= args.concurrent
+    flags = [GRAPH_FLAGS] * args.graphs + [CONCURRENT_FLAGS] * args.concurrent
+    if flags:  # before the backend starts
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", "")] + flags).strip()
     devices = jax.devices()
     mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
     impls = tuple(args.impls.split(","))
@@ -363,7 +377,8 @@ def main(argv=None):
                   overlap=overlap)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{args.config}-{args.machine}-{record['date']}"
-                                  + ("-graphs" if args.graphs else ""))
+                                  + ("-concurrent" if args.concurrent else
+                                     "-graphs" if args.graphs else ""))
     with open(stem + ".json", "w") as f:
         json.dump(record, f, indent=1)
     if not args.no_plot:

@@ -107,8 +107,9 @@ class Buffer:
         self.check_invalid = bool(check_invalid)
         self._buffer_id = None
         self._low_latency_tokens = 0  # the reference and CPU paths have one set of kernels
+        self._reference = Reference(axis_name, num_ranks, num_experts)
         if self.impl == "reference":
-            self._ops = Reference(axis_name, num_ranks, num_experts)
+            self._ops = self._reference
         else:
             self._ops = self._connect(num_sms, timeout_s, int(low_latency_tokens))
 
@@ -161,11 +162,17 @@ class Buffer:
     def dispatch_send(self, x, topk_idx=None, topk_weights=None, *, handle=None, layout="rank",
                       expert_alignment=1, fp8=False, round_scale=False, capacity=None,
                       mode="auto"):
-        """The first half of dispatch: returns once the tokens are on their way. Run other work,
-        then dispatch_recv(pending). Not differentiable (use dispatch under grad). At most two
-        sent dispatches may await their recv at once (their two slots), in either order; a third
-        send would wait for the first recv and end in the timeout error. XLA orders only what
-        data orders: in a loop, let each send's inputs depend on an earlier recv's outputs."""
+        """The first half of dispatch: returns once the tokens are on their way. Run other work
+        (`pending, out = pending.run_between(work, *args)` makes XLA put it between the halves),
+        then dispatch_recv(pending). On GPUs the work runs beside the send under command buffers
+        whose commands XLA orders only by the buffers they share
+        (--xla_gpu_command_buffer_scheduling_mode=CONCURRENT); on one stream it follows it.
+        Not differentiable (use dispatch under grad). At most two sent dispatches may await their
+        recv at once (their two slots), in either order; a third send would wait for the first
+        recv and end in the timeout error. XLA orders only what data orders: in a loop, let each
+        send's inputs depend on an earlier recv's outputs; under CONCURRENT command buffers, order
+        every op of one kind (dispatch or combine) of a Buffer after the one before by data, as
+        its kernels number the ops in the order they start."""
         return Pending(*self._dispatch_start(True, x, topk_idx, topk_weights, handle, layout,
                                              expert_alignment, fp8, round_scale, capacity, mode),
                        kind="dispatch")
@@ -204,16 +211,24 @@ class Buffer:
             return self._dispatch_rank(*args)
         return self._dispatch_expert(layout_name, *args)
 
-    def _run(self, split, name, *args, **kwargs):
+    def _ops_for(self, tokens):
+        """The primitives for an op of `tokens` rows per rank (the same on every rank): with none,
+        the reference path's, whose results are the same (XLA rejects custom calls whose
+        operands are all empty)."""
+        return self._ops if tokens else self._reference
+
+    def _run(self, split, name, tokens, *args, **kwargs):
         """(arrays, finish) of a rank-level primitive: split, or the whole op up front."""
+        ops = self._ops_for(tokens)
         if split:
-            return getattr(self._ops, name + "_send")(*args, **kwargs)
-        return getattr(self._ops, name)(*args, **kwargs), done
+            return getattr(ops, name + "_send")(*args, **kwargs)
+        return getattr(ops, name)(*args, **kwargs), done
 
     def _dispatch_rank(self, x, topk_idx, topk_weights, has_weights, alignment, capacity, fp8,
                        round_scale, low_latency, split):
-        arrays, moved = self._run(split, "dispatch", x, topk_idx, topk_weights, rows=capacity,
-                                  fp8=fp8, round_scale=round_scale, low_latency=low_latency)
+        arrays, moved = self._run(split, "dispatch", x.shape[0], x, topk_idx, topk_weights,
+                                  rows=capacity, fp8=fp8, round_scale=round_scale,
+                                  low_latency=low_latency)
 
         def finish(arrays):
             rows, routing = self._checked(*moved(arrays))
@@ -232,16 +247,17 @@ class Buffer:
                          capacity, fp8, round_scale, low_latency, split):
         # On the wire a token goes once per rank; the receiver expands it to its experts' rows.
         staging = self.num_ranks * x.shape[0]
-        arrays, moved = self._run(split, "dispatch", x, topk_idx, topk_weights, rows=staging,
-                                  fp8=fp8, round_scale=round_scale, low_latency=low_latency)
+        arrays, moved = self._run(split, "dispatch", x.shape[0], x, topk_idx, topk_weights,
+                                  rows=staging, fp8=fp8, round_scale=round_scale,
+                                  low_latency=low_latency)
         padded = layout_name == "expert_padded"
         rows_out = capacity * self.num_local_experts if padded else capacity
 
         def finish(arrays):
             rows, routing = self._checked(*moved(arrays))
-            maps = self._ops.expert_layout(rows.topk_idx, experts_per_rank=self.num_local_experts,
-                                           alignment=alignment, capacity=rows_out,
-                                           block_rows=capacity if padded else 0)
+            maps = self._ops_for(staging).expert_layout(
+                rows.topk_idx, experts_per_rank=self.num_local_experts, alignment=alignment,
+                capacity=rows_out, block_rows=capacity if padded else 0)
             group_sizes = layout.align_up(maps.tokens_per_expert, alignment)
             weights = (layout.expert_weights(rows.topk_weights, rows.topk_idx, maps.expert_src,
                                              maps.expert_of_row) if has_weights else None)
@@ -293,8 +309,8 @@ class Buffer:
             _fail(f"handle must be the handle of an earlier dispatch, got {type(handle).__name__}")
         if handle.send_pos.shape != (tokens, self.num_ranks):
             _fail(f"x has {tokens} tokens but the handle routed {handle.send_pos.shape[0]}")
-        arrays, moved = self._run(split, "dispatch_cached", x, handle.send_pos, handle.num_rows,
-                                  handle.recv_counts, rows=handle.rows, fp8=fp8,
+        arrays, moved = self._run(split, "dispatch_cached", tokens, x, handle.send_pos,
+                                  handle.num_rows, handle.recv_counts, rows=handle.rows, fp8=fp8,
                                   round_scale=round_scale, low_latency=handle.low_latency)
 
         def finish(arrays):
@@ -321,8 +337,9 @@ class Buffer:
 
     def combine_send(self, expert_out, handle, topk_weights=None, bias=None):
         """The first half of combine: returns once the rows are on their way back. Run other
-        work, then combine_recv(pending). Not differentiable (use combine under grad). At most
-        two sent combines may await their recv at once, in either order."""
+        work (pending.run_between), then combine_recv(pending); as for dispatch_send. Not
+        differentiable (use combine under grad). At most two sent combines may await their recv
+        at once, in either order."""
         return Pending(*self._combine_start(True, expert_out, handle, topk_weights, bias),
                        kind="combine")
 
@@ -352,7 +369,7 @@ class Buffer:
                 topk_weights = topk_weights.reshape(-1)
             row_data = layout.reduce_expert_rows(expert_out.reshape(-1, self.hidden), topk_weights,
                                                  handle.expert_src, handle.expert_rows)
-        return self._run(split, "combine", row_data, handle.send_pos, handle.num_rows,
+        return self._run(split, "combine", tokens, row_data, handle.send_pos, handle.num_rows,
                          handle.recv_counts, bias, out_dtype=expert_out.dtype,
                          low_latency=handle.low_latency)
 

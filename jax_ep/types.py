@@ -56,3 +56,11 @@ class Pending:
     arrays: tuple
     finish: Callable = dataclasses.field(metadata=dict(static=True))
     kind: str = dataclasses.field(metadata=dict(static=True))   # "dispatch" | "combine"
+
+    def run_between(self, work, *args):
+        """(pending, work(*args)) with XLA made to run the work after this send and before its
+        recv: XLA orders only what data orders, and could run independent work before the send
+        or after the recv. On GPUs the low-latency send runs on a stream of its own meanwhile."""
+        arrays, args = jax.lax.optimization_barrier((self.arrays, args))
+        arrays, out = jax.lax.optimization_barrier((arrays, work(*args)))
+        return dataclasses.replace(self, arrays=arrays), out

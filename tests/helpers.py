@@ -112,20 +112,28 @@ def calc_diff(x, y):
 def pipeline(buf, layout="rank", expert_alignment=1, fp8=False, round_scale=False, capacity=None,
              weighted=True, split=False, mode="auto"):
     """A per-rank MoE step: dispatch, a fake expert (row * (1 + expert id)), combine with bias,
-    then a cached dispatch of a second x. split: through the *_send / *_recv halves. Returns
-    every output and the handle's arrays (send_pos, private to each implementation, left out)."""
+    then a cached dispatch of a second x. split: through the *_send / *_recv halves, with work
+    on the op's input between them (Pending.run_between). Returns every output and the handle's
+    arrays (send_pos, private to each implementation, left out)."""
+    between = []  # what the work between the halves computed
+
+    def work(pending, value):
+        pending, out = pending.run_between(lambda v: (v.astype(jnp.float32) * 3).sum(0), value)
+        between.append(out)
+        return pending
 
     def dispatch(x, *args, **kwargs):
         if split:
-            return buf.dispatch_recv(buf.dispatch_send(x, *args, mode=mode, **kwargs))
+            return buf.dispatch_recv(work(buf.dispatch_send(x, *args, mode=mode, **kwargs), x))
         return buf.dispatch(x, *args, mode=mode, **kwargs)
 
-    def combine(*args, **kwargs):
+    def combine(rows, *args, **kwargs):
         if split:
-            return buf.combine_recv(buf.combine_send(*args, **kwargs))
-        return buf.combine(*args, **kwargs)
+            return buf.combine_recv(work(buf.combine_send(rows, *args, **kwargs), rows))
+        return buf.combine(rows, *args, **kwargs)
 
     def step(x, topk_idx, topk_weights, bias, x2):
+        between.clear()  # a new trace
         d = dispatch(x, topk_idx, topk_weights if weighted else None, layout=layout,
                      expert_alignment=expert_alignment, fp8=fp8, round_scale=round_scale,
                      capacity=capacity)
@@ -145,7 +153,7 @@ def pipeline(buf, layout="rank", expert_alignment=1, fp8=False, round_scale=Fals
                     cached_scales=again.scales,
                     handle=dict(recv_counts=h.recv_counts, num_rows=h.num_rows,
                                 expert_src=h.expert_src, expert_rows=h.expert_rows),
-                    send_pos=h.send_pos)
+                    send_pos=h.send_pos, between=tuple(between))
 
     return step
 
@@ -196,7 +204,7 @@ def assert_matches_reference(step, *args):
     calc_diff < 5e-6, and the custom-call path bitwise equal run to run."""
     want = step["reference"](*args)
     got = step["ffi"](*args)
-    for part in ("d", "handle", "cached_x", "cached_scales", "expert_out"):
+    for part in ("d", "handle", "cached_x", "cached_scales", "expert_out", "between"):
         assert_bitwise_equal(got[part], want[part], part)
     assert calc_diff(got["y"].astype(jnp.float32), want["y"].astype(jnp.float32)) < 5e-6
     assert_bitwise_equal(step["ffi"](*args), got, "run to run")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jax_ep
-from helpers import make_mesh, random_inputs, run
+from helpers import all_axes, make_mesh, put, random_inputs, run
 
 T, H, E, K = 8, 256, 8, 2
 
@@ -143,14 +143,36 @@ def test_cached_dispatch_with_other_token_count(setup):
 
 
 
+def test_run_between_ties_the_work_between_the_halves(setup):
+    """Pending.run_between: the work's result, the op's result unchanged, and the two
+    optimization barriers that tie the work after the send and the recv after the work."""
+    mesh, buf, x, idx, w = setup
+
+    def fn(x, i, w):
+        pending, out = buf.dispatch_send(x, i, w).run_between(lambda v: (v * 2).sum(0), x)
+        return buf.dispatch_recv(pending).x, out
+
+    def whole(x, i, w):
+        return buf.dispatch(x, i, w).x, (x * 2).sum(0)
+
+    got, want = run(mesh, fn, x, idx, w), run(mesh, whole, x, idx, w)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    spec = all_axes(mesh)
+    text = str(jax.make_jaxpr(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))(
+        *put(mesh, x, idx, w)))
+    assert text.count("optimization_barrier") == 2, text
+
+
+@pytest.mark.parametrize("impl", ["reference", "ffi"])
 @pytest.mark.parametrize("layout", ["rank", "expert", "expert_padded"])
-def test_no_tokens_on_any_rank(layout):
-    """T = 0 on every rank: the reference path dispatches and combines nothing, in every layout.
-    (The custom-call path is not covered: a shard_map whose custom calls get only empty operands
-    and return non-empty results is rejected by Shardy at compile time.)"""
+def test_no_tokens_on_any_rank(layout, impl):
+    """T = 0 on every rank: nothing dispatched or combined, in every layout, on both paths (the
+    custom-call path runs the reference path's ops then: XLA rejects custom calls whose operands
+    are all empty)."""
     mesh = make_mesh(4)
     buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
-                        impl="reference")
+                        impl=impl)
 
     def fn(x, i, w):
         d = buf.dispatch(x, i, w, layout=layout)

@@ -142,10 +142,13 @@ def _subprocess(code, env_extra, timeout):
                           cwd=os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("mode,split", [("normal", False), ("low_latency", False),
-                                        ("low_latency", True)])
-def test_cuda_command_buffers(mode, split):
-    """Decode steps in a loop under XLA command buffers (CUDA graphs): captured and correct."""
+@pytest.mark.parametrize("mode,split,concurrent", [
+    ("normal", False, False), ("low_latency", False, False), ("low_latency", True, False),
+    ("low_latency", True, True)])
+def test_cuda_command_buffers(mode, split, concurrent):
+    """Decode steps in a loop under XLA command buffers (CUDA graphs): captured and correct;
+    split, with work between the halves; concurrent: the commands ordered only by the buffers
+    they share (the work runs beside the halves)."""
     code = """
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import PartitionSpec as P
@@ -162,12 +165,21 @@ def test_cuda_command_buffers(mode, split):
                 def one(i, total):
                     xi = x * (i + 1).astype(x.dtype)
                     kw = dict(layout="expert_padded", fp8=True, mode=MODE)
-                    d = (buf.dispatch_recv(buf.dispatch_send(xi, idx, w, **kw)) if SPLIT
-                         else buf.dispatch(xi, idx, w, **kw))
+                    work = jnp.zeros((), jnp.float32)
+                    if SPLIT:
+                        p, work = buf.dispatch_send(xi, idx, w, **kw).run_between(
+                            lambda v: (v @ v.T).sum(), xi)
+                        d = buf.dispatch_recv(p)
+                    else:
+                        d = buf.dispatch(xi, idx, w, **kw)
                     out = dequantize_fp8(d.x.reshape(-1, 2048), d.scales.reshape(-1, 16))
                     out = out.reshape(d.x.shape).astype(x.dtype)
-                    y = (buf.combine_recv(buf.combine_send(out, d.handle, d.topk_weights))
-                         if SPLIT else buf.combine(out, d.handle, topk_weights=d.topk_weights))
+                    if SPLIT:
+                        p, more = buf.combine_send(out, d.handle, d.topk_weights).run_between(
+                            lambda v: (v.reshape(-1, 2048)[:64] @ xi.T).sum(), out)
+                        y = buf.combine_recv(p) + (work + more) * 0
+                    else:
+                        y = buf.combine(out, d.handle, topk_weights=d.topk_weights)
                     return total + y.astype(jnp.float32)
                 return jax.lax.fori_loop(0, 5, one, x.astype(jnp.float32) * 0)
             return steps
@@ -193,7 +205,8 @@ def test_cuda_command_buffers(mode, split):
         print("COMMAND_BUFFER" if replayed < calls else "NO_COMMAND_BUFFER")
         print("OK")
     """ % (mode, split)
-    flags = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
+    flags = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+             + " --xla_gpu_command_buffer_scheduling_mode=CONCURRENT" * concurrent)
     out = _subprocess(code, {"XLA_FLAGS": flags}, 600)
     print(out.stdout[-3000:], out.stderr[-3000:])
     assert "OK" in out.stdout
