@@ -372,8 +372,9 @@ def main(argv=None):
                   command="python -m bench.ep " + " ".join(sys.argv[1:] if argv is None else argv),
                   config=args.config, num_ranks=len(devices), device=devices[0].device_kind,
                   p2p_copy_gbps=p2p, p2p_copy_both_ways_gbps=p2p_both, hidden=cfg["hidden"],
-                  num_experts=cfg["num_experts"], num_topk=cfg["num_topk"], jax_version=jax.__version__, results=results,
-                  command_buffers=args.graphs, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                  num_experts=cfg["num_experts"], num_topk=cfg["num_topk"],
+                  jax_version=jax.__version__, results=results, command_buffers=args.graphs,
+                  xla_flags=os.environ.get("XLA_FLAGS", ""),
                   overlap=overlap)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{args.config}-{args.machine}-{record['date']}"

@@ -60,7 +60,8 @@ class Pending:
     def run_between(self, work, *args):
         """(pending, work(*args)) with XLA made to run the work after this send and before its
         recv: XLA orders only what data orders, and could run independent work before the send
-        or after the recv. On GPUs the low-latency send runs on a stream of its own meanwhile."""
+        or after the recv. (Whether the work runs beside the send is up to XLA: see
+        Buffer.dispatch_send.)"""
         arrays, args = jax.lax.optimization_barrier((self.arrays, args))
         arrays, out = jax.lax.optimization_barrier((arrays, work(*args)))
         return dataclasses.replace(self, arrays=arrays), out

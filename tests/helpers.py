@@ -115,25 +115,26 @@ def pipeline(buf, layout="rank", expert_alignment=1, fp8=False, round_scale=Fals
     then a cached dispatch of a second x. split: through the *_send / *_recv halves, with work
     on the op's input between them (Pending.run_between). Returns every output and the handle's
     arrays (send_pos, private to each implementation, left out)."""
-    between = []  # what the work between the halves computed
-
-    def work(pending, value):
-        pending, out = pending.run_between(lambda v: (v.astype(jnp.float32) * 3).sum(0), value)
-        between.append(out)
-        return pending
-
-    def dispatch(x, *args, **kwargs):
-        if split:
-            return buf.dispatch_recv(work(buf.dispatch_send(x, *args, mode=mode, **kwargs), x))
-        return buf.dispatch(x, *args, mode=mode, **kwargs)
-
-    def combine(rows, *args, **kwargs):
-        if split:
-            return buf.combine_recv(work(buf.combine_send(rows, *args, **kwargs), rows))
-        return buf.combine(rows, *args, **kwargs)
 
     def step(x, topk_idx, topk_weights, bias, x2):
-        between.clear()  # a new trace
+        between = []  # what the work between the halves computed
+
+        def work(pending, value):
+            pending, out = pending.run_between(lambda v: (v.astype(jnp.float32) * 3).sum(0),
+                                               value)
+            between.append(out)
+            return pending
+
+        def dispatch(x, *args, **kwargs):
+            if split:
+                return buf.dispatch_recv(work(buf.dispatch_send(x, *args, mode=mode, **kwargs), x))
+            return buf.dispatch(x, *args, mode=mode, **kwargs)
+
+        def combine(rows, *args, **kwargs):
+            if split:
+                return buf.combine_recv(work(buf.combine_send(rows, *args, **kwargs), rows))
+            return buf.combine(rows, *args, **kwargs)
+
         d = dispatch(x, topk_idx, topk_weights if weighted else None, layout=layout,
                      expert_alignment=expert_alignment, fp8=fp8, round_scale=round_scale,
                      capacity=capacity)

@@ -142,7 +142,6 @@ def test_cached_dispatch_with_other_token_count(setup):
         run(mesh, fn, x, idx, w)
 
 
-
 def test_run_between_ties_the_work_between_the_halves(setup):
     """Pending.run_between: the work's result, the op's result unchanged, and the two
     optimization barriers that tie the work after the send and the recv after the work."""
