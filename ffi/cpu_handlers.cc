@@ -1,7 +1,12 @@
-// CPU handlers: each device of an EP group runs its handler on its own host thread.
+// CPU handlers: every cross-rank call queues its op on the rank's worker and returns a future
+// (kernels/cpu/rank.h says why); the op's number is drawn here, in the order XLA calls the
+// handlers of the device, which the Buffer's ordering token fixes.
+#include <stdexcept>
+
+#include "ffi/backends.h"
 #include "ffi/handlers.h"
-#include "ffi/targets.h"
-#include "kernels/cpu/exchange.h"
+#include "kernels/comm/shm.h"
+#include "kernels/cpu/rank.h"
 
 namespace jax_ep {
 
@@ -27,55 +32,167 @@ struct CtxDecoding<jax_ep::CpuContext> {
 namespace jax_ep {
 namespace {
 
-// The call completes once the rank that completes the op has run it (see kernels/cpu).
-ffi::Future join(BufferState& state, Place place, int64_t key, cpu::Call call) {
+using CpuState = CallState<cpu::Rank>;
+
+ffi::Future queued(cpu::Rank& rank, std::function<std::string()> job) {
   ffi::Promise promise;
   ffi::Future future(promise);
-  call.done = [promise](const std::string& error) mutable {
+  rank.run(std::move(job), [promise](const std::string& error) mutable {
     if (error.empty())
       promise.SetAvailable();
     else
       promise.SetError(ffi::Error(ffi::ErrorCode::kInternal, error));
-  };
-  state.cpu_groups[place.group]->join(place.rank, key, std::move(call));
+  });
   return future;
+}
+
+uint64_t op_of_call(cpu::Rank& r, Phase phase, const Tokens& tokens) {
+  const uint64_t op = sends(phase) ? r.next_op() : r.op_of_ticket(*tokens.ticket);
+  *tokens.out = int32_t(op);
+  return op;
 }
 
 struct CpuBackend {
   using Context = CpuContext;
+  using Rank = cpu::Rank;
+  using State = CpuState;
   using Result = ffi::Future;
+
   static ffi::Future error(ffi::Error error) {
     ffi::Promise promise;
     ffi::Future future(promise);
     promise.SetError(std::move(error));
     return future;
   }
-  static ffi::Future dispatch(const Context&, BufferState& s, Place p, const DispatchArgs& a) {
-    return join(s, p, a.op_key, cpu::Call{cpu::Call::kDispatch, a, {}, {}});
+
+  // The state outlives the calls in flight, and with it the rank (the job's raw pointer).
+  static ffi::Future dispatch(Context, State&, Rank& rank, Phase phase, const DispatchSend* send,
+                              const DispatchRecv* recv, Tokens tokens) {
+    const uint64_t op = op_of_call(rank, phase, tokens);
+    // The structs hold pointers into XLA's buffers, which stay ours until the call completes.
+    DispatchSend s = send ? *send : DispatchSend{};
+    DispatchRecv v = recv ? *recv : DispatchRecv{};
+    return queued(rank, [r = &rank, phase, op, s, v] {
+      std::string err = sends(phase) ? cpu::dispatch_send(*r, op, s) : "";
+      return err.empty() && receives(phase) ? cpu::dispatch_recv(*r, op, v) : err;
+    });
   }
-  static ffi::Future combine(const Context&, BufferState& s, Place p, const CombineArgs& a) {
-    return join(s, p, a.op_key, cpu::Call{cpu::Call::kCombine, {}, a, {}});
+
+  static ffi::Future combine(Context, State&, Rank& rank, Phase phase, const CombineSend* send,
+                             const CombineRecv* recv, Tokens tokens) {
+    const uint64_t op = op_of_call(rank, phase, tokens);
+    CombineSend s = send ? *send : CombineSend{};
+    CombineRecv v = recv ? *recv : CombineRecv{};
+    return queued(rank, [r = &rank, phase, op, s, v] {
+      std::string err = sends(phase) ? cpu::combine_send(*r, op, s) : "";
+      return err.empty() && receives(phase) ? cpu::combine_recv(*r, op, v) : err;
+    });
   }
-  static std::string expert_layout(const Context&, const ExpertLayoutArgs& a) {
+
+  static std::string expert_layout(Context, const ExpertLayoutArgs& a) {
     cpu::expert_layout(a);
     return {};
   }
 };
 
+using T = Calls<CpuBackend>;
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_dispatch, Dispatch<CpuBackend>, dispatch_binding<CpuBackend>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_dispatch_cached, DispatchCached<CpuBackend>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_instantiate, Instantiate<CpuBackend>, instantiate_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_dispatch, T::dispatch, dispatch_binding<CpuBackend>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_dispatch_send, T::dispatch_send,
+                              dispatch_send_binding<CpuBackend>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_dispatch_recv, T::dispatch_recv,
+                              dispatch_recv_binding<CpuBackend>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_dispatch_cached, T::dispatch_cached,
                               dispatch_cached_binding<CpuBackend>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_combine, Combine<CpuBackend>, combine_binding<CpuBackend>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_dispatch_cached_send, T::dispatch_cached_send,
+                              dispatch_cached_send_binding<CpuBackend>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_dispatch_cached_recv, T::dispatch_cached_recv,
+                              dispatch_cached_recv_binding<CpuBackend>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_combine, T::combine, combine_binding<CpuBackend>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_combine_send, T::combine_send,
+                              combine_send_binding<CpuBackend>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_combine_recv, T::combine_recv,
+                              combine_recv_binding<CpuBackend>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_dispatch_adjoint, T::dispatch_adjoint,
+                              dispatch_adjoint_binding<CpuBackend>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_expert_layout, ExpertLayout<CpuBackend>,
                               expert_layout_binding<CpuBackend>());
 
 Targets cpu_targets() {
-  return {{"dispatch", jax_ep_cpu_dispatch},
-          {"dispatch_cached", jax_ep_cpu_dispatch_cached},
-          {"combine", jax_ep_cpu_combine},
-          {"expert_layout", jax_ep_cpu_expert_layout}};
+  const Handler inst = jax_ep_cpu_instantiate;
+  return {{"dispatch", {inst, jax_ep_cpu_dispatch}},
+          {"dispatch_send", {inst, jax_ep_cpu_dispatch_send}},
+          {"dispatch_recv", {inst, jax_ep_cpu_dispatch_recv}},
+          {"dispatch_cached", {inst, jax_ep_cpu_dispatch_cached}},
+          {"dispatch_cached_send", {inst, jax_ep_cpu_dispatch_cached_send}},
+          {"dispatch_cached_recv", {inst, jax_ep_cpu_dispatch_cached_recv}},
+          {"combine", {inst, jax_ep_cpu_combine}},
+          {"combine_send", {inst, jax_ep_cpu_combine_send}},
+          {"combine_recv", {inst, jax_ep_cpu_combine_recv}},
+          {"dispatch_adjoint", {inst, jax_ep_cpu_dispatch_adjoint}},
+          {"expert_layout", {nullptr, jax_ep_cpu_expert_layout}}};
+}
+
+XLA_FFI_TypeId* cpu_state_type_id() { return &CpuState::id; }
+const XLA_FFI_TypeInfo* cpu_state_type_info() {
+  static const XLA_FFI_TypeInfo info = ffi::MakeTypeInfo<CpuState>();
+  return &info;
+}
+
+// ---- the CPU side of a Buffer
+
+struct CpuBuffer::Segments {
+  std::map<std::pair<int, int>, shm::Segment> by_rank;  // (group, rank)
+};
+
+CpuBuffer::CpuBuffer(const Window& window, std::string prefix, double timeout_s,
+                     std::vector<LocalRank> local)
+    : window_(window), prefix_(std::move(prefix)), timeout_s_(timeout_s), local_(std::move(local)),
+      segments_(std::make_shared<Segments>()) {}
+
+CpuBuffer::~CpuBuffer() { ranks.clear(); }
+
+namespace {
+std::string segment_name(const std::string& prefix, int group, int rank) {
+  return prefix + "_g" + std::to_string(group) + "_r" + std::to_string(rank);
+}
+}  // namespace
+
+void CpuBuffer::create() {
+  for (const LocalRank& l : local_) {
+    shm::Segment s;
+    if (auto err = shm::Segment::create(segment_name(prefix_, l.group, l.rank),
+                                        window_.total_bytes(), &s);
+        !err.empty())
+      throw std::runtime_error(err);
+    segments_->by_rank[{l.group, l.rank}] = std::move(s);
+  }
+}
+
+void CpuBuffer::connect() {
+  for (const LocalRank& l : local_)
+    for (int r = 0; r < window_.num_ranks; ++r) {
+      if (segments_->by_rank.count({l.group, r})) continue;
+      shm::Segment s;
+      if (auto err = shm::Segment::open(segment_name(prefix_, l.group, r), window_.total_bytes(), &s);
+          !err.empty())
+        throw std::runtime_error(err);
+      segments_->by_rank[{l.group, r}] = std::move(s);
+    }
+  for (const LocalRank& l : local_) {
+    std::vector<uint8_t*> windows(window_.num_ranks);
+    for (int r = 0; r < window_.num_ranks; ++r)
+      windows[r] = segments_->by_rank.at({l.group, r}).data();
+    ranks[l.device] = std::make_shared<cpu::Rank>(window_, l.group, l.rank, std::move(windows),
+                                                  segments_, timeout_s_);
+  }
+}
+
+void CpuBuffer::unlink() {
+  for (auto& [key, segment] : segments_->by_rank) segment.unlink();
 }
 
 }  // namespace jax_ep

@@ -1,62 +1,114 @@
-// The Python module jax_ep._native: custom-call targets and the native side of Buffer.
+// The Python module jax_ep._native: the custom-call targets, the limits, the window's layout
+// and the native side of a Buffer (built in steps by jax_ep/bootstrap.py).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include "ffi/registry.h"
-#include "ffi/targets.h"
+#include "ffi/backends.h"
+#include "kernels/limits.h"
 
 namespace nb = nanobind;
 using namespace jax_ep;
 
 namespace {
 
-nb::dict as_capsules(const Targets& targets) {
+nb::capsule capsule(const void* p) { return nb::capsule(const_cast<void*>(p)); }
+
+nb::dict as_handlers(const Targets& targets) {
   nb::dict out;
-  for (const auto& [name, fn] : targets) out[name.c_str()] = nb::capsule(reinterpret_cast<void*>(fn));
+  for (const auto& [name, t] : targets) {
+    if (!t.instantiate) {
+      out[name.c_str()] = capsule(reinterpret_cast<void*>(t.execute));
+      continue;
+    }
+    nb::dict stages;
+    stages["instantiate"] = capsule(reinterpret_cast<void*>(t.instantiate));
+    stages["execute"] = capsule(reinterpret_cast<void*>(t.execute));
+    out[name.c_str()] = stages;
+  }
   return out;
 }
 
-int64_t create_buffer(const std::string& platform, const std::vector<std::vector<int>>& groups,
-                      int num_experts, double timeout_s, int num_sms, int hidden, int num_topk,
-                      int low_latency_tokens) {
-  auto state = std::make_shared<BufferState>();
-  state->num_ranks = int(groups.at(0).size());
-  state->num_experts = num_experts;
-  for (int g = 0; g < int(groups.size()); ++g)
-    for (int r = 0; r < int(groups[g].size()); ++r) state->places[groups[g][r]] = Place{g, r};
-  if (platform == "cpu") {
-    for (size_t g = 0; g < groups.size(); ++g)
-      state->cpu_groups.push_back(std::make_unique<cpu::Group>(state->num_ranks, timeout_s));
-  } else if (platform == "cuda") {
-#ifdef JAX_EP_WITH_CUDA
-    state->cuda = cuda_connect(groups, num_experts / state->num_ranks, hidden, num_topk,
-                               low_latency_tokens, num_sms, timeout_s);
-#else
-    throw std::runtime_error("jax_ep was built without its CUDA backend (set JAX_EP_CUDA=ON)");
-#endif
-  } else {
-    throw std::invalid_argument("jax_ep: no backend for platform " + platform);
-  }
-  return register_buffer(std::move(state));
+nb::dict state_type(XLA_FFI_TypeId* id, const XLA_FFI_TypeInfo* info) {
+  nb::dict d;
+  d["type_id"] = capsule(id);
+  d["type_info"] = capsule(info);
+  return d;
+}
+
+std::vector<LocalRank> local_ranks(const std::vector<std::tuple<int, int, int>>& local) {
+  std::vector<LocalRank> out;
+  for (auto [device, group, rank] : local) out.push_back({device, group, rank});
+  return out;
 }
 
 }  // namespace
 
 NB_MODULE(_native, m) {
-  m.def("cpu_targets", [] { return as_capsules(cpu_targets()); });
+  m.def("limits", [] {
+    nb::dict d;
+    d["max_gpu_ranks"] = kMaxGpuRanks;
+    d["max_cpu_ranks"] = kMaxCpuRanks;
+    d["max_in_block_tokens"] = kMaxInBlockTokens;
+    d["max_tokens_per_rank"] = kMaxTokensPerRank;
+    d["max_scales_per_row"] = kMaxScalesPerRow;
+    return d;
+  });
+
+  nb::class_<Window>(m, "Window")
+      .def("__init__",
+           [](Window* w, int num_ranks, int experts_per_rank, int hidden, int num_topk,
+              int rows_per_source, int element_bytes) {
+             new (w) Window{num_ranks, experts_per_rank, hidden, num_topk, rows_per_source,
+                            element_bytes};
+           },
+           nb::arg("num_ranks"), nb::arg("experts_per_rank"), nb::arg("hidden"),
+           nb::arg("num_topk"), nb::arg("rows_per_source"), nb::arg("element_bytes"))
+      .def("total_bytes", &Window::total_bytes)
+      .def("row_bytes", &Window::row_bytes);
+
+  nb::class_<NativeBuffer>(m, "NativeBuffer");
+  m.def("register_buffer", &register_buffer, nb::arg("key"), nb::arg("buffer"));
+  m.def("forget_buffer", &forget_buffer, nb::arg("key"));
+  m.def("forget_all_buffers", &forget_all_buffers);
+
+  m.def("cpu_targets", [] { return as_handlers(cpu_targets()); });
+  m.def("cpu_state_type", [] { return state_type(cpu_state_type_id(), cpu_state_type_info()); });
+  nb::class_<CpuBuffer, NativeBuffer>(m, "CpuBuffer")
+      .def("__init__",
+           [](CpuBuffer* b, const Window& w, const std::string& prefix, double timeout_s,
+              const std::vector<std::tuple<int, int, int>>& local) {
+             new (b) CpuBuffer(w, prefix, timeout_s, local_ranks(local));
+           })
+      .def("create", &CpuBuffer::create)
+      .def("connect", &CpuBuffer::connect)
+      .def("unlink", &CpuBuffer::unlink);
+
 #ifdef JAX_EP_WITH_CUDA
   m.attr("has_cuda") = true;
-  m.def("cuda_targets", [] { return as_capsules(cuda_targets()); });
+  m.def("cuda_targets", [] { return as_handlers(cuda_targets()); });
+  m.def("cuda_state_type", [] { return state_type(cuda_state_type_id(), cuda_state_type_info()); });
   m.def("cuda_handler_calls", &cuda_handler_calls);
-  m.def("peer_gbps", &cuda_peer_gbps, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"),
-        nb::arg("blocks"), nb::arg("mode"), nb::arg("iters"), nb::arg("both_ways"),
-        nb::arg("dst_buffer") = 0, nb::call_guard<nb::gil_scoped_release>());
+  m.def("nccl_unique_id", [](const std::string& library) {
+    std::string id = nccl_unique_id(library);
+    return nb::bytes(id.data(), id.size());
+  });
+  nb::class_<CudaBuffer, NativeBuffer>(m, "CudaBuffer")
+      .def("__init__",
+           [](CudaBuffer* b, const Window& w, const std::string& library, double timeout_s,
+              int num_sms, const std::vector<std::tuple<int, int, int>>& local,
+              const std::map<int, nb::bytes>& ids, bool direct_local) {
+             std::map<int, std::string> unique_ids;
+             for (const auto& [group, id] : ids)
+               unique_ids[group] = std::string(static_cast<const char*>(id.data()), id.size());
+             nb::gil_scoped_release release;  // collective: other threads may join it
+             new (b) CudaBuffer(w, library, timeout_s, num_sms, local_ranks(local), unique_ids,
+                                direct_local);
+           });
 #else
   m.attr("has_cuda") = false;
 #endif
-  m.def("create_buffer", &create_buffer, nb::arg("platform"), nb::arg("groups"),
-        nb::arg("num_experts"), nb::arg("timeout_s"), nb::arg("num_sms"), nb::arg("hidden"),
-        nb::arg("num_topk"), nb::arg("low_latency_tokens"));
-  m.def("destroy_buffer", &unregister_buffer, nb::arg("buffer_id"));
 }

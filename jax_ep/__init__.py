@@ -1,17 +1,16 @@
-"""jax_ep: expert-parallel dispatch and combine for JAX (SPEC §3)."""
+"""jax_ep: expert-parallel dispatch and combine for JAX (docs/API.md)."""
 import importlib.metadata
 import importlib.util
 import os
 
-from jax_ep.buffer import Buffer
+from jax_ep.buffer import Buffer, limits
 from jax_ep.layout import dequantize_fp8
-from jax_ep.streams import on_stream
 from jax_ep.types import DispatchResult, Handle, Pending
 
-__all__ = ["Buffer", "DispatchResult", "Handle", "Pending", "dequantize_fp8", "on_stream"]
+__all__ = ["Buffer", "DispatchResult", "Handle", "Pending", "dequantize_fp8", "limits"]
 
 
-def _register():
+def _find_native():
     # Run from a source checkout, the compiled extension is the installed one (pip install .).
     if importlib.util.find_spec("jax_ep._native") is None:
         try:
@@ -20,8 +19,6 @@ def _register():
             return  # not built: only impl="reference" works
         if os.path.isdir(installed) and installed not in __path__:
             __path__.append(installed)
-    from jax_ep import ffi_path
-    ffi_path.register_targets()
 
 
-_register()
+_find_native()

@@ -7,15 +7,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import layout
+from jax_ep import bootstrap, layout
 from jax_ep.primitives import all_varying, done
 from jax_ep.reference import Reference
 from jax_ep.types import DispatchResult, Handle, Pending
 
 _LAYOUTS = ("rank", "expert", "expert_padded")
 _MODES = ("auto", "normal", "low_latency")
-_MAX_LOW_LATENCY_TOKENS = 1024
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+_UNSET = object()  # an argument the caller did not give
+
+
+def limits():
+    """The backends' limits (kernels/limits.h)."""
+    from jax_ep import _native
+    return _native.limits()
 
 
 def _raise_if_invalid(here, everywhere, num_experts):
@@ -61,21 +67,24 @@ def _check(array, name, shape, dtypes):
 class Buffer:
     """Communication memory and routing state of every EP group of `axis_name` in `mesh`.
 
-    Create it outside jit; call dispatch/combine inside jax.shard_map(..., mesh=mesh) on the
-    per-rank shards. impl: "ffi" (custom calls; "auto" is the same) or "reference" (jax.lax).
-    num_sms bounds the multiprocessors the CUDA kernels use; timeout_s bounds every wait for a
-    peer (then an error, never a hang). low_latency_tokens (default min(N, 256), at most 1024,
-    0 = none) is the largest T the low-latency kernels take; the CUDA backend reserves
-    2 * R * low_latency_tokens * (8 H + H / 32 + 8 K + 16 ceil(H / 512)) + 16 E bytes per GPU
-    for them (see docs).
-    check_invalid: every fresh dispatch also raises (at run time, through a host callback) when
-    topk_idx holds ids outside [-1, E); otherwise they are excluded and only counted in
-    num_invalid (the CPU backend raises either way).
+    Create it outside jit, on every process of the mesh alike (jax.distributed: one process per
+    GPU or per host); call dispatch/combine inside jax.shard_map(..., mesh=mesh) on the per-rank
+    shards. impl: "auto" / "ffi" (custom calls) or "reference" (jax.lax collectives).
+    timeout_s bounds every wait for a peer (then an error naming it, never a hang). num_sms:
+    blocks of the CUDA kernels. low_latency_tokens (default min(N, 256), at most 1024, 0 =
+    never): batches up to this size take the CUDA backend's single-kernel path.
+    max_row_dtype: the widest element the Buffer's rows carry (float32; bfloat16 halves the
+    memory, then float32 rows are refused). memory_bytes: the window each rank holds (see
+    docs/ARCHITECTURE.md for the formula). direct_local: on GPUs, rows a rank sends itself skip
+    the window in whole ops (False: they go through it like a peer's, e.g. for tests).
+    check_invalid: every fresh dispatch also raises (at run time, through a host callback, on
+    every rank) when topk_idx holds ids outside [-1, E); they are always excluded and counted in
+    num_invalid.
     """
 
     def __init__(self, mesh, axis_name, *, num_experts, hidden, num_topk, max_tokens_per_rank,
                  impl="auto", num_sms=24, timeout_s=100.0, low_latency_tokens=None,
-                 check_invalid=False):
+                 check_invalid=False, max_row_dtype=jnp.float32, direct_local=True):
         if axis_name not in mesh.axis_names:
             _fail(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
         num_ranks = mesh.shape[axis_name]
@@ -91,53 +100,87 @@ class Buffer:
                   f"axis {axis_name!r}")
         if low_latency_tokens is None:
             low_latency_tokens = min(max_tokens_per_rank, 256)
-        if int(low_latency_tokens) != low_latency_tokens or not 0 <= low_latency_tokens <= min(
-                max_tokens_per_rank, _MAX_LOW_LATENCY_TOKENS):
-            _fail(f"low_latency_tokens must be an integer in [0, min(max_tokens_per_rank, "
-                  f"{_MAX_LOW_LATENCY_TOKENS})], got {low_latency_tokens!r}")
         if impl not in ("auto", "ffi", "reference"):
             _fail(f"impl must be 'auto', 'ffi' or 'reference', got {impl!r}")
+        if jnp.dtype(max_row_dtype) not in _FLOATS:
+            _fail(f"max_row_dtype must be float32 or bfloat16, got {max_row_dtype!r}")
+        if not timeout_s > 0:
+            _fail(f"timeout_s must be positive, got {timeout_s!r}")
         self.mesh, self.axis_name = mesh, axis_name
         self.num_ranks = num_ranks
         self.num_experts = num_experts
         self.num_local_experts = num_experts // num_ranks
         self.hidden, self.num_topk = hidden, num_topk
         self.max_tokens_per_rank = max_tokens_per_rank
+        self.max_row_dtype = jnp.dtype(max_row_dtype)
         self.impl = "ffi" if impl == "auto" else impl
         self.check_invalid = bool(check_invalid)
-        self._buffer_id = None
+        self._native = None
         self._low_latency_tokens = 0  # the reference and CPU paths have one set of kernels
         self._reference = Reference(axis_name, num_ranks, num_experts)
         if self.impl == "reference":
             self._ops = self._reference
         else:
-            self._ops = self._connect(num_sms, timeout_s, int(low_latency_tokens))
+            self._ops = self._connect(num_sms, float(timeout_s), low_latency_tokens,
+                                      bool(direct_local))
 
-    def _connect(self, num_sms, timeout_s, low_latency_tokens):
+    def _window(self):
         from jax_ep import _native
-        from jax_ep.ffi_path import Ffi
+        return _native.Window(self.num_ranks, self.num_local_experts, self.hidden, self.num_topk,
+                              self.max_tokens_per_rank, self.max_row_dtype.itemsize)
 
-        # One group per coordinate of the other axes, in rank order along axis_name.
-        devices = np.moveaxis(self.mesh.devices, self.mesh.axis_names.index(self.axis_name), -1)
-        groups = [[d.local_hardware_id for d in row] for row in devices.reshape(-1, self.num_ranks)]
-        platform = "cpu" if devices.flat[0].platform == "cpu" else "cuda"
-        if platform == "cuda":
-            self._low_latency_tokens = low_latency_tokens
-        self._buffer_id = _native.create_buffer(
-            platform, groups, num_experts=self.num_experts, timeout_s=float(timeout_s),
-            num_sms=int(num_sms), hidden=self.hidden, num_topk=self.num_topk,
-            low_latency_tokens=self._low_latency_tokens)
-        return Ffi(self._buffer_id, self.num_ranks, self.num_experts)
+    @property
+    def memory_bytes(self):
+        """The communication window each rank of the Buffer holds, in bytes."""
+        return self._window().total_bytes() if self.impl == "ffi" else 0
+
+    def _connect(self, num_sms, timeout_s, low_latency_tokens, direct_local):
+        try:
+            from jax_ep import ffi_path
+        except ImportError as e:
+            raise ValueError("jax_ep: the custom calls need jax_ep's compiled extension, which "
+                             "this installation lacks (pip install . builds it); "
+                             "impl='reference' runs without it") from e
+        bounds = limits()
+        if self.max_tokens_per_rank > bounds["max_tokens_per_rank"]:
+            _fail(f"max_tokens_per_rank must be at most {bounds['max_tokens_per_rank']}, got "
+                  f"{self.max_tokens_per_rank}")
+        if int(low_latency_tokens) != low_latency_tokens or not 0 <= low_latency_tokens <= min(
+                self.max_tokens_per_rank, bounds["max_in_block_tokens"]):
+            _fail(f"low_latency_tokens must be an integer in [0, min(max_tokens_per_rank, "
+                  f"{bounds['max_in_block_tokens']})], got {low_latency_tokens!r}")
+        plan = bootstrap.plan(self.mesh, self.axis_name)
+        if plan.platform is None:
+            _fail(f"the custom calls run on CPU and CUDA devices, not on "
+                  f"{self.mesh.devices.flat[0].platform}: use impl='reference' there")
+        bound = limits()["max_gpu_ranks" if plan.platform == "cuda" else "max_cpu_ranks"]
+        if self.num_ranks > bound:
+            _fail(f"axis {self.axis_name!r} has {self.num_ranks} ranks; the {plan.platform} "
+                  f"backend takes at most {bound}")
+        if plan.platform == "cuda":
+            self._low_latency_tokens = int(low_latency_tokens)
+        arguments = dict(num_experts=self.num_experts, hidden=self.hidden,
+                         num_topk=self.num_topk, max_tokens_per_rank=self.max_tokens_per_rank,
+                         max_row_dtype=self.max_row_dtype.name, num_sms=num_sms,
+                         low_latency_tokens=low_latency_tokens, timeout_s=timeout_s,
+                         direct_local=direct_local, axis_name=self.axis_name,
+                         check_invalid=self.check_invalid)
+        bootstrap.check_same_arguments(plan, arguments, timeout_s)
+        self._native = bootstrap.connect(plan, self._window(), timeout_s=timeout_s,
+                                         num_sms=num_sms, direct_local=direct_local)
+        self._key = plan.key
+        ffi_path.register_targets()
+        return ffi_path.Ffi(plan.key, self.num_ranks, self.num_experts)
 
     def close(self):
-        """Releases the communication memory; the Buffer cannot be used afterwards. JAX runs
-        programs asynchronously: computations still queued that use this Buffer then fail with
-        "Buffer N does not exist (closed?)", so keep it referenced (it closes itself when
-        collected) until their results are ready."""
-        if self._buffer_id is not None:
+        """Drops this Buffer's communication memory: it is freed once no compiled program that
+        uses the Buffer remains (JAX keeps compiled programs in its caches; jax.clear_caches()
+        drops them). Programs compiled before close() keep working; a program compiled after
+        it fails when it runs."""
+        if self._native is not None:
             from jax_ep import _native
-            _native.destroy_buffer(self._buffer_id)
-            self._buffer_id = None
+            _native.forget_buffer(self._key)
+            self._native = None
 
     def __del__(self):
         try:
@@ -147,32 +190,32 @@ class Buffer:
 
     # ------------------------------------------------------------ dispatch
 
-    def dispatch(self, x, topk_idx=None, topk_weights=None, *, handle=None, layout="rank",
-                 expert_alignment=1, fp8=False, round_scale=False, capacity=None, mode="auto"):
-        """Sends every token to the ranks of its experts. See SPEC §3 for the fields.
+    def dispatch(self, x, topk_idx=None, topk_weights=None, *, handle=None, layout=None,
+                 expert_alignment=None, fp8=False, round_scale=False, capacity=None, mode=None):
+        """Sends every token to the ranks of its experts (docs/API.md has every field).
 
-        layout: "rank", "expert" or "expert_padded" (x [E_l, capacity, H], capacity rows per
-        expert, default R*N, rows by (source rank, token)). mode: "auto" (the low-latency kernels
-        when the backend has them and T <= low_latency_tokens), "normal" or "low_latency".
+        layout: "rank" (default), "expert" or "expert_padded" (x [E_l, capacity, H], capacity
+        rows per expert, default R*N, rows by (source rank, token)). expert_alignment: default
+        1. mode: "auto" (default: the CUDA backend's single-kernel path when T <=
+        low_latency_tokens), "normal" or "low_latency". handle=: the routes, layout and capacity
+        of an earlier dispatch (then only x, fp8 and round_scale may be given).
         """
         arrays, finish = self._dispatch_start(False, x, topk_idx, topk_weights, handle, layout,
                                               expert_alignment, fp8, round_scale, capacity, mode)
         return finish(arrays)
 
-    def dispatch_send(self, x, topk_idx=None, topk_weights=None, *, handle=None, layout="rank",
-                      expert_alignment=1, fp8=False, round_scale=False, capacity=None,
-                      mode="auto"):
+    def dispatch_send(self, x, topk_idx=None, topk_weights=None, *, handle=None, layout=None,
+                      expert_alignment=None, fp8=False, round_scale=False, capacity=None,
+                      mode=None):
         """The first half of dispatch: returns once the tokens are on their way. Run other work
         (`pending, out = pending.run_between(work, *args)` makes XLA put it between the halves),
         then dispatch_recv(pending). On GPUs the work runs beside the send under command buffers
         whose commands XLA orders only by the buffers they share
         (--xla_gpu_command_buffer_scheduling_mode=CONCURRENT); on one stream it follows it.
-        Not differentiable (use dispatch under grad). At most two sent dispatches may await their
-        recv at once (their two slots), in either order; a third send would wait for the first
-        recv and end in the timeout error. XLA orders only what data orders: in a loop, let each
-        send's inputs depend on an earlier recv's outputs; under CONCURRENT command buffers, order
-        every op of one kind (dispatch or combine) of a Buffer after the one before by data, as
-        its kernels number the ops in the order they start."""
+        Not differentiable (use dispatch under grad). At most two sent ops of a Buffer (dispatch
+        or combine) may await their recv at once (their two slots), in either order; a third
+        send would wait for the first recv and end in the timeout error. The Buffer's ordering
+        token keeps its calls in program order (docs/ARCHITECTURE.md)."""
         return Pending(*self._dispatch_start(True, x, topk_idx, topk_weights, handle, layout,
                                              expert_alignment, fp8, round_scale, capacity, mode),
                        kind="dispatch")
@@ -185,9 +228,18 @@ class Buffer:
                         fp8, round_scale, capacity, mode):
         self._require_shard_map()
         tokens = self._check_x(x, fp8, round_scale)
-        low_latency = self._low_latency(mode, tokens)
         if handle is not None:
+            given = [name for name, value in (
+                ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("layout", layout_name),
+                ("expert_alignment", alignment), ("capacity", capacity), ("mode", mode))
+                if value is not None]
+            if given:
+                _fail(f"dispatch with handle= follows the handle's routes, layout and capacity: "
+                      f"{', '.join(given)} must not be given")
             return self._dispatch_cached(split, x, handle, fp8, round_scale, tokens)
+        layout_name = "rank" if layout_name is None else layout_name
+        alignment = 1 if alignment is None else alignment
+        low_latency = self._low_latency("auto" if mode is None else mode, tokens)
         if topk_idx is None:
             _fail("dispatch needs topk_idx (or handle= for a cached dispatch)")
         _check(topk_idx, "topk_idx", (tokens, self.num_topk), (jnp.int32,))
@@ -237,8 +289,7 @@ class Buffer:
                       layout.align_up(routing.tokens_per_expert, alignment),
                       routing.num_recv, routing.num_dropped, routing.num_invalid)
             handle = Handle(routing.send_pos, routing.recv_counts, routing.num_recv, None, None,
-                            result, layout="rank", rows=capacity, capacity=capacity,
-                            low_latency=low_latency)
+                            result, layout="rank", rows=capacity, capacity=capacity)
             return DispatchResult(rows.x, rows.scales, *result, handle)
 
         return arrays, finish
@@ -267,7 +318,7 @@ class Buffer:
                       routing.num_invalid)
             handle = Handle(routing.send_pos, routing.recv_counts, routing.num_recv,
                             maps.expert_src, maps.expert_rows, result, layout=layout_name,
-                            rows=staging, capacity=rows_out, low_latency=low_latency)
+                            rows=staging, capacity=rows_out)
             return DispatchResult(*self._expand(rows.x, rows.scales, handle), *result, handle)
 
         return arrays, finish
@@ -311,7 +362,7 @@ class Buffer:
             _fail(f"x has {tokens} tokens but the handle routed {handle.send_pos.shape[0]}")
         arrays, moved = self._run(split, "dispatch_cached", tokens, x, handle.send_pos,
                                   handle.num_rows, handle.recv_counts, rows=handle.rows, fp8=fp8,
-                                  round_scale=round_scale, low_latency=handle.low_latency)
+                                  round_scale=round_scale)
 
         def finish(arrays):
             x_rows, scales = moved(arrays)
@@ -321,9 +372,13 @@ class Buffer:
 
     # ------------------------------------------------------------ combine
 
-    def combine(self, expert_out, handle, topk_weights=None, bias=None):
-        """y[t] = bias[t] + sum over the rows from token t of w * expert_out[row] -> [T, H]."""
-        arrays, finish = self._combine_start(False, expert_out, handle, topk_weights, bias)
+    def combine(self, expert_out, handle, topk_weights=None, bias=None, *, partial_dtype=None):
+        """y[t] = bias[t] + sum over the rows from token t of w * expert_out[row] -> [T, H],
+        summed in float32 in a fixed order and rounded once. In the expert layouts each rank
+        first sums a token's rows of its own experts and sends that partial sum in
+        partial_dtype (float32, or bfloat16 when the Buffer's rows are: half the bytes)."""
+        arrays, finish = self._combine_start(False, expert_out, handle, topk_weights, bias,
+                                             partial_dtype)
         return finish(arrays)
 
     def dequantize(self, d, x):
@@ -335,19 +390,20 @@ class Buffer:
             _fail("dequantize needs the result of an fp8 dispatch")
         return _straight_through_rows(self.combine, *all_varying(x, d.x, d.scales), d.handle)
 
-    def combine_send(self, expert_out, handle, topk_weights=None, bias=None):
+    def combine_send(self, expert_out, handle, topk_weights=None, bias=None, *,
+                     partial_dtype=None):
         """The first half of combine: returns once the rows are on their way back. Run other
         work (pending.run_between), then combine_recv(pending); as for dispatch_send. Not
         differentiable (use combine under grad). At most two sent combines may await their recv
         at once, in either order."""
-        return Pending(*self._combine_start(True, expert_out, handle, topk_weights, bias),
-                       kind="combine")
+        return Pending(*self._combine_start(True, expert_out, handle, topk_weights, bias,
+                                            partial_dtype), kind="combine")
 
     def combine_recv(self, pending):
         """Waits for the rows of combine_send(...) and returns y [T, H]."""
         return self._finish(pending, "combine")
 
-    def _combine_start(self, split, expert_out, handle, topk_weights, bias):
+    def _combine_start(self, split, expert_out, handle, topk_weights, bias, partial_dtype):
         self._require_shard_map()
         if not isinstance(handle, Handle):
             _fail(f"handle must be the handle of a dispatch, got {type(handle).__name__}")
@@ -362,16 +418,25 @@ class Buffer:
             if topk_weights is not None:
                 _fail("combine in the rank layout is unweighted (the caller mixes its local "
                       "experts): topk_weights must be None")
+            if partial_dtype is not None:
+                _fail("partial_dtype applies to the expert layouts (the rank layout sends "
+                      "expert_out as it is)")
+            self._check_row_dtype(expert_out, "expert_out")
             row_data = expert_out
         else:
             if topk_weights is not None:
                 _check(topk_weights, "topk_weights", rows_shape, (jnp.float32,))
                 topk_weights = topk_weights.reshape(-1)
+            if partial_dtype is None:
+                partial_dtype = self.max_row_dtype
+            if jnp.dtype(partial_dtype) not in _FLOATS:
+                _fail(f"partial_dtype must be float32 or bfloat16, got {partial_dtype!r}")
             row_data = layout.reduce_expert_rows(expert_out.reshape(-1, self.hidden), topk_weights,
                                                  handle.expert_src, handle.expert_rows)
+            row_data = row_data.astype(partial_dtype)
+            self._check_row_dtype(row_data, "partial_dtype")
         return self._run(split, "combine", tokens, row_data, handle.send_pos, handle.num_rows,
-                         handle.recv_counts, bias, out_dtype=expert_out.dtype,
-                         low_latency=handle.low_latency)
+                         handle.recv_counts, bias, out_dtype=expert_out.dtype)
 
     def _finish(self, pending, kind):
         if not isinstance(pending, Pending) or pending.kind != kind:
@@ -392,8 +457,15 @@ class Buffer:
             _fail(f"axis {self.axis_name!r} has size {size} here but the Buffer was built for "
                   f"{self.num_ranks} ranks")
 
+    def _check_row_dtype(self, rows, name):
+        if rows.dtype.itemsize > self.max_row_dtype.itemsize:
+            _fail(f"{name} is {rows.dtype.name}, wider than this Buffer's rows "
+                  f"(max_row_dtype={self.max_row_dtype.name})")
+
     def _check_x(self, x, fp8, round_scale):
         _check(x, "x", (None, self.hidden), _FLOATS)
+        if not fp8:
+            self._check_row_dtype(x, "x")
         tokens = x.shape[0]
         if tokens > self.max_tokens_per_rank:
             _fail(f"x has {tokens} tokens per rank, more than max_tokens_per_rank="

@@ -1,370 +1,343 @@
 """The custom-call path: the rank-level primitives as jax.ffi calls into the native backends
-(kernels/cpu, kernels/cuda), made differentiable with custom_vjp: the backward of dispatch is a
-combine, the backward of combine is a cached dispatch."""
+(kernels/cpu, kernels/cuda), one target per operation and half, every call ordered by the
+Buffer's token (jax_ep/order.py), made differentiable with custom_vjp: the backward of dispatch
+is one combine of the rows' and the weights' cotangents, the backward of combine is a cached
+dispatch.
+
+A call's token goes in and out explicitly: the differentiable ops below take it as an argument
+and return the next one, and whoever calls them takes it from the Buffer's chain and puts the
+result back, in the trace the call is made in (forward and backward rules alike)."""
 from __future__ import annotations
 
 import functools
-import itertools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
-from jax_ep import _native, layout, streams
-from jax_ep.primitives import RankRows, Routing, Unsplit, all_varying, varying_like
+from jax_ep import _native, layout
+from jax_ep.order import TOKEN_SHAPE, Chain
+from jax_ep.primitives import RankRows, Routing, all_varying, varying_like
 
+_TOKEN = jax.ShapeDtypeStruct(TOKEN_SHAPE, jnp.int32)
+ROWS_DTYPES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1}  # kernels/dtype.h Dtype
+
+
+_registered = False
 
 
 def register_targets():
-    """Registers the custom-call targets of every backend this build has."""
-    for name, capsule in _native.cpu_targets().items():
-        jax.ffi.register_ffi_target(f"jax_ep_{name}", capsule, platform="cpu")
+    """Registers the custom-call targets, and the type of their state, of every backend built.
+    Called when the first Buffer is made: the backends exist then, and jaxlib registers what
+    comes after a backend's start in order (before it, CPU types would follow the targets)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    backends = [("cpu", _native.cpu_targets(), _native.cpu_state_type())]
     if _native.has_cuda:
-        for name, capsule in _native.cuda_targets().items():
-            jax.ffi.register_ffi_target(f"jax_ep_{name}", capsule, platform="CUDA")
+        backends.append(("CUDA", _native.cuda_targets(), _native.cuda_state_type()))
+    for platform, targets, state in backends:
+        jax.ffi.register_ffi_type("jax_ep_call_state", state, platform=platform)
+        for name, handler in targets.items():
+            jax.ffi.register_ffi_target(f"jax_ep_{name}", handler, platform=platform)
 
 
-def _custom_call(target, shapes, *args, stream, has_side_effect=False, **attributes):
-    """Custom call `target` on args, annotated for XLA stream `stream` (streams.on_stream).
-
-    A whole op has no side effect for XLA: every rank runs the same program, so whatever XLA
-    merges, drops or recomputes (jax.checkpoint), it does on all ranks alike, and the ops are
-    numbered on the device as they run. Split halves are marked as side-effecting: merging two
-    sends, or dropping one, would break the pairing of sends and recvs."""
-    call = jax.ffi.ffi_call(target, shapes, has_side_effect=has_side_effect)
-    return streams.placed(lambda *operands: call(*operands, **attributes), stream)(*args)
-
-
-class _Move(NamedTuple):  # static configuration of a dispatch
-    buffer_id: int
+class _Config(NamedTuple):
+    """A Buffer's calls: what they share, and one call's static configuration."""
+    buffer: int               # the Buffer's key (its native side, found at instantiation)
+    chain: Chain
     num_ranks: int
     experts_per_rank: int
-    rows: int
-    fp8: bool
-    round_scale: bool
-    x_dtype: str
-    low_latency: bool
-    stream: str | None  # the XLA stream its calls are annotated for (streams.on_stream)
+    fp8: bool = False
+    round_scale: bool = False
+    low_latency: bool = False  # a fresh dispatch's kernels (CUDA)
+    x_dtype: str = "float32"   # a dispatch's x
+    rows_dtype: str = "float32"  # a combine's rows
+    out_dtype: str = "float32"   # a combine's result
+    bias_dtype: str | None = None  # a combine's bias, if any
+
+    def attributes(self):
+        """What the instantiate stage decodes (the same for every target)."""
+        return dict(buffer=np.int64(self.buffer), fp8=bool(self.fp8),
+                    round_scale=bool(self.round_scale), low_latency=bool(self.low_latency),
+                    rows_dtype=np.int32(ROWS_DTYPES[jnp.dtype(self.rows_dtype)]))
 
 
-class _Sum(NamedTuple):  # static configuration of a combine
-    buffer_id: int
-    num_ranks: int
-    rows_dtype: str
-    out_dtype: str
-    bias_dtype: str | None
-    low_latency: bool
-    stream: str | None
+def _call(cfg: _Config, target, shapes, token, *operands, halves=False):
+    """(next token, results) of custom call `target`. Whole ops have no side effect for XLA:
+    every rank runs the same program, so whatever XLA drops or recomputes (jax.checkpoint) it
+    does on all ranks alike. Halves have one: a recv half whose results go unused must still run
+    (it releases its send's slot), and a send half must not be merged with another."""
+    call = jax.ffi.ffi_call(f"jax_ep_{target}", (_TOKEN, *shapes), has_side_effect=halves,
+                            vmap_method="sequential")
+    out = varying_like(call(token, *operands, **cfg.attributes()), token, *operands)
+    return out[0], out[1:]
 
 
-_op_keys = itertools.count(1)
+def _with_rows(op, rows):
+    """op(cfg, rows, token, ...) as op(cfg, token, ...)."""
+    return lambda cfg, token, *args: op(cfg, rows, token, *args)
 
 
-def _op_key():
-    """A fresh id per traced custom call: the same on every device running the compiled program,
-    so the CPU backend can match the ranks' calls whatever order each device runs them in."""
-    return np.int64(next(_op_keys))
+def _chained(cfg: _Config, op, *args, after=()):
+    """op(cfg, token, *args) in the Buffer's chain: the token is taken from the chain of the
+    current trace (joined with `after`) and the next one put back."""
+    token, *out = op(cfg, cfg.chain.take(*after), *args)
+    cfg.chain.put(token)
+    return out
 
 
-def _attrs(cfg: _Move):
-    return dict(buffer_id=np.int64(cfg.buffer_id), op_key=_op_key(), out_rows=np.int32(cfg.rows),
-                fp8=bool(cfg.fp8), round_scale=bool(cfg.round_scale))
+def _i32(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.int32)
 
 
-def _x_rows_shapes(cfg: _Move, hidden):
-    x = jax.ShapeDtypeStruct((cfg.rows, hidden), jnp.float8_e4m3fn if cfg.fp8 else cfg.x_dtype)
-    scales = jax.ShapeDtypeStruct((cfg.rows, hidden // layout.FP8_BLOCK) if cfg.fp8 else (0,),
+def _rows_shapes(cfg: _Config, rows, hidden):
+    x = jax.ShapeDtypeStruct((rows, hidden), jnp.float8_e4m3fn if cfg.fp8 else cfg.x_dtype)
+    scales = jax.ShapeDtypeStruct((rows, hidden // layout.FP8_BLOCK) if cfg.fp8 else (0,),
                                   jnp.float32)
     return x, scales
 
 
-def _dispatch_call(cfg: _Move, x, topk_idx, topk_weights):
-    if cfg.low_latency:
-        return _ll_dispatch_recv(cfg, _ll_dispatch_send(cfg, BOTH, x, topk_idx, topk_weights))
-    (t, hidden), k = x.shape, topk_idx.shape[1]
-    i32 = jnp.int32
-    shapes = (*_x_rows_shapes(cfg, hidden),
-              jax.ShapeDtypeStruct((cfg.rows, k), i32),
-              jax.ShapeDtypeStruct((cfg.rows, k), jnp.float32),
-              jax.ShapeDtypeStruct((t, cfg.num_ranks), i32),
-              jax.ShapeDtypeStruct((cfg.num_ranks,), i32),
-              jax.ShapeDtypeStruct((cfg.experts_per_rank,), i32),
-              jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((), i32),
-              jax.ShapeDtypeStruct((), i32))
-    out = varying_like(_custom_call("jax_ep_dispatch", shapes, x, topk_idx, topk_weights,
-                                    stream=cfg.stream, **_attrs(cfg)), x, topk_idx, topk_weights)
-    x_rows, scales = out[0], out[1] if cfg.fp8 else None
-    return RankRows(x_rows, scales, out[2], out[3]), Routing(*out[4:])
+def _received_shapes(cfg: _Config, rows, hidden, k):
+    """What the recv half of a fresh dispatch returns."""
+    return (*_rows_shapes(cfg, rows, hidden), _i32(rows, k),
+            jax.ShapeDtypeStruct((rows, k), jnp.float32), _i32(cfg.num_ranks),
+            _i32(cfg.experts_per_rank), _i32(), _i32())
 
 
-def _dispatch_cached_call(cfg: _Move, x, send_pos, num_rows, recv_counts):
-    if cfg.low_latency:
-        return _ll_cached_recv(cfg, _ll_cached_send(cfg, BOTH, x, send_pos, num_rows, recv_counts))
-    x_rows, scales = varying_like(
-        _custom_call("jax_ep_dispatch_cached", _x_rows_shapes(cfg, x.shape[1]), x, send_pos,
-                     num_rows, stream=cfg.stream, **_attrs(cfg)),
-        x, send_pos, num_rows)
-    return x_rows, scales if cfg.fp8 else None
+def _received(cfg: _Config, received, send_pos, num_invalid):
+    x_rows, scales, topk_rows, weight_rows, recv_counts, per_expert, num_recv, dropped = received
+    return (RankRows(x_rows, scales if cfg.fp8 else None, topk_rows, weight_rows),
+            Routing(send_pos, recv_counts, per_expert, num_recv, dropped, num_invalid))
 
 
-def _combine_call(cfg: _Sum, row_data, send_pos, num_rows, recv_counts, bias):
-    if cfg.low_latency:
-        return _ll_combine_recv(cfg, _ll_combine_send(cfg, BOTH, row_data, send_pos, num_rows,
-                                                      recv_counts, bias))
-    shape = jax.ShapeDtypeStruct((send_pos.shape[0], row_data.shape[1]), cfg.out_dtype)
-    bias = _no_bias() if bias is None else bias
-    return varying_like(_custom_call(
-        "jax_ep_combine", shape, row_data, send_pos, bias, stream=cfg.stream,
-        buffer_id=np.int64(cfg.buffer_id), op_key=_op_key(), has_bias=cfg.bias_dtype is not None),
-        row_data, send_pos, bias)
+def _scales(cfg: _Config, scales):
+    return scales if cfg.fp8 else None
 
 
-def _no_bias():
-    return jnp.zeros((0,), jnp.float32)
+# ---------------------------------------------------------------- differentiable whole ops
 
-
-# ---------------------------------------------------------------- low-latency calls (CUDA)
-# One custom call per op, or split in two (send: returns once the data is on its way, with a
-# ticket naming the op on device; recv: waits for the peers, lays the rows out). The same call
-# target serves every phase; outputs a phase does not produce are empty.
-
-SEND, RECV, BOTH = 1, 2, 3
-_TICKET = jax.ShapeDtypeStruct((1,), jnp.int32)
-
-
-def _empty(*shape, dtype=jnp.int32):
-    return jax.ShapeDtypeStruct(shape, dtype)
-
-
-class _LLSent(NamedTuple):  # what a low-latency send half leaves for its recv half
-    inputs: tuple    # the call's operands (the recv half passes them again, with the ticket)
-    ticket: Any      # [1] int32 op number, or None when both halves run in one call
-    outputs: tuple   # the send half's other outputs (send_pos, num_invalid)
-
-
-def _ll_dispatch_ffi(cfg: _Move, phase, inputs, ticket, cached):
-    (tokens, hidden), k = inputs[0].shape, inputs[1].shape[1]  # x, topk_idx (empty when cached)
-    send, recv = phase & SEND, phase & RECV
-    rows = cfg.rows if recv else 0
-    x_dtype = jnp.float8_e4m3fn if cfg.fp8 else cfg.x_dtype
-    fresh_rows = rows if not cached else 0
-    shapes = (_TICKET if phase == SEND else _empty(0),
-              _empty(tokens if send and not cached else 0, cfg.num_ranks),   # send_pos
-              _empty(),                                                      # num_invalid
-              _empty(rows, hidden, dtype=x_dtype),
-              _empty(rows if cfg.fp8 else 0, hidden // layout.FP8_BLOCK, dtype=jnp.float32),
-              _empty(fresh_rows, k), _empty(fresh_rows, k, dtype=jnp.float32),
-              _empty(cfg.num_ranks if recv and not cached else 0),          # recv_counts
-              _empty(cfg.experts_per_rank if recv and not cached else 0),   # tokens_per_expert
-              _empty(), _empty())                                           # num_recv, dropped
-    ticket = jnp.zeros((0,), jnp.int32) if ticket is None else ticket
-    out = _custom_call(
-        "jax_ep_ll_dispatch", shapes, *inputs, ticket, stream=cfg.stream,
-        has_side_effect=phase != BOTH, buffer_id=np.int64(cfg.buffer_id), half=np.int32(phase),
-        cached=bool(cached), out_rows=np.int32(cfg.rows), fp8=bool(cfg.fp8),
-        round_scale=bool(cfg.round_scale))
-    return varying_like(out, *inputs)
-
-
-def _ll_dispatch_send(cfg: _Move, phase, x, topk_idx, topk_weights):
-    none = jnp.zeros((0, cfg.num_ranks), jnp.int32), jnp.zeros((0,), jnp.int32)
-    inputs = (x, topk_idx, topk_weights, *none)
-    out = _ll_dispatch_ffi(cfg, phase, inputs, None, False)
-    sent = _LLSent(inputs, out[0] if phase == SEND else None, (out[1], out[2]))
-    return sent, out if phase == BOTH else None
-
-
-def _ll_dispatch_recv(cfg: _Move, sent_and_out):
-    sent, out = sent_and_out
-    if out is None:
-        out = _ll_dispatch_ffi(cfg, RECV, sent.inputs, sent.ticket, False)
-    send_pos, num_invalid = sent.outputs
-    rows = RankRows(out[3], out[4] if cfg.fp8 else None, out[5], out[6])
-    return rows, Routing(send_pos, out[7], out[8], out[9], out[10], num_invalid)
-
-
-def _ll_cached_send(cfg: _Move, phase, x, send_pos, num_rows, recv_counts):
-    no_topk = jnp.zeros((0, 0), jnp.int32), jnp.zeros((0, 0), jnp.float32)
-    inputs = (x, *no_topk, send_pos, recv_counts)
-    out = _ll_dispatch_ffi(cfg, phase, inputs, None, True)
-    return _LLSent(inputs, out[0] if phase == SEND else None, ()), (
-        out if phase == BOTH else None)
-
-
-def _ll_cached_recv(cfg: _Move, sent_and_out):
-    sent, out = sent_and_out
-    if out is None:
-        out = _ll_dispatch_ffi(cfg, RECV, sent.inputs, sent.ticket, True)
-    return out[3], out[4] if cfg.fp8 else None
-
-
-def _ll_combine_ffi(cfg: _Sum, phase, inputs, ticket):
-    row_data, send_pos = inputs[0], inputs[1]
-    tokens = send_pos.shape[0] if phase & RECV else 0
-    shapes = (_empty(tokens, row_data.shape[1], dtype=cfg.out_dtype),
-              _TICKET if phase == SEND else _empty(0))
-    ticket = jnp.zeros((0,), jnp.int32) if ticket is None else ticket
-    out = _custom_call(
-        "jax_ep_ll_combine", shapes, *inputs, ticket, stream=cfg.stream,
-        has_side_effect=phase != BOTH, buffer_id=np.int64(cfg.buffer_id), half=np.int32(phase),
-        has_bias=cfg.bias_dtype is not None)
-    return varying_like(out, *inputs)
-
-
-def _ll_combine_send(cfg: _Sum, phase, row_data, send_pos, num_rows, recv_counts, bias):
-    inputs = (row_data, send_pos, recv_counts, num_rows, _no_bias() if bias is None else bias)
-    out = _ll_combine_ffi(cfg, phase, inputs, None)
-    return _LLSent(inputs, out[1] if phase == SEND else None, ()), (
-        out[0] if phase == BOTH else None)
-
-
-def _ll_combine_recv(cfg: _Sum, sent_and_out):
-    sent, out = sent_and_out
-    return _ll_combine_ffi(cfg, RECV, sent.inputs, sent.ticket)[0] if out is None else out
-
-
-# ---------------------------------------------------------------- differentiation
-
-def _back_to_tokens(cfg: _Move, ct_rows, send_pos, num_rows, recv_counts, dtype):
-    """The adjoint of moving rows: every token gets the sum of its rows' cotangents."""
-    cfg_sum = _Sum(cfg.buffer_id, cfg.num_ranks, dtype, dtype, None, cfg.low_latency, cfg.stream)
-    return _combine(cfg_sum, ct_rows.astype(dtype), send_pos, num_rows, recv_counts, None)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dispatch(cfg, x, topk_idx, topk_weights):
-    return _dispatch_call(cfg, x, topk_idx, topk_weights)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dispatch(cfg, rows, token, x, topk_idx, topk_weights):
+    """A fresh dispatch: (token, RankRows, Routing)."""
+    t, k = topk_idx.shape
+    shapes = (*_received_shapes(cfg, rows, x.shape[1], k), _i32(t, cfg.num_ranks), _i32())
+    token, out = _call(cfg, "dispatch", shapes, token, x, topk_idx, topk_weights)
+    return (token, *_received(cfg, out[:8], *out[8:]))
 
 
 # The forward rules call the differentiable ops themselves, so that a gradient's own forward
 # pass can be differentiated again (second order).
-def _dispatch_fwd(cfg, *args):
-    rows, routing = _dispatch(cfg, *custom_vjp_primal_tree_values(args))
-    return (rows, routing), (routing.send_pos, routing.num_recv, routing.recv_counts,
-                             rows.topk_idx)
+def _dispatch_fwd(cfg, rows, *args):
+    token, moved, routing = _dispatch(cfg, rows, *custom_vjp_primal_tree_values(args))
+    return (token, moved, routing), (token, routing.send_pos, routing.recv_counts,
+                                     routing.num_recv, moved.topk_idx)
 
 
-def _dispatch_bwd(cfg, res, ct):
-    """A cotangent JAX knows to be zero costs no combine: that of an FP8 dispatch's rows when
-    they are only used through Buffer.dequantize, that of the weights when nothing uses them."""
-    send_pos, num_rows, recv_counts, topk_rows = res
-    ct_rows = ct[0]
+def _dispatch_bwd(cfg, rows, res, ct):
+    """One combine brings the rows' and the weights' cotangents back to the tokens; a cotangent
+    JAX knows to be zero costs nothing (the float8 rows' when they are only used through
+    Buffer.dequantize, the weights' when nothing uses them)."""
+    token, send_pos, recv_counts, num_rows, topk_rows = res
+    ct_rows = ct[1]
+    has_x = not isinstance(ct_rows.x, SymbolicZero)
+    has_w = not isinstance(ct_rows.topk_weights, SymbolicZero)
+    handle = (send_pos, recv_counts, num_rows)
     grad_x = grad_w = None
-    if not isinstance(ct_rows.x, SymbolicZero):
-        grad_x = _back_to_tokens(cfg, ct_rows.x, send_pos, num_rows, recv_counts, cfg.x_dtype)
-    if not isinstance(ct_rows.topk_weights, SymbolicZero):
-        # Each (token, slot) weight lives in exactly one rank's row; elsewhere the slot is -1.
+    if has_w:  # each (token, slot) weight lives in exactly one rank's row; elsewhere it is -1
         ct_w = jnp.where(topk_rows >= 0, ct_rows.topk_weights, 0.0)
-        k = ct_w.shape[1]
-        padded = jnp.pad(ct_w, ((0, 0), (0, layout.align_up(k, 4) - k)))  # 16-byte rows
-        grad_w = _back_to_tokens(cfg, padded, send_pos, num_rows, recv_counts, "float32")[:, :k]
-    return grad_x, None, grad_w
+    if has_x:
+        ct_x = ct_rows.x.astype(cfg.x_dtype)
+    if has_x and has_w:
+        grad_x, grad_w = _chained(cfg, _adjoint, ct_x, ct_w, *handle, after=(token,))
+    elif has_x:
+        grad_x, = _chained(cfg._replace(rows_dtype=cfg.x_dtype, out_dtype=cfg.x_dtype), _combine,
+                           ct_x, *handle, None, after=(token,))
+    elif has_w:
+        grad_w, = _chained(cfg._replace(rows_dtype="float32", out_dtype="float32"), _combine,
+                           ct_w, *handle, None, after=(token,))
+    return None, grad_x, None, grad_w
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dispatch_cached(cfg, x, send_pos, num_rows, recv_counts):
-    return _dispatch_cached_call(cfg, x, send_pos, num_rows, recv_counts)
+def _adjoint(cfg, token, ct_x, ct_w, send_pos, recv_counts, num_rows):
+    """The adjoint of a dispatch: (token, d x, d topk_weights), both moved by one combine."""
+    t = send_pos.shape[0]
+    token, (grad_x, grad_w) = _call(
+        cfg, "dispatch_adjoint", (jax.ShapeDtypeStruct((t, ct_x.shape[1]), ct_x.dtype),
+                                  jax.ShapeDtypeStruct((t, ct_w.shape[1]), jnp.float32)),
+        token, ct_x, ct_w, send_pos, recv_counts, num_rows)
+    return token, grad_x, grad_w
 
 
-def _dispatch_cached_fwd(cfg, x, send_pos, num_rows, recv_counts):
-    return (_dispatch_cached(cfg, x, send_pos, num_rows, recv_counts),
-            (send_pos, num_rows, recv_counts))
+def _adjoint_fwd(cfg, *args):
+    token, ct_x, ct_w, send_pos, recv_counts, num_rows = custom_vjp_primal_tree_values(args)
+    out = _adjoint(cfg, token, ct_x, ct_w, send_pos, recv_counts, num_rows)
+    return out, (out[0], ct_x.shape[0], send_pos, recv_counts, num_rows)
 
 
-def _dispatch_cached_bwd(cfg, res, ct):
-    send_pos, num_rows, recv_counts = res
-    grad_x = _back_to_tokens(cfg, ct[0], send_pos, num_rows, recv_counts, cfg.x_dtype)
-    return grad_x, None, None, None
+def _adjoint_bwd(cfg, res, ct):
+    """Its own adjoint (second order): the cotangents go out again along the same routes."""
+    token, rows, *handle = res
+    grads = []
+    for value, dtype in zip(ct[1:], (cfg.x_dtype, "float32")):
+        grads.append(None if isinstance(value, SymbolicZero) else _chained(
+            cfg._replace(fp8=False, x_dtype=dtype), _with_rows(_dispatch_cached, rows), value,
+            *handle, after=(token,))[0])
+    return (None, *grads, None, None, None)
+
+
+_adjoint.defvjp(_adjoint_fwd, _adjoint_bwd, symbolic_zeros=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dispatch_cached(cfg, rows, token, x, send_pos, recv_counts, num_rows):
+    """x along a handle's routes: (token, x rows, scales)."""
+    token, (x_rows, scales) = _call(cfg, "dispatch_cached", _rows_shapes(cfg, rows, x.shape[1]),
+                                    token, x, send_pos)
+    return token, x_rows, _scales(cfg, scales)
+
+
+def _dispatch_cached_fwd(cfg, rows, token, x, send_pos, recv_counts, num_rows):
+    out = _dispatch_cached(cfg, rows, token, x, send_pos, recv_counts, num_rows)
+    return out, (out[0], send_pos, recv_counts, num_rows)
+
+
+def _dispatch_cached_bwd(cfg, rows, res, ct):
+    token, *handle = res
+    grad_x, = _chained(cfg._replace(rows_dtype=cfg.x_dtype, out_dtype=cfg.x_dtype), _combine,
+                       ct[1].astype(cfg.x_dtype), *handle, None, after=(token,))
+    return None, grad_x, None, None, None
 
 
 _dispatch_cached.defvjp(_dispatch_cached_fwd, _dispatch_cached_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _combine(cfg, row_data, send_pos, num_rows, recv_counts, bias):
-    return _combine_call(cfg, row_data, send_pos, num_rows, recv_counts, bias)
+def _combine(cfg, token, row_data, send_pos, recv_counts, num_rows, bias):
+    """(token, bias + the rows of each token summed in rank order)."""
+    shape = jax.ShapeDtypeStruct((send_pos.shape[0], row_data.shape[1]), cfg.out_dtype)
+    token, (out,) = _call(cfg, "combine", (shape,), token, row_data, send_pos, recv_counts,
+                          num_rows, *(() if bias is None else (bias,)))
+    return token, out
 
 
-def _combine_fwd(cfg, row_data, send_pos, num_rows, recv_counts, bias):
-    return (_combine(cfg, row_data, send_pos, num_rows, recv_counts, bias),
-            (send_pos, num_rows, recv_counts, row_data.shape[0]))
+def _combine_fwd(cfg, token, row_data, send_pos, recv_counts, num_rows, bias):
+    out = _combine(cfg, token, row_data, send_pos, recv_counts, num_rows, bias)
+    return out, (out[0], row_data.shape[0], send_pos, recv_counts, num_rows)
 
 
 def _combine_bwd(cfg, res, ct):
-    send_pos, num_rows, recv_counts, rows = res
-    move = _Move(cfg.buffer_id, cfg.num_ranks, 0, rows, False, False, cfg.out_dtype,
-                 cfg.low_latency, cfg.stream)
-    ct_rows, _ = _dispatch_cached(move, ct, send_pos, num_rows, recv_counts)
-    ct_bias = None if cfg.bias_dtype is None else ct.astype(cfg.bias_dtype)
-    return ct_rows.astype(cfg.rows_dtype), None, None, None, ct_bias
+    token, rows, send_pos, recv_counts, num_rows = res
+    ct_out = ct[1]
+    ct_rows, _ = _chained(cfg._replace(fp8=False, x_dtype=ct_out.dtype.name),
+                          _with_rows(_dispatch_cached, rows), ct_out, send_pos, recv_counts,
+                          num_rows, after=(token,))
+    ct_bias = None if cfg.bias_dtype is None else ct_out.astype(cfg.bias_dtype)
+    return None, ct_rows.astype(cfg.rows_dtype), None, None, None, ct_bias
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
-class Ffi(Unsplit):
-    """Custom-call implementations of the primitives (see primitives.py). The low-latency
-    kernels split for real; the others do the whole op in the send half."""
+# ---------------------------------------------------------------- the primitives
 
-    def __init__(self, buffer_id, num_ranks, num_experts):
-        self.buffer_id = buffer_id
-        self.num_ranks = num_ranks
-        self.experts_per_rank = num_experts // num_ranks
+def _send(cfg: _Config, target, shapes, *operands):
+    """A send half: its token (the ticket naming its op, also the chain's next) and results."""
+    ticket, out = _call(cfg, target, shapes, cfg.chain.take(), *operands, halves=True)
+    cfg.chain.put(ticket)
+    return (ticket, *out)
 
-    def _move(self, x, rows, fp8, round_scale, low_latency):
-        return _Move(self.buffer_id, self.num_ranks, self.experts_per_rank, rows, bool(fp8),
-                     bool(round_scale), x.dtype.name, bool(low_latency), streams.current())
 
-    def _sum(self, row_data, bias, out_dtype, low_latency):
-        return _Sum(self.buffer_id, self.num_ranks, row_data.dtype.name,
-                    jnp.dtype(out_dtype).name, None if bias is None else bias.dtype.name,
-                    bool(low_latency), streams.current())
+def _recv(cfg: _Config, target, shapes, ticket, *operands):
+    """A recv half of the op `ticket` names; it follows the chain too (work between the halves
+    may have called the Buffer)."""
+    token, out = _call(cfg, target, shapes, cfg.chain.take(), ticket, *operands, halves=True)
+    cfg.chain.put(token)
+    return out
+
+
+class Ffi:
+    """Custom-call implementations of the primitives (see primitives.py), on one Buffer."""
+
+    def __init__(self, buffer_key, num_ranks, num_experts):
+        self._cfg = _Config(buffer_key, Chain(), num_ranks, num_experts // num_ranks)
+
+    def _move(self, x, fp8=False, round_scale=False, low_latency=False):
+        return self._cfg._replace(fp8=bool(fp8), round_scale=bool(round_scale),
+                                  low_latency=bool(low_latency), x_dtype=x.dtype.name)
+
+    def _sum(self, row_data, out_dtype, bias=None):
+        return self._cfg._replace(rows_dtype=row_data.dtype.name,
+                                  out_dtype=jnp.dtype(out_dtype).name,
+                                  bias_dtype=None if bias is None else bias.dtype.name)
 
     def dispatch(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):
-        return _dispatch(self._move(x, rows, fp8, round_scale, low_latency),
-                         *all_varying(x, topk_idx, topk_weights))
+        moved, routing = _chained(self._move(x, fp8, round_scale, low_latency),
+                                  _with_rows(_dispatch, rows),
+                                  *all_varying(x, topk_idx, topk_weights))
+        return moved, routing
 
-    def dispatch_send(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):
-        if not low_latency:
-            return super().dispatch_send(x, topk_idx, topk_weights, rows=rows, fp8=fp8,
-                                         round_scale=round_scale, low_latency=False)
-        cfg = self._move(x, rows, fp8, round_scale, True)
-        return (_ll_dispatch_send(cfg, SEND, x, topk_idx, topk_weights),
-                functools.partial(_ll_dispatch_recv, cfg))
+    def dispatch_cached(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale):
+        x_rows, scales = _chained(self._move(x, fp8, round_scale),
+                                  _with_rows(_dispatch_cached, rows),
+                                  *all_varying(x, send_pos, recv_counts, num_rows))
+        return x_rows, scales
 
-    def dispatch_cached(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale,
-                        low_latency=False):
-        return _dispatch_cached(self._move(x, rows, fp8, round_scale, low_latency),
-                                *all_varying(x, send_pos, num_rows, recv_counts))
+    def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype):
+        out, = _chained(self._sum(row_data, out_dtype, bias), _combine,
+                        *all_varying(row_data, send_pos, recv_counts, num_rows, bias))
+        return out
+
+    # Halves: not differentiable (under grad use the whole ops). The send half returns its
+    # ticket with its results; finish(them) runs the recv half.
+
+    def dispatch_send(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale,
+                      low_latency=False):
+        cfg = self._move(x, fp8, round_scale, low_latency)
+        t, k = topk_idx.shape
+        sent = _send(cfg, "dispatch_send", (_i32(t, cfg.num_ranks), _i32()),
+                     *all_varying(x, topk_idx, topk_weights))
+
+        def finish(sent):
+            ticket, send_pos, num_invalid = sent
+            received = _recv(cfg, "dispatch_recv", _received_shapes(cfg, rows, x.shape[1], k),
+                             ticket)
+            return _received(cfg, received, send_pos, num_invalid)
+
+        return sent, finish
 
     def dispatch_cached_send(self, x, send_pos, num_rows, recv_counts, *, rows, fp8,
-                             round_scale, low_latency):
-        if not low_latency:
-            return super().dispatch_cached_send(x, send_pos, num_rows, recv_counts, rows=rows,
-                                                fp8=fp8, round_scale=round_scale,
-                                                low_latency=False)
-        cfg = self._move(x, rows, fp8, round_scale, True)
-        return (_ll_cached_send(cfg, SEND, x, send_pos, num_rows, recv_counts),
-                functools.partial(_ll_cached_recv, cfg))
+                             round_scale):
+        cfg = self._move(x, fp8, round_scale)
+        sent = _send(cfg, "dispatch_cached_send", (), *all_varying(x, send_pos))
 
-    def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype,
-                low_latency=False):
-        return _combine(self._sum(row_data, bias, out_dtype, low_latency),
-                        *all_varying(row_data, send_pos, num_rows, recv_counts, bias))
+        def finish(sent):
+            x_rows, scales = _recv(cfg, "dispatch_cached_recv",
+                                   _rows_shapes(cfg, rows, x.shape[1]), sent[0])
+            return x_rows, _scales(cfg, scales)
 
-    def combine_send(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype,
-                     low_latency):
-        if not low_latency:
-            return super().combine_send(row_data, send_pos, num_rows, recv_counts, bias,
-                                        out_dtype=out_dtype, low_latency=False)
-        cfg = self._sum(row_data, bias, out_dtype, True)
-        return (_ll_combine_send(cfg, SEND, row_data, send_pos, num_rows, recv_counts, bias),
-                functools.partial(_ll_combine_recv, cfg))
+        return sent, finish
+
+    def combine_send(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype):
+        cfg = self._sum(row_data, out_dtype, bias)
+        row_data, send_pos, recv_counts, num_rows = all_varying(row_data, send_pos, recv_counts,
+                                                                num_rows)
+        sent = _send(cfg, "combine_send", (), row_data, recv_counts, num_rows)
+        shape = jax.ShapeDtypeStruct((send_pos.shape[0], row_data.shape[1]), cfg.out_dtype)
+
+        def finish(sent):
+            out, = _recv(cfg, "combine_recv", (shape,), sent[0], send_pos,
+                         *(() if bias is None else (bias,)))
+            return out
+
+        return sent, finish
 
     def expert_layout(self, topk_rows, *, experts_per_rank, alignment, capacity, block_rows=0):
         rows, k = topk_rows.shape
@@ -376,8 +349,7 @@ class Ffi(Unsplit):
                   jax.ShapeDtypeStruct((), i32),
                   jax.ShapeDtypeStruct((experts_per_rank,), i32))  # counts before capacity
         topk_rows = jax.lax.stop_gradient(topk_rows)  # integers: nothing to differentiate
-        out = varying_like(_custom_call(
-            "jax_ep_expert_layout", shapes, topk_rows, stream=streams.current(),
-            alignment=np.int32(alignment), block_rows=np.int32(block_rows)),
-            topk_rows)
+        call = jax.ffi.ffi_call("jax_ep_expert_layout", shapes, vmap_method="sequential")
+        out = varying_like(call(topk_rows, alignment=np.int32(alignment),
+                                block_rows=np.int32(block_rows)), topk_rows)
         return layout.ExpertMaps(*out[:5])

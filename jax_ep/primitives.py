@@ -10,7 +10,8 @@ Receiver-local:
 The three cross-rank primitives also come split, as X_send(...) -> (arrays, finish) with
 finish(arrays) -> the result of X: the send half returns once the data is on its way, finish
 waits for the peers. Backends that cannot split (Unsplit) do the whole op in the send half.
-low_latency picks the backend's latency kernels where it has them; results are identical.
+dispatch's low_latency picks the backend's single-kernel path where it has one (CUDA); results
+are identical.
 
 Two backends: reference.Reference (jax.lax.all_to_all) and ffi_path.Ffi (custom calls).
 """

@@ -95,8 +95,7 @@ class Reference(Unsplit):
             num_invalid=layout.num_invalid(topk_idx, self.num_experts))
         return RankRows(x_rows, scales, topk_rows, weight_rows), routing
 
-    def dispatch_cached(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale,
-                        low_latency=False):
+    def dispatch_cached(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale):
         return self._move_x(x, send_pos, recv_counts, rows, fp8, round_scale)
 
     def _move_x(self, x, send_pos, recv_counts, rows, fp8, round_scale):
@@ -107,8 +106,7 @@ class Reference(Unsplit):
                            0.0))
         return _move_rows(self, *all_varying(x, send_pos, recv_counts), rows), None
 
-    def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype,
-                low_latency=False):
+    def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype):
         rows, t = row_data.shape[0], send_pos.shape[0]
         # Back to each source: the rows it sent here, in its slot order.
         pos = layout.exclusive_cumsum(recv_counts)[:, None] + jnp.arange(t)

@@ -18,7 +18,9 @@ class Handle:
     expert layout the rows it is expanded from.
     """
 
-    send_pos: Array        # [T, R] int32: rank-level row of token t on rank d, -1 if not sent/dropped
+    send_pos: Array        # [T, R] int32: where token t went on rank d, -1 if not sent (the
+                           # custom calls: its row in this rank's block there; the reference
+                           # path: its rank-level row there, -1 also if dropped)
     recv_counts: Array     # [R] int32: rows each source rank sent here, before capacity
     num_rows: Array        # [] int32: rank-level rows present here
     expert_src: Array | None   # [C] int32 (expert layout): rank-level row of each expert row, -1
@@ -27,9 +29,6 @@ class Handle:
     layout: str = dataclasses.field(metadata=dict(static=True))
     rows: int = dataclasses.field(metadata=dict(static=True))       # S: rank-level rows
     capacity: int = dataclasses.field(metadata=dict(static=True))   # C: rows of the output
-    # The kernels that moved the rows; combine and cached dispatch follow the same ones
-    # (low-latency send_pos counts rows within the sender's block at each destination).
-    low_latency: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 class DispatchResult(NamedTuple):

@@ -5,9 +5,6 @@
 
 namespace jax_ep {
 
-// A rank's routing fits in a 32-bit mask of destination ranks.
-constexpr int kMaxRanks = 32;
-
 JAX_EP_HD bool is_routed(int32_t expert, int num_experts) {
   return expert >= 0 && expert < num_experts;
 }
@@ -17,7 +14,17 @@ JAX_EP_HD bool is_invalid(int32_t expert, int num_experts) {
   return expert < -1 || expert >= num_experts;
 }
 
-// The ranks holding at least one of this token's experts: it is sent to each once.
+// Whether slot k is the first of the token's slots naming a routed expert on `rank`: the token
+// goes to each such rank once.
+JAX_EP_HD bool first_slot_on_rank(const int32_t* topk, int k, int num_experts, int experts_per_rank) {
+  if (!is_routed(topk[k], num_experts)) return false;
+  const int rank = topk[k] / experts_per_rank;
+  for (int p = 0; p < k; ++p)
+    if (is_routed(topk[p], num_experts) && topk[p] / experts_per_rank == rank) return false;
+  return true;
+}
+
+// The ranks holding at least one of this token's experts, as a mask (GPUs: at most 32 ranks).
 JAX_EP_HD uint32_t dest_rank_mask(const int32_t* topk, int num_topk, int num_experts,
                                   int experts_per_rank) {
   uint32_t mask = 0;

@@ -1,53 +1,70 @@
-// The operations both backends implement, as plain argument structs.
-// ffi/ decodes XLA buffers and attributes into these; kernels/cpu and kernels/cuda run them.
+// The operations both backends implement, as plain argument structs: ffi/ decodes XLA buffers
+// and attributes into these; kernels/cpu and kernels/cuda run them. Every cross-rank op has a
+// send half (rows into the peers' windows) and a recv half (rows out of this rank's window into
+// XLA's buffers); a whole op runs both.
 #pragma once
 #include "kernels/dtype.h"
 #include "kernels/layout.h"
 
 namespace jax_ep {
 
-// Rank-level dispatch: every token goes once to each rank holding one of its experts and lands
-// in row `send_pos[t, d]` there; rows are ordered by (source rank, source token).
-struct DispatchArgs {
-  int64_t op_key;    // names the op the same way on every rank (a trace-time id)
-  int num_ranks, rank, num_experts, num_topk, hidden, num_tokens;
-  int out_rows;      // rows of the receiving buffer (the capacity); later rows are dropped
+// Dispatch, send half: every token goes once to each rank holding one of its experts and lands
+// in row j of this rank's block there (j: its index among the tokens this rank sends there).
+struct DispatchSend {
+  int num_experts, num_topk, hidden, num_tokens;
   bool fp8, round_scale;
-  bool cached;       // reuse send_pos / num_recv of an earlier dispatch: only x moves
-  Dtype x_dtype;     // kF32 or kBF16
+  Dtype x_dtype;                 // kF32 or kBF16
   const void* x;                 // [T, H]
-  const int32_t* topk_idx;       // [T, K] (fresh only)
-  const float* topk_weights;     // [T, K] (fresh only)
+  const int32_t* topk_idx;       // [T, K]; null for a cached dispatch
+  const float* topk_weights;     // [T, K]; null for a cached dispatch
+  int32_t* send_pos;             // [T, R] j per destination or -1: written when fresh, read when cached
+  int32_t* num_invalid;          // []: this rank's expert ids outside [-1, E) (fresh)
+  bool fresh() const { return topk_idx != nullptr; }
+  JAX_EP_HD int experts_per_rank(int num_ranks) const { return num_experts / num_ranks; }
+  JAX_EP_HD int64_t wire_row_bytes() const { return fp8 ? hidden : int64_t(hidden) * dtype_size(x_dtype); }
+};
+
+// Dispatch, recv half: rows in (source rank, j) order; those past out_rows are dropped.
+struct DispatchRecv {
+  int hidden, num_topk, out_rows;
+  bool fp8;
+  Dtype x_dtype;
   void* x_out;                   // [out_rows, H] x_dtype, or e4m3 bytes when fp8
   float* scales_out;             // [out_rows, H / 128] when fp8
-  int32_t* topk_out;             // [out_rows, K] local expert ids or -1 (fresh only)
-  float* weights_out;            // [out_rows, K] (fresh only)
-  int32_t* send_pos;             // [T, R]: output when fresh, input when cached
-  const int32_t* cached_num_recv;  // []: input when cached
-  // Fresh only:
+  // Fresh only (null for a cached dispatch):
+  int32_t* topk_out;             // [out_rows, K] local expert ids or -1
+  float* weights_out;            // [out_rows, K]
   int32_t* recv_counts;          // [R] rows each source sent here, before capacity
   int32_t* tokens_per_expert;    // [E / R] distinct (row, local expert) pairs present
   int32_t* num_recv;             // [] rows present
   int32_t* num_dropped;          // [] rows beyond out_rows
-  int32_t* num_invalid;          // [] this rank's expert ids outside [-1, E)
-
-  JAX_EP_HD int experts_per_rank() const { return num_experts / num_ranks; }
-  JAX_EP_HD int64_t x_out_row_bytes() const { return fp8 ? hidden : int64_t(hidden) * dtype_size(x_dtype); }
-  JAX_EP_HD int scales_per_row() const { return hidden / 128; }
+  bool fresh() const { return topk_out != nullptr; }
+  JAX_EP_HD int64_t wire_row_bytes() const { return fp8 ? hidden : int64_t(hidden) * dtype_size(x_dtype); }
 };
 
-// Rank-level combine: out[t] = bias[t] + sum over ranks d (in order) of rows_d[send_pos[t, d]],
-// accumulated in float32 and rounded once.
-struct CombineArgs {
-  int64_t op_key;    // names the op the same way on every rank (a trace-time id)
-  int num_ranks, rank, num_tokens, width;
-  int rows;                      // rows of each rank's `rows` buffer
-  Dtype rows_dtype, out_dtype, bias_dtype;
-  bool has_bias;
-  const void* row_data;          // [rows, width] on this rank, read by every rank
-  const int32_t* send_pos;       // [T, R]
-  const void* bias;              // [T, width]
+// Combine, send half: each rank-level row this rank received goes back into row j of its
+// source's window; rows dropped at dispatch stay here.
+struct CombineSend {
+  int width, rows;               // row_data is [rows, width]
+  Dtype rows_dtype;
+  const void* row_data;
+  const int32_t* recv_counts;    // [R] the dispatch's rows per source (before capacity)
+  const int32_t* num_rows;       // [] rows present at dispatch
+  const float* extra;            // [rows, extra_cols] float32 columns moved with the rows, or null
+  int extra_cols;
+};
+
+// Combine, recv half: out[t] = bias[t] + sum over ranks d (in rank order) of the row token t
+// sent to d, accumulated in float32 and rounded once; extra_out likewise, without bias.
+struct CombineRecv {
+  int num_tokens, width;
+  const int32_t* send_pos;       // [T, R] j per destination or -1
+  Dtype rows_dtype;              // what the ranks send back (the same on every rank)
+  Dtype out_dtype, bias_dtype;
+  const void* bias;              // [T, width] or null
   void* out;                     // [T, width]
+  float* extra_out;              // [T, extra_cols] or null
+  int extra_cols;
 };
 
 // Receiver-local: rank-layout rows -> expert-layout positions (by local expert, then row).

@@ -126,9 +126,11 @@ def pipeline(buf, layout="rank", expert_alignment=1, fp8=False, round_scale=Fals
             return pending
 
         def dispatch(x, *args, **kwargs):
+            if "handle" not in kwargs:
+                kwargs["mode"] = mode
             if split:
-                return buf.dispatch_recv(work(buf.dispatch_send(x, *args, mode=mode, **kwargs), x))
-            return buf.dispatch(x, *args, mode=mode, **kwargs)
+                return buf.dispatch_recv(work(buf.dispatch_send(x, *args, **kwargs), x))
+            return buf.dispatch(x, *args, **kwargs)
 
         def combine(rows, *args, **kwargs):
             if split:

@@ -74,7 +74,11 @@ def expect_error(setup, fn, match, *args):
     (lambda b, x, i, w: b.dispatch(x, i, w, layout="expert", expert_alignment=4, capacity=6),
      "multiple of expert_alignment"),
     (lambda b, x, i, w: b.dispatch(x, i, w, round_scale=True), "round_scale=True needs fp8"),
-    (lambda b, x, i, w: b.dispatch(x, i, w, handle=(1, 2)), "handle must be"),
+    (lambda b, x, i, w: b.dispatch(x, handle=(1, 2)), "handle must be"),
+    (lambda b, x, i, w: b.dispatch(x, i, handle=b.dispatch(x, i, w).handle),
+     "topk_idx must not be given"),
+    (lambda b, x, i, w: b.dispatch(x, handle=b.dispatch(x, i, w).handle, layout="expert",
+                                   capacity=4), "layout, capacity must not be given"),
     (lambda b, x, i, w: b.combine(b.dispatch(x, i, w).x[:-1], b.dispatch(x, i, w).handle),
      r"expert_out must have shape \(32, 256\)"),
     (lambda b, x, i, w: b.combine(*(lambda d: (d.x, d.handle, d.topk_weights))(

@@ -126,18 +126,19 @@ def test_invalid_expert_ids_are_excluded_and_reported():
     ref_clean = run(mesh, counts(bufs["reference"]), x, jnp.asarray(clean), w)
     np.testing.assert_array_equal(ref_bad.num_invalid, [1, 1, 0, 0])
     assert_bitwise_equal(ref_bad._replace(num_invalid=None), ref_clean._replace(num_invalid=None))
-    # The CPU handlers finish the exchange (no peer is left waiting) and then raise.
-    with pytest.raises(Exception, match="topk_idx"):
-        jax.block_until_ready(run(mesh, counts(bufs["ffi"]), x, jnp.asarray(bad), w))
+    # The custom calls exclude and count them alike, and every rank's op completes.
+    got = run(mesh, counts(bufs["ffi"]), x, jnp.asarray(bad), w)
+    assert_bitwise_equal(got, ref_bad)
     # The Buffer still works afterwards.
-    got = run(mesh, counts(bufs["ffi"]), x, jnp.asarray(clean), w)
-    assert_bitwise_equal(got, ref_clean)
-    # The checking mode (how the GPU backend raises) stops the reference path too.
-    checking = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
-                             max_tokens_per_rank=T, impl="reference", check_invalid=True)
-    with pytest.raises(Exception, match="topk_idx holds 2 expert id"):
-        jax.block_until_ready(run(mesh, counts(checking), x, jnp.asarray(bad), w))
-    assert_bitwise_equal(run(mesh, counts(checking), x, jnp.asarray(clean), w), ref_clean)
+    assert_bitwise_equal(run(mesh, counts(bufs["ffi"]), x, jnp.asarray(clean), w), ref_clean)
+    # The checking mode raises a Python exception on every rank, on both paths, and the Buffer
+    # stays usable.
+    for impl in ("reference", "ffi"):
+        checking = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
+                                 max_tokens_per_rank=T, impl=impl, check_invalid=True)
+        with pytest.raises(Exception, match="topk_idx holds 2 expert id"):
+            jax.block_until_ready(run(mesh, counts(checking), x, jnp.asarray(bad), w))
+        assert_bitwise_equal(run(mesh, counts(checking), x, jnp.asarray(clean), w), ref_clean)
 
 
 def test_a_rank_that_never_arrives_is_an_error_not_a_hang():
@@ -149,23 +150,16 @@ def test_a_rank_that_never_arrives_is_an_error_not_a_hang():
     idx = jax.device_put(jnp.zeros((4, 2), jnp.int32), jax.devices()[0])
     lonely = jax.jit(lambda x, i: buf._ops.dispatch(x, i, jnp.zeros(i.shape), rows=8, fp8=False,
                                                     round_scale=False))
-    with pytest.raises(Exception, match="never arrived"):
+    with pytest.raises(Exception, match="waited more than 0.5.* s for rank 1"):
         jax.block_until_ready(lonely(x, idx))
-    # A broken group says so at once from then on.
-    with pytest.raises(Exception, match="never arrived"):
+    # The Buffer says so at once from then on; a new Buffer works.
+    with pytest.raises(Exception, match="this Buffer stopped"):
         jax.block_until_ready(lonely(x, idx))
-
-
-def _assert_every_call_placed(text, stream):
-    """Every jax_ep custom call of the lowered `text` sits alone (no nested call: XLA assigns
-    those no stream) in a computation annotated for `stream`."""
-    placed = [f for f in text.split("func.func")[1:]
-              if f.split("(")[0].strip().startswith("private @compute_on")]
-    calls = "stablehlo.custom_call @jax_ep_"
-    assert sum(body.count(calls) for body in placed) == text.count(calls) > 0
-    assert f'_xla_stream_annotation = "{stream}"' in text
-    for body in placed:
-        assert " call @" not in body, body[:300]
+    again = jax_ep.Buffer(mesh, "ep", num_experts=4, hidden=128, num_topk=2,
+                          max_tokens_per_rank=4)
+    d = run(mesh, lambda x, i: again.dispatch(x, i)._replace(handle=None),
+            jnp.ones((8, 128), jnp.float32), jnp.zeros((8, 2), jnp.int32))
+    np.testing.assert_array_equal(d.num_recv, [8, 0])
 
 
 @pytest.mark.parametrize("num_ranks", [1, 4])
@@ -178,39 +172,3 @@ def test_recv_halves_out_of_send_order(num_ranks):
                               "random")
     got, want = (run(mesh, out_of_order(bufs[impl]), x, idx, w) for impl in ("ffi", "reference"))
     assert_same_ops(got, want)
-
-
-def test_ops_placed_on_another_stream():
-    """on_stream annotates the custom calls of the ops made inside it, and nothing else, for an
-    XLA stream, also the calls of their gradients (traced after on_stream returned); results
-    do not change (only GPUs read the annotation)."""
-    mesh = make_mesh(4)
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
-    x, idx, w = random_inputs(np.random.default_rng(9), 4, T, H, E, K, 4, "random")
-    spec = jax.sharding.PartitionSpec("ep")
-
-    def step(place):
-        def fn(x, idx, w):
-            pending = place(lambda: buf.dispatch_send(x, idx, w, layout="expert_padded"))
-            d = place(lambda: buf.dispatch_recv(pending))
-            pending = place(lambda: buf.combine_send(d.x, d.handle, d.topk_weights))
-            return d._replace(handle=None), place(lambda: buf.combine_recv(pending))
-        return fn
-
-    on_stream = lambda fn: jax_ep.on_stream(fn, "2")()  # noqa: E731
-    plain = run(mesh, step(lambda fn: fn()), x, idx, w)
-    assert_bitwise_equal(run(mesh, step(on_stream), x, idx, w), plain)
-    combined = lambda *a: step(on_stream)(*a)[1]  # noqa: E731
-    _assert_every_call_placed(jax.jit(jax.shard_map(
-        combined, mesh=mesh, in_specs=spec, out_specs=spec)).lower(x, idx, w).as_text(), "2")
-
-    def loss(x, idx, w):
-        def layer(x, idx, w):
-            d = buf.dispatch(x, idx, w, layout="expert")
-            return buf.combine(jnp.tanh(d.x), d.handle, topk_weights=d.topk_weights)
-        y = jax.shard_map(lambda *a: jax_ep.on_stream(lambda: layer(*a), "2")(), mesh=mesh,
-                          in_specs=spec, out_specs=spec)(x, idx, w)
-        return jnp.sum(y.astype(jnp.float32) ** 2)
-
-    for grad in (jax.grad(loss), jax.grad(jax.jit(loss))):
-        _assert_every_call_placed(jax.jit(grad).lower(x, idx, w).as_text(), "2")

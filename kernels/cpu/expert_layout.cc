@@ -1,7 +1,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "kernels/cpu/exchange.h"
+#include "kernels/cpu/rank.h"
 #include "kernels/layout.h"
 
 namespace jax_ep::cpu {

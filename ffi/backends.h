@@ -1,0 +1,73 @@
+// What each backend gives the Python module: its custom-call targets and how a Buffer's native
+// side is built on it. Building is split into steps so that the processes of a mesh can meet
+// between them (jax_ep/bootstrap.py drives the steps and the meetings).
+#pragma once
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ffi/buffers.h"
+#include "kernels/window.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace jax_ep {
+
+using Handler = XLA_FFI_Error* (*)(XLA_FFI_CallFrame*);
+struct Target {
+  Handler instantiate;  // null for calls without a Buffer
+  Handler execute;
+};
+using Targets = std::map<std::string, Target>;
+
+// A rank of a Buffer that runs on one of this process's devices.
+struct LocalRank {
+  int device;  // local device ordinal
+  int group;   // EP group (a coordinate of the mesh's other axes)
+  int rank;    // position along the Buffer's axis
+};
+
+Targets cpu_targets();
+XLA_FFI_TypeId* cpu_state_type_id();
+const XLA_FFI_TypeInfo* cpu_state_type_info();
+
+// CPU devices: windows in POSIX shared memory named `prefix`_g<group>_r<rank>.
+class CpuBuffer : public NativeBuffer {
+ public:
+  CpuBuffer(const Window& window, std::string prefix, double timeout_s,
+            std::vector<LocalRank> local);
+  void create();   // this process's windows; then every process of the mesh must have created
+  void connect();  // maps every window of this process's groups and makes the ranks
+  void unlink();   // once every process has connected
+  ~CpuBuffer() override;
+
+ private:
+  struct Segments;
+  Window window_;
+  std::string prefix_;
+  double timeout_s_;
+  std::vector<LocalRank> local_;
+  std::shared_ptr<Segments> segments_;
+};
+
+#ifdef JAX_EP_WITH_CUDA
+Targets cuda_targets();
+XLA_FFI_TypeId* cuda_state_type_id();
+const XLA_FFI_TypeInfo* cuda_state_type_info();
+// How many times the cross-rank CUDA handlers ran (tests: command-buffer replays skip them).
+int64_t cuda_handler_calls();
+// The NCCL unique id of a new communicator (128 bytes), made by one process of each EP group.
+std::string nccl_unique_id(const std::string& nccl_library);
+
+// CUDA devices: one NCCL communicator per EP group, windows in NCCL symmetric memory, peers
+// through NVLink (LSA) pointers. Creation is collective over the group's processes.
+class CudaBuffer : public NativeBuffer {
+ public:
+  CudaBuffer(const Window& window, const std::string& nccl_library, double timeout_s, int num_sms,
+             std::vector<LocalRank> local, const std::map<int, std::string>& unique_ids,
+             bool direct_local);
+  ~CudaBuffer() override;
+};
+#endif
+
+}  // namespace jax_ep

@@ -1,0 +1,22 @@
+// The limits of the backends, in one place: the kernels size their arrays by them and the Python
+// side reads them (jax_ep._native.limits()) to reject what they cannot take at trace time.
+#pragma once
+
+namespace jax_ep {
+
+// Ranks of one EP group. On GPUs a rank's routing is a 32-bit mask (a lane per destination);
+// the CPU backend keeps destinations in lists.
+constexpr int kMaxGpuRanks = 32;
+constexpr int kMaxCpuRanks = 1024;
+
+// Tokens per rank whose routing a dispatch kernel scans in shared memory (the single-kernel
+// low-latency path); larger batches are routed by a kernel of their own first.
+constexpr int kMaxInBlockTokens = 1024;
+
+// Rows per source in one slot of a window: counts travel in 28 bits of a tagged word.
+constexpr int kMaxTokensPerRank = (1 << 28) - 1;
+
+// FP8 scales of one row staged in shared memory by the CUDA dispatch: hidden <= 131072.
+constexpr int kMaxScalesPerRow = 1024;
+
+}  // namespace jax_ep
