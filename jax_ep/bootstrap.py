@@ -30,7 +30,7 @@ class Plan:
     platform: str             # "cpu" or "cuda"
     num_groups: int
     num_ranks: int
-    local: tuple              # (device ordinal, group, rank) of this process's devices
+    local: tuple              # (device number, group, rank) of this process's devices
     group_owners: tuple       # per group: the process that draws what the group shares
     processes: tuple          # the processes holding devices of the mesh, sorted
     process: int              # this process
@@ -51,7 +51,9 @@ def plan(mesh, axis_name):
         raise ValueError(f"jax_ep: the mesh mixes device platforms {sorted(platforms)}")
     platform = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}.get(platforms.pop())
     me = jax.process_index()
-    local = tuple((d.local_hardware_id, g, r) for g, row in enumerate(groups)
+    # The device number XLA gives a custom call: the device's id on CPUs, its local ordinal on GPUs.
+    ordinal = (lambda d: d.id) if platform == "cpu" else (lambda d: d.local_hardware_id)
+    local = tuple((ordinal(d), g, r) for g, row in enumerate(groups)
                   for r, d in enumerate(row) if d.process_index == me)
     processes = tuple(sorted({d.process_index for d in groups.flat}))
     if me not in processes:

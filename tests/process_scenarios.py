@@ -1,0 +1,189 @@
+"""What each process of tests/test_processes.py runs (see processes.py): jax_ep on a mesh that
+spans processes, against the reference path on the same mesh. Every process checks its own
+shards and raises on a mismatch."""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_ep
+from helpers import bits, calc_diff, pipeline, random_inputs
+
+E, H, K, T = 16, 256, 4, 16
+
+
+def global_mesh():
+    """All devices; with DP=2 a ("dp", "ep") mesh whose EP groups each span every process."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    dp = int(os.environ.get("DP", "1"))
+    if dp == 1:
+        return jax.sharding.Mesh(np.array(devices), ("ep",))
+    per = len(devices) // jax.process_count()
+    grid = np.array(devices).reshape(jax.process_count(), dp, per // dp).transpose(1, 0, 2)
+    return jax.sharding.Mesh(grid.reshape(dp, -1), ("dp", "ep"))
+
+
+def shard(mesh, value):
+    """A global array sharded over every mesh axis from the same host value on each process."""
+    value = np.asarray(value)
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def run(mesh, fn, *values):
+    spec = P(tuple(mesh.axis_names))
+
+    def body(*shards):
+        return jax.tree.map(lambda v: v[None] if v.ndim == 0 else v, fn(*shards))
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(
+        *(shard(mesh, v) for v in values))
+
+
+def local(tree):
+    """This process's shards of every leaf, by device."""
+    return [{s.device.id: np.asarray(s.data) for s in leaf.addressable_shards}
+            for leaf in jax.tree.leaves(tree)]
+
+
+def assert_same_shards(got, want, what):
+    for i, (g, w) in enumerate(zip(local(got), local(want))):
+        for device in g:
+            np.testing.assert_array_equal(bits(g[device]), bits(w[device]),
+                                          err_msg=f"{what}: leaf {i} on device {device}")
+
+
+def inputs(mesh, kind="random", dtype=jnp.bfloat16, seed=0):
+    rng = np.random.default_rng(seed)  # the same on every process
+    x, idx, w = random_inputs(rng, mesh.size, T, H, E, K, mesh.shape["ep"], kind, dtype)
+    bias = np.asarray(rng.standard_normal(x.shape), np.float32).astype(x.dtype)
+    return np.asarray(x), np.asarray(idx), np.asarray(w), bias
+
+
+def matches_reference():
+    mesh = global_mesh()
+    bufs = {impl: jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
+                                max_tokens_per_rank=T, impl=impl, timeout_s=10)
+            for impl in ("reference", "ffi")}
+    cases = [("rank", 1, False, None, False), ("expert", 4, True, None, True),
+             ("expert_padded", 1, False, None, True), ("rank", 1, True, 9, False),
+             ("expert", 2, False, 24, False)]
+    for lay, alignment, fp8, capacity, split in cases:
+        for kind in ("random", "one_expert"):
+            x, idx, w, bias = inputs(mesh, kind)
+            out = {impl: run(mesh, pipeline(buf, lay, alignment, fp8, False, capacity, split=split),
+                             x, idx, w, bias, x * 2)
+                   for impl, buf in bufs.items()}
+            what = f"{lay} fp8={fp8} capacity={capacity} split={split} {kind}"
+            for part in ("d", "handle", "cached_x", "cached_scales", "expert_out", "between"):
+                assert_same_shards(out["ffi"][part], out["reference"][part], f"{what} {part}")
+            for g, r in zip(local(out["ffi"]["y"]), local(out["reference"]["y"])):
+                for device in g:
+                    assert calc_diff(g[device].astype(np.float32),
+                                     r[device].astype(np.float32)) < 5e-6, what
+    gradients(mesh, bufs)
+    invalid_ids(mesh, bufs)
+
+
+def gradients(mesh, bufs):
+    x, idx, w, _ = inputs(mesh, dtype=jnp.float32, seed=3)
+    cotangent = np.random.default_rng(4).standard_normal(x.shape).astype(np.float32)
+    spec = P(tuple(mesh.axis_names))
+    for lay in ("rank", "expert"):
+        grads = {}
+        for impl, buf in bufs.items():
+            def layer(x, idx, w, buf=buf):
+                d = buf.dispatch(x, idx, w, layout=lay)
+                weights = d.topk_weights if lay != "rank" else None
+                return buf.combine(jnp.tanh(d.x), d.handle, topk_weights=weights)
+
+            f = jax.shard_map(layer, mesh=mesh, in_specs=spec, out_specs=spec)
+            loss = lambda x, w, i, c, f=f: jnp.vdot(f(x, i, w), c)  # noqa: E731
+            grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1)))(
+                *(shard(mesh, v) for v in (x, w, idx, cotangent)))
+        for g, r in zip(local(grads["ffi"]), local(grads["reference"])):
+            for device in g:
+                assert calc_diff(g[device], r[device]) < 1e-6, f"gradient, {lay} layout"
+
+
+def invalid_ids(mesh, bufs):
+    x, idx, w, _ = inputs(mesh, seed=5)
+    bad = idx.copy()
+    bad[3, 1], bad[-1, 0] = E, -9  # on the first and the last rank
+    clean = bad.copy()
+    clean[3, 1] = clean[-1, 0] = -1
+
+    def counts(buf):
+        return lambda x, i, w: buf.dispatch(x, i, w)._replace(handle=None)
+
+    want = run(mesh, counts(bufs["reference"]), x, bad, w)
+    assert_same_shards(run(mesh, counts(bufs["ffi"]), x, bad, w), want, "invalid ids")
+    for impl in ("reference", "ffi"):
+        checking = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
+                                 max_tokens_per_rank=T, impl=impl, check_invalid=True)
+        try:
+            jax.block_until_ready(run(mesh, counts(checking), x, bad, w))
+        except Exception as e:  # every process raises, also those whose ids were all valid
+            assert "topk_idx holds 2 expert id" in str(e), e
+        else:
+            raise AssertionError(f"check_invalid did not raise ({impl})")
+        assert_same_shards(run(mesh, counts(checking), x, clean, w),
+                           run(mesh, counts(bufs["reference"]), x, clean, w), "after the check")
+
+
+def mismatched_arguments():
+    mesh = global_mesh()
+    topk = K + jax.process_index()  # process 1 asks for another Buffer
+    try:
+        jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=topk, max_tokens_per_rank=T,
+                      timeout_s=60)
+    except ValueError as e:
+        assert "num_topk" in str(e) and "asked for another Buffer" in str(e), e
+        print("RAISED:", e)
+    else:
+        raise AssertionError("no error for a Buffer that differs between processes")
+
+
+def early_exit():
+    """Process 1 stops before the first op: process 0 gets an error naming rank 1 within
+    timeout_s and goes on (a Buffer of its own devices works)."""
+    mesh = global_mesh()
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
+                        timeout_s=3)
+    if jax.process_index() == 1:
+        os._exit(0)
+    x, idx, w, _ = inputs(mesh)
+    try:
+        jax.block_until_ready(run(mesh, lambda x, i, w: buf.dispatch(x, i, w).x, x, idx, w))
+    except Exception as e:
+        assert "waited more than 3" in str(e) and "for rank 1" in str(e), e
+        print("RAISED:", str(e).splitlines()[0])
+    else:
+        raise AssertionError("no error for a peer that never came")
+    mine = jax.sharding.Mesh(np.array(jax.local_devices()), ("ep",))
+    alone = jax_ep.Buffer(mine, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
+    d = jax.jit(jax.shard_map(lambda x, i: alone.dispatch(x, i).num_recv[None], mesh=mine,
+                              in_specs=P("ep"), out_specs=P("ep")))(
+        jnp.ones((mine.size * T, H), jnp.bfloat16), jnp.zeros((mine.size * T, K), jnp.int32))
+    assert int(np.asarray(d)[0]) == mine.size * T
+    print("SCENARIO OK", flush=True)
+    os._exit(0)  # the coordination service would wait for process 1 at shutdown
+
+
+def many_ranks():
+    """More ranks than a 32-bit mask holds, in one process."""
+    mesh = global_mesh()
+    assert mesh.size > 32
+    bufs = {impl: jax_ep.Buffer(mesh, "ep", num_experts=2 * mesh.size, hidden=H, num_topk=K,
+                                max_tokens_per_rank=4, impl=impl) for impl in ("reference", "ffi")}
+    rng = np.random.default_rng(7)
+    x, idx, w = random_inputs(rng, mesh.size, 4, H, 2 * mesh.size, K, mesh.size, "random")
+    out = {impl: run(mesh, functools.partial(lambda b, x, i, w: b.dispatch(x, i, w)._replace(
+        handle=None), buf), np.asarray(x), np.asarray(idx), np.asarray(w))
+        for impl, buf in bufs.items()}
+    assert_same_shards(out["ffi"], out["reference"], "many ranks")

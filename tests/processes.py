@@ -1,0 +1,61 @@
+"""Several JAX processes on this host (jax.distributed on 127.0.0.1, XLA's CPU collectives
+through gloo), each running one scenario of tests/test_processes.py on its share of one global
+mesh. launch() starts them and returns what each printed; run as a script, this file is one
+such process:
+
+    python tests/processes.py SCENARIO PROCESS NUM_PROCESSES PORT DEVICES_PER_PROCESS
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
+    """Runs `scenario` in num_processes processes; [(returncode, stdout + stderr)] per process
+    (a process still running after `timeout` s is killed: returncode None)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | (env or {})
+    procs = [subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "processes.py"), scenario, str(p), str(num_processes),
+         str(port), str(devices_per_process)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=env, cwd=HERE) for p in range(num_processes)]
+    results = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+            results.append((proc.returncode, out))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            results.append((None, proc.communicate()[0]))
+    return results
+
+
+def _start(process, num_processes, port, devices):
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if num_processes > 1:
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
+                                   process_id=process, initialization_timeout=120)
+    return jax
+
+
+if __name__ == "__main__":
+    scenario, process, num_processes, port, devices = sys.argv[1:6]
+    _start(int(process), int(num_processes), int(port), int(devices))
+    import process_scenarios
+
+    getattr(process_scenarios, scenario)()
+    print("SCENARIO OK", flush=True)

@@ -1,0 +1,34 @@
+"""jax_ep across processes on CPU devices (tests/processes.py): a mesh spanning 2 or 4
+processes of 1 to 4 devices, against the reference path; Buffers that differ between processes;
+a process that stops early; more than 32 ranks in one process."""
+import pytest
+
+from processes import launch
+
+
+def assert_ok(results):
+    for p, (code, out) in enumerate(results):
+        assert code == 0 and "SCENARIO OK" in out, f"process {p} (exit {code}):\n{out[-4000:]}"
+
+
+@pytest.mark.parametrize("num_processes,devices,dp", [(2, 2, 1), (4, 1, 1), (2, 4, 2)],
+                         ids=["2x2", "4x1", "2x4-dp2"])
+def test_mesh_across_processes_matches_reference(num_processes, devices, dp):
+    assert_ok(launch("matches_reference", num_processes, devices, env={"DP": str(dp)}))
+
+
+def test_buffers_that_differ_between_processes_raise_everywhere():
+    results = launch("mismatched_arguments", 2, 1, timeout=300)
+    assert_ok(results)
+    for _, out in results:
+        assert "RAISED:" in out
+
+
+def test_a_process_that_stops_early_is_an_error_on_its_peers():
+    results = launch("early_exit", 2, 1, timeout=300)
+    code, out = results[0]
+    assert code == 0 and "SCENARIO OK" in out and "RAISED:" in out, out[-4000:]
+
+
+def test_more_ranks_than_a_mask_holds():
+    assert_ok(launch("many_ranks", 1, 40, timeout=300))
