@@ -231,13 +231,11 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
     return results
 
 
-def bench_overlap(mesh, cfg, tokens, num_sms, fp8, rng, steps, other_streams, matmul=2048,
-                  trace=False):
+def bench_overlap(mesh, cfg, tokens, num_sms, fp8, rng, steps, matmul=2048, trace=False):
     """Split dispatch and combine with a matmul between each send and recv (run_between),
     against the two alone: the overlap saves what `apart - together` says; on GPUs only with
-    --concurrent (command buffers whose commands XLA orders by the buffers they share). Also,
-    when asked, with the halves annotated for other XLA streams; with `trace`, each variant's
-    kernels."""
+    --concurrent (command buffers whose commands XLA orders by the buffers they share). With
+    `trace`, each variant's kernels."""
     num_ranks, hidden = mesh.size, cfg["hidden"]
     sharding = NamedSharding(mesh, P("ep"))
     idx = jax.device_put(jnp.asarray(routing(rng, num_ranks, tokens, cfg["num_experts"],
@@ -253,23 +251,23 @@ def bench_overlap(mesh, cfg, tokens, num_sms, fp8, rng, steps, other_streams, ma
         weight = weights[which]  # differ, or XLA would compute them once
         return (jnp.broadcast_to(value[:1, :1], (matmul, matmul)) + weight) @ weight
 
-    def layer(place, comm=True, work=True):
+    def layer(comm=True, work=True):
         def op(value, idx):
             if not comm:
                 out = (busy(value, 0), busy(value, 1))
             else:
-                p = place(lambda: buf.dispatch_send(value, idx, fp8=fp8))
+                p = buf.dispatch_send(value, idx, fp8=fp8)
                 out = ()
                 if work:
                     p, m = p.run_between(lambda v: busy(v, 0), value)
                     out += (m,)
-                d = place(lambda: buf.dispatch_recv(p))
+                d = buf.dispatch_recv(p)
                 rows = (jax_ep.dequantize_fp8(d.x, d.scales) if fp8 else d.x).astype(jnp.bfloat16)
-                p = place(lambda: buf.combine_send(rows, d.handle))
+                p = buf.combine_send(rows, d.handle)
                 if work:
                     p, m = p.run_between(lambda v: busy(v, 1), rows)
                     out += (m,)
-                out += (place(lambda: buf.combine_recv(p)),)
+                out += (buf.combine_recv(p),)
             # The next step waits for all of this one: XLA may neither merge steps' matmuls nor
             # start a send before the previous step's recv (a kind's halves run in order).
             return (sum(o.reshape(-1)[0].astype(jnp.float32) for o in out),) + out
@@ -286,20 +284,10 @@ def bench_overlap(mesh, cfg, tokens, num_sms, fp8, rng, steps, other_streams, ma
             kernels[name] = timer.kernels
         return (seconds - harness) * 1e6
 
-    streams = {"compute": lambda fn: fn()}
-    for name in other_streams:
-        if name == "compute":
-            raise ValueError("--streams: 'compute' is the variant without annotation")
-        streams[name] = lambda fn, name=name: jax_ep.on_stream(fn, name)()
     out = dict(tokens_per_rank=tokens, matmul=matmul, harness_us=harness * 1e6,
-               comm_us=time(layer(streams["compute"], work=False), "comm"),
-               matmuls_us=time(layer(streams["compute"], comm=False), "matmuls"))
-    for name, stream in streams.items():
-        try:
-            out[f"together_{name}_stream_us"] = time(layer(stream), f"together_{name}_stream")
-        except Exception as e:  # noqa: BLE001  (a jax without stream placement)
-            out[f"together_{name}_stream_us"] = None
-            out[f"{name}_stream_error"] = str(e)[:300]
+               comm_us=time(layer(work=False), "comm"),
+               matmuls_us=time(layer(comm=False), "matmuls"),
+               together_us=time(layer(), "together"))
     print("  overlap:", json.dumps(out), flush=True)
     return dict(out, kernels=kernels) if trace else out
 
@@ -337,9 +325,6 @@ def main(argv=None):
                         help="also time split ops around a matmul (the config's token count)")
     parser.add_argument("--trace", action="store_true",
                         help="also record each op's kernel times on the devices (profiler)")
-    parser.add_argument("--streams", default="",
-                        help="--overlap also with the halves annotated for these XLA streams, "
-                             "e.g. collective,1")
     args = parser.parse_args(argv)
     cfg = CONFIGS[args.config]
     args.graphs |= args.concurrent
@@ -365,8 +350,7 @@ def main(argv=None):
                               check=i == 0, steps=cfg["steps"], trace=args.trace)
     print(table(results))
     overlap = (bench_overlap(mesh, cfg, cfg["tokens"], args.num_sms, not args.bf16, rng,
-                             cfg["steps"], [s for s in args.streams.split(",") if s],
-                             trace=args.trace)
+                             cfg["steps"], trace=args.trace)
                if args.overlap else None)
     record = dict(machine=args.machine, date=datetime.date.today().isoformat(),
                   command="python -m bench.ep " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -19,7 +19,7 @@ struct DispatchSend {
   const float* topk_weights;     // [T, K]; null for a cached dispatch
   int32_t* send_pos;             // [T, R] j per destination or -1: written when fresh, read when cached
   int32_t* num_invalid;          // []: this rank's expert ids outside [-1, E) (fresh)
-  bool fresh() const { return topk_idx != nullptr; }
+  JAX_EP_HD bool fresh() const { return topk_idx != nullptr; }
   JAX_EP_HD int experts_per_rank(int num_ranks) const { return num_experts / num_ranks; }
   JAX_EP_HD int64_t wire_row_bytes() const { return fp8 ? hidden : int64_t(hidden) * dtype_size(x_dtype); }
 };
@@ -38,7 +38,7 @@ struct DispatchRecv {
   int32_t* tokens_per_expert;    // [E / R] distinct (row, local expert) pairs present
   int32_t* num_recv;             // [] rows present
   int32_t* num_dropped;          // [] rows beyond out_rows
-  bool fresh() const { return topk_out != nullptr; }
+  JAX_EP_HD bool fresh() const { return topk_out != nullptr; }
   JAX_EP_HD int64_t wire_row_bytes() const { return fp8 ? hidden : int64_t(hidden) * dtype_size(x_dtype); }
 };
 

@@ -53,6 +53,7 @@ struct Window {
   JAX_EP_HD int64_t received_at(int slot) const { return 8 + 8 * slot; }  // u64: last op received
   JAX_EP_HD int64_t ticket_at() const { return 24; }            // u32: blocks of a grid done
   JAX_EP_HD int64_t aborted_at() const { return 32; }           // u64: a wait timed out
+  JAX_EP_HD int64_t invalid_tally_at() const { return 40; }     // u32: a route's invalid ids
   // Route scratch (large dispatches on GPUs): rows earlier chunks of kChunkTokens send to rank d,
   // and rows per global expert.
   static constexpr int kChunkTokens = 1024;
@@ -63,8 +64,13 @@ struct Window {
   JAX_EP_HD int64_t expert_tally_at(int expert) const {
     return align_bytes(chunk_rows_at(max_chunks(), 0), 8) + 4 * int64_t(expert);
   }
+  // Each token's index among its chunk's tokens sent to rank d (then the send adds the chunk's).
+  JAX_EP_HD int64_t chunk_slot_at(int token, int rank) const {
+    return align_bytes(expert_tally_at(num_ranks * experts_per_rank), 8) +
+           4 * (int64_t(token) * num_ranks + rank);
+  }
   JAX_EP_HD int64_t local_end() const {
-    return align_bytes(expert_tally_at(num_ranks * experts_per_rank), 128);
+    return align_bytes(chunk_slot_at(rows_per_source, 0), 128);
   }
 
   // ---- control: written by peers

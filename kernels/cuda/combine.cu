@@ -1,11 +1,12 @@
-// Combine on NVLink GPUs: each rank pulls the rows of its own tokens from every rank's XLA buffer.
-// One kernel (<= num_sms blocks): block 0 publishes the address of this rank's rows; each warp
-// takes tokens and adds their rows from every rank (loaded over NVLink for peers) in rank order,
-// in float32, onto the bias, and stores the result once; the last block tells every peer it is
-// done reading its rows and waits until every peer is done reading this rank's.
-#include "kernels/cuda/comm.cuh"
+// Combine on GPUs, the mirror of dispatch.cu:
+//   send part  each rank-level row this rank kept goes back into row j of its source's block of
+//              that source's window (with its float32 extra columns, if any), flagged per part;
+//              every source gets a count word (rows kept for it).
+//   recv part  each token waits for the parts of the rows it sent and sums them from this
+//              rank's window in rank order onto the bias, in float32, rounded once. In a whole
+//              op a rank reads its rows from itself straight from its own rows.
 #include "kernels/cuda/rows.cuh"
-#include "kernels/layout.h"
+#include "kernels/cuda/sync.cuh"
 
 namespace jax_ep::cuda {
 namespace {
@@ -13,84 +14,198 @@ namespace {
 constexpr int kWarps = 16;
 
 struct Params {
-  CombineArgs a;
-  Link link;
+  Peers p;
+  CombineSend s;
+  CombineRecv v;
+  Part part;
+  const int32_t* ticket;
+  int32_t* token_out;
+  __host__ __device__ bool in_place() const { return part == Part::kWhole && p.direct_local; }
 };
 
-// Block 0 publishes this rank's rows; every block learns where each rank's rows are.
-__device__ __forceinline__ void share_rows(const Link& link, uint64_t seq, const void* mine,
-                                           const uint8_t** rows_of) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    void* ptrs[kMailboxPointers] = {const_cast<void*>(mine), nullptr, nullptr, nullptr};
-    publish(link.self, seq, ptrs);
+struct Pieces {  // as in dispatch.cu: rows in pieces of whole parts, so few rows use many warps
+  int parts, per_piece, pieces;
+  __device__ Pieces(int rows, int width) {
+    parts = (width + kPartElems - 1) / kPartElems;
+    const int warps = gridDim.x * kWarps;
+    const int want = max(1, min(parts, warps / max(rows, 1)));
+    per_piece = (parts + want - 1) / want;
+    pieces = (parts + per_piece - 1) / per_piece;
   }
-  if (threadIdx.x < link.num_ranks) {
-    void* ptrs[kMailboxPointers];
-    read_mailbox(link, threadIdx.x, seq, ptrs);
-    rows_of[threadIdx.x] = static_cast<const uint8_t*>(ptrs[0]);
+  __device__ int first(int piece) const { return piece * per_piece; }
+  __device__ int end(int piece) const { return min(parts, (piece + 1) * per_piece); }
+};
+
+// first[s]: this rank's first rank-level row from source s (the dispatch's counts); first[R]: all.
+__device__ void dispatch_offsets(const CombineSend& s, int num_ranks, int32_t* first) {
+  if (threadIdx.x == 0) {
+    int running = 0;
+    for (int r = 0; r < num_ranks; ++r) {
+      first[r] = running;
+      running += s.recv_counts[r];
+    }
+    first[num_ranks] = running;
   }
   __syncthreads();
 }
 
-// Each warp takes whole tokens: for every rank its row went to, in rank order, loads kUnroll
-// 16-byte vectors per lane from that rank's rows (NVLink for peers) and adds them in float32 onto
-// the bias; the sum is rounded once and stored.
-__global__ void __launch_bounds__(kWarps * 32, 1) pull_kernel(Params p) {
-  __shared__ const uint8_t* rows_of[kMaxRanks];
-  __shared__ const int4* row_at[kWarps][kMaxRanks];  // the current token's row on each rank
-  const CombineArgs& a = p.a;
-  const Link& link = p.link;
-  const int R = link.num_ranks, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const uint64_t seq = this_op(link.self);
-  share_rows(link, seq, a.row_data, rows_of);
-
-  const int64_t row_bytes = int64_t(a.width) * dtype_size(a.rows_dtype);
-  for (int t = blockIdx.x * kWarps + warp; t < a.num_tokens; t += gridDim.x * kWarps) {
-    const int32_t pos = lane < R ? a.send_pos[int64_t(t) * R + lane] : -1;
-    const uint32_t sources = __ballot_sync(~0u, pos >= 0);
-    if (pos >= 0) row_at[warp][lane] = reinterpret_cast<const int4*>(rows_of[lane] + pos * row_bytes);
-    __syncwarp();
-    sum_rows(a, t, sources, row_at[warp], 0, int(row_bytes / 16));
-    __syncwarp();
-  }
-
-  if (last_block_done(&link.self->ticket)) finish_op(link, seq, kWaitReleased);
+__device__ __forceinline__ int source_of(const int32_t* first, int row) {
+  int s = 0;
+  while (first[s + 1] <= row) ++s;
+  return s;
 }
 
-// Rows whose size is no multiple of 16 bytes: plain loads from the peers, same order.
-__global__ void pull_plain_kernel(Params p) {
-  __shared__ const uint8_t* rows_of[kMaxRanks];
-  const CombineArgs& a = p.a;
-  const Link& link = p.link;
-  const int R = link.num_ranks;
-  const uint64_t seq = this_op(link.self);
-  share_rows(link, seq, a.row_data, rows_of);
-  const int64_t n = int64_t(a.num_tokens) * a.width;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = i / a.width, c = i % a.width;
-    float acc = a.has_bias ? load_float(a.bias, i, a.bias_dtype) : 0.f;
-    for (int d = 0; d < R; ++d) {
-      const int32_t pos = a.send_pos[t * R + d];
-      if (pos >= 0) acc += load_float(rows_of[d], int64_t(pos) * a.width + c, a.rows_dtype);
-    }
-    store_float(a.out, i, a.out_dtype, acc);
+__device__ void send_back(const Params& P, uint64_t op, const int32_t* first) {
+  const Peers& p = P.p;
+  const Window& w = p.w;
+  const CombineSend& s = P.s;
+  const int R = w.num_ranks, me = p.rank, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int slot = int(op % kSlots), present = min(*s.num_rows, first[R]);
+  if (blockIdx.x == 0 && threadIdx.x < R) {  // rows kept per source (the rest were dropped)
+    const int src = threadIdx.x;
+    const int kept = max(0, min(present - first[src], first[src + 1] - first[src]));
+    store_release(p.word(src, w.counts_at(slot, me)),
+                  tagged(op, count_value(OpKind::kCombine, kept)));
   }
-  if (last_block_done(&link.self->ticket)) finish_op(link, seq, kWaitReleased);
+  const int64_t elem = dtype_size(s.rows_dtype), row_bytes = s.width * elem;
+  const Pieces pieces(present, s.width);
+  const int units = present * pieces.pieces, stride = gridDim.x * kWarps;
+  // Row i of this rank goes back to row j of its source's block there; in place: not sent.
+  auto dest = [&](int i) -> uint8_t* {
+    const int src = source_of(first, i);
+    if (src == me && P.in_place()) return nullptr;
+    return p.row(src, slot, me, i - first[src]);
+  };
+  for (int u = blockIdx.x * kWarps + warp; u < units; u += stride) {
+    const int i = u / pieces.pieces, piece = u % pieces.pieces;
+    uint8_t* to = dest(i);
+    if (!to) continue;
+    copy_bytes(to, static_cast<const uint8_t*>(s.row_data) + i * row_bytes,
+               pieces.first(piece) * kPartElems * elem,
+               min(row_bytes, pieces.end(piece) * kPartElems * elem));
+    if (s.extra && piece == 0)
+      for (int c = lane; c < s.extra_cols; c += 32)
+        reinterpret_cast<float*>(to + w.meta_at())[c] = s.extra[int64_t(i) * s.extra_cols + c];
+  }
+  __syncwarp();
+  fence_release_sys();
+  for (int u = blockIdx.x * kWarps + warp; u < units; u += stride) {
+    const int i = u / pieces.pieces, piece = u % pieces.pieces;
+    uint8_t* to = dest(i);
+    if (!to) continue;
+    uint64_t* flags = reinterpret_cast<uint64_t*>(to + w.flags_at());
+    for (int part = pieces.first(piece) + lane; part < pieces.end(piece); part += 32)
+      store_relaxed(flags + part, op);
+  }
+}
+
+// out[t] = bias[t] + its rows from every rank it was sent to, in rank order, in float32.
+__device__ void sum_back(const Params& P, uint64_t op) {
+  const Peers& p = P.p;
+  const Window& w = p.w;
+  const CombineRecv& v = P.v;
+  const int R = w.num_ranks, me = p.rank, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int slot = int(op % kSlots);
+  __shared__ int32_t kept[kMaxGpuRanks + 1];  // via row_offsets-like reads of the count words
+  __shared__ int32_t self_first[kMaxGpuRanks + 1];
+  __shared__ const int4* row_at[kWarps][kMaxGpuRanks];
+  __shared__ const float* extra_at[kWarps][kMaxGpuRanks];
+  __shared__ bool ok;
+  if (threadIdx.x == 0) ok = true;
+  __syncthreads();
+  if (threadIdx.x < R) {
+    const int d = threadIdx.x;
+    const uint64_t* word = p.word(me, w.counts_at(slot, d));
+    kept[d] = 0;
+    if (wait_tag(p, word, op, kWaitCounts, d)) {
+      const uint64_t value = load_volatile(word);
+      if (count_kind(value) != OpKind::kCombine) give_up(p, kKindMismatch, d, op);
+      kept[d] = min(count_rows(value), w.rows_per_source);
+    }
+  }
+  if (P.in_place()) dispatch_offsets(P.s, R, self_first);
+  __syncthreads();
+  if (threadIdx.x == 0) ok = !aborted(p);
+  __syncthreads();
+  if (!ok) return;
+  const int64_t elem = dtype_size(v.rows_dtype);
+  const bool vectors = (v.width * elem) % 16 == 0;
+  const Pieces pieces(v.num_tokens, v.width);
+  for (int u = blockIdx.x * kWarps + warp; u < v.num_tokens * pieces.pieces;
+       u += gridDim.x * kWarps) {
+    const int t = u / pieces.pieces, piece = u % pieces.pieces;
+    const int p0 = pieces.first(piece), p1 = pieces.end(piece);
+    int32_t j = lane < R ? v.send_pos[int64_t(t) * R + lane] : -1;
+    if (lane < R && j >= kept[lane]) j = -1;  // not sent, or dropped there
+    const uint32_t sources = __ballot_sync(~0u, j >= 0);
+    bool arrived = true;
+    if (j >= 0) {
+      const uint8_t* row;
+      if (lane == me && P.in_place()) {  // this rank's own row, where its combine input is
+        const int64_t i = self_first[me] + j;
+        row = static_cast<const uint8_t*>(P.s.row_data) + i * v.width * elem;
+        extra_at[warp][lane] = P.s.extra ? P.s.extra + i * v.extra_cols : nullptr;
+      } else {
+        row = p.row(me, slot, lane, j);
+        extra_at[warp][lane] = reinterpret_cast<const float*>(row + w.meta_at());
+        const uint64_t* flags = reinterpret_cast<const uint64_t*>(row + w.flags_at());
+        for (int part = p0; part < p1; ++part)
+          arrived &= wait_op(p, flags + part, op, kWaitRows, lane);
+      }
+      row_at[warp][lane] = reinterpret_cast<const int4*>(row);
+    }
+    if (!__all_sync(~0u, arrived)) continue;
+    __syncwarp();
+    const int c0 = p0 * kPartElems, c1 = min(v.width, p1 * kPartElems);
+    if (vectors) {
+      sum_rows(v, t, sources, row_at[warp], int(c0 * elem / 16), int(c1 * elem / 16));
+    } else {
+      for (int c = c0 + lane; c < c1; c += 32) {
+        const int64_t at = int64_t(t) * v.width + c;
+        float acc = v.bias ? load_float(v.bias, at, v.bias_dtype) : 0.f;
+        for (uint32_t m = sources; m; m &= m - 1)
+          acc += load_float(row_at[warp][__ffs(m) - 1], c, v.rows_dtype);
+        store_float(v.out, at, v.out_dtype, acc);
+      }
+    }
+    if (v.extra_out && piece == 0)  // the extra columns, in the same order
+      for (int c = lane; c < v.extra_cols; c += 32) {
+        float acc = 0.f;
+        for (uint32_t m = sources; m; m &= m - 1) acc += extra_at[warp][__ffs(m) - 1][c];
+        v.extra_out[int64_t(t) * v.extra_cols + c] = acc;
+      }
+    __syncwarp();
+  }
+  finish_recv(p, op);
+}
+
+__global__ void __launch_bounds__(kWarps * 32, 1) combine_kernel(Params P) {
+  __shared__ uint64_t op;
+  __shared__ int32_t first[kMaxGpuRanks + 1];
+  __shared__ bool stop;
+  if (threadIdx.x == 0) stop = aborted(P.p);  // an earlier op gave up: do nothing
+  __syncthreads();
+  if (stop) return;
+  const bool sending = P.part != Part::kRecv;
+  begin_op(P.p, sending ? Begin::kCount : Begin::kTicket, P.ticket, &op);
+  __syncthreads();
+  if (blockIdx.x == 0 && threadIdx.x == 0 && P.token_out) *P.token_out = int32_t(op);
+  if (sending) {
+    wait_slot_free(P.p, op);
+    dispatch_offsets(P.s, P.p.w.num_ranks, first);  // its barrier completes the wait
+    send_back(P, op, first);
+  }
+  if (P.part != Part::kSend) sum_back(P, op);
 }
 
 }  // namespace
 
-std::string combine(Comm& comm, int device, cudaStream_t stream, const CombineArgs& a) {
-  Comm::Rank* rank = nullptr;
-  if (auto err = comm.rank_on(device, &rank); !err.empty()) return err;
-  const Params p{a, rank->link};
-  const int blocks = bandwidth_blocks(comm.knobs, device);
-  if ((int64_t(a.width) * dtype_size(a.rows_dtype)) % 16 == 0) {
-    pull_kernel<<<blocks, kWarps * 32, 0, stream>>>(p);
-  } else {
-    pull_plain_kernel<<<blocks, 256, 0, stream>>>(p);
-  }
+std::string combine(const Rank& r, cudaStream_t stream, Part part, const CombineSend* send,
+                    const CombineRecv* recv, const int32_t* ticket, int32_t* token_out) {
+  if (auto err = r.failed(); !err.empty()) return err;
+  const Params P{r.peers(), send ? *send : CombineSend{}, recv ? *recv : CombineRecv{}, part,
+                 ticket, token_out};
+  combine_kernel<<<r.blocks, kWarps * 32, 0, stream>>>(P);
   JAX_EP_CUDA_TRY(cudaGetLastError());
   return {};
 }

@@ -1,308 +1,568 @@
-// Dispatch on NVLink GPUs. Two kernels on the op's stream:
-//   route  (a block per 1024 tokens) publishes this rank's output buffers, gives every token its
-//          slot per destination rank, all-gathers the per-rank row counts;
-//   send   (<= num_sms blocks) each warp takes tokens, loads a row (FP8-quantising it when
-//          asked) and stores it from registers straight into the output row of every
-//          destination rank, tallying rows per destination expert; the last block hands each
-//          rank its tally, announces the rows arrived, waits for every peer's rows and totals
-//          tokens per local expert.
-// A cached dispatch is the send kernel alone (its block 0 publishes the output buffers).
-#include <cuda_bf16.h>
-
-#include "kernels/cuda/comm.cuh"
+// Dispatch on GPUs (kernels/window.h has the memory, docs/ARCHITECTURE.md the protocol).
+//   send part  every block finds each token's row j among those this rank sends rank d (a
+//              ballot scan over the T tokens in shared memory, or for large batches the route
+//              kernel's slots plus their chunk's offset, or a handle's); block 0 tells every
+//              rank how many rows it gets, in all and per expert. Warps quantise and store
+//              pieces of each token's row once per destination, straight from registers into
+//              row j of this rank's block of the destination's window (NVLink for peers), with
+//              the token's local expert ids and weights, then raise the pieces' flags. In a
+//              whole op a rank's rows to itself go straight to their place in its output.
+//   recv part  from every source's count word, each output row's source; warps take pieces of
+//              rows in (source, j) order, wait for their flags and copy them into XLA's
+//              buffers; block 0 sums the sources' rows per expert.
+// A whole op runs both parts in one kernel, a split op one part per kernel.
 #include "kernels/cuda/rows.cuh"
+#include "kernels/cuda/sync.cuh"
 #include "kernels/fp8.h"
 #include "kernels/layout.h"
 
 namespace jax_ep::cuda {
 namespace {
 
-constexpr int kSendWarps = 24;
-constexpr int kMaxScales = 1024;   // per row (hidden <= 131072 when fp8): 128 KB of staging
+constexpr int kWarps = 16;
+constexpr int kScanChunks = kMaxInBlockTokens / 32;
+constexpr int kRouteThreads = Window::kChunkTokens;
+
+enum class Routing : int { kInBlock, kRouted, kCached };
 
 struct Params {
-  DispatchArgs a;
-  Link link;
+  Peers p;
+  DispatchSend s;
+  DispatchRecv v;
+  Part part;
+  Routing routing;
+  const int32_t* ticket;
+  int32_t* token_out;
+  // A whole op whose rows to this rank are written in place.
+  __host__ __device__ bool in_place() const { return part == Part::kWhole && p.direct_local; }
 };
 
-// One block per chunk of kRouteTokens tokens: each token's slot among the chunk's tokens sent to
-// each rank (send_pos; the send kernel adds the rows of earlier chunks and ranks), the chunk's
-// row counts in chunk_rows. The last block turns those into offsets and sends this rank's row
-// of the count matrix to every rank.
-__global__ void __launch_bounds__(kRouteTokens) route_kernel(Params p) {
-  const DispatchArgs& a = p.a;
-  const Link& link = p.link;
-  const int R = link.num_ranks, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  constexpr int kWarps = kRouteTokens / 32;
-  static_assert(kWarps == 32, "one lane per warp in the scan below");
-  __shared__ int32_t warp_rows[kWarps][kMaxRanks];  // then: rows of earlier warps
-  __shared__ int32_t invalid, total[kMaxRanks];
-  const uint64_t seq = this_op(link.self);
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    void* mine[kMailboxPointers] = {a.x_out, a.scales_out, a.topk_out, a.weights_out};
-    publish(link.self, seq, mine);
+// How a warp's work splits rows into pieces of whole parts: few rows still use many warps.
+struct Pieces {
+  int parts, per_piece, pieces;  // per row
+  __device__ Pieces(int rows, int width) {
+    parts = (width + kPartElems - 1) / kPartElems;
+    const int warps = gridDim.x * kWarps;
+    const int want = max(1, min(parts, warps / max(rows, 1)));
+    per_piece = (parts + want - 1) / want;
+    pieces = (parts + per_piece - 1) / per_piece;
   }
-  if (threadIdx.x == 0) invalid = 0;
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < R * a.experts_per_rank();
-       i += gridDim.x * blockDim.x)
-    link.self->expert_tally[i] = 0;
-  __syncthreads();
+  __device__ int first(int piece) const { return piece * per_piece; }
+  __device__ int end(int piece) const { return min(parts, (piece + 1) * per_piece); }
+};
 
-  const int t = blockIdx.x * kRouteTokens + threadIdx.x;
-  uint32_t mask = 0;
-  if (t < a.num_tokens) {
-    const int32_t* topk = a.topk_idx + int64_t(t) * a.num_topk;
-    mask = dest_rank_mask(topk, a.num_topk, a.num_experts, a.experts_per_rank());
-    if (int bad = count_invalid(topk, a.num_topk, a.num_experts)) atomicAdd(&invalid, bad);
+// Which ranks each token goes to and its row j among the tokens this rank sends there: bit t%32
+// of sent_to[t/32][d], and before[t/32][d] + the set bits below it.
+struct SendScan {
+  uint32_t sent_to[kScanChunks][kMaxGpuRanks];
+  int32_t before[kScanChunks][kMaxGpuRanks];
+  __device__ uint32_t mask(int t, int num_ranks) const {
+    uint32_t m = 0;
+    for (int d = 0; d < num_ranks; ++d) m |= (sent_to[t / 32][d] >> (t % 32) & 1u) << d;
+    return m;
   }
-  int32_t below[kMaxRanks];  // tokens of earlier lanes of this warp sent to d
-#pragma unroll
-  for (int d = 0; d < kMaxRanks; ++d) {
-    const uint32_t ballot = __ballot_sync(~0u, mask >> d & 1u);
-    below[d] = __popc(ballot & ((1u << lane) - 1u));
-    if (lane == 0 && d < R) warp_rows[warp][d] = __popc(ballot);
+  __device__ int32_t row(int t, int d) const {
+    return before[t / 32][d] + __popc(sent_to[t / 32][d] & ((1u << (t % 32)) - 1u));
   }
-  __syncthreads();
-  if (warp < R) {  // warp d scans the warps' counts for rank d
-    const int d = warp, n = warp_rows[lane][d];
+};
+
+// A warp per chunk of 32 tokens ballots their destinations; bad[warp] counts the invalid ids
+// its chunks hold. Needs no op number, so it runs while the op starts.
+__device__ void ballot_tokens(const DispatchSend& a, int R, SendScan& scan, int32_t* bad) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, El = a.experts_per_rank(R);
+  int invalid = 0;
+  for (int c = warp; c < (a.num_tokens + 31) / 32; c += kWarps) {
+    const int t = c * 32 + lane;
+    uint32_t m = 0;
+    if (t < a.num_tokens) {
+      const int32_t* topk = a.topk_idx + int64_t(t) * a.num_topk;
+      m = dest_rank_mask(topk, a.num_topk, a.num_experts, El);
+      invalid += count_invalid(topk, a.num_topk, a.num_experts);
+    }
+    for (int d = 0; d < R; ++d) {
+      const uint32_t ballot = __ballot_sync(~0u, m >> d & 1u);
+      if (lane == 0) scan.sent_to[c][d] = ballot;
+    }
+  }
+  for (int off = 16; off; off /= 2) invalid += __shfl_xor_sync(~0u, invalid, off);
+  if (lane == 0) bad[warp] = invalid;
+}
+
+// Warp 0, after the ballots: each chunk's first row per rank; total[d]: rows sent to rank d.
+__device__ void scan_rows(int num_tokens, int R, SendScan& scan, int32_t* total) {
+  const int lane = threadIdx.x % 32, chunks = (num_tokens + 31) / 32;
+  for (int d = 0; d < R; ++d) {
+    const int n = lane < chunks ? __popc(scan.sent_to[lane][d]) : 0;
     int inclusive = n;
 #pragma unroll
     for (int off = 1; off < 32; off *= 2) {
       const int up = __shfl_up_sync(~0u, inclusive, off);
       if (lane >= off) inclusive += up;
     }
-    warp_rows[lane][d] = inclusive - n;
-    if (lane == 31) link.self->chunk_rows[blockIdx.x][d] = inclusive;
+    if (lane < chunks) scan.before[lane][d] = inclusive - n;
+    if (lane == 31) total[d] = inclusive;
   }
-  if (threadIdx.x == 0 && invalid) atomicAdd(&link.self->route_invalid, invalid);
-  __syncthreads();
-  if (t < a.num_tokens)
-#pragma unroll
-    for (int d = 0; d < kMaxRanks; ++d)
-      if (d < R) a.send_pos[int64_t(t) * R + d] = mask >> d & 1u ? warp_rows[warp][d] + below[d] : -1;
+}
 
-  if (!last_block_done(&link.self->ticket)) return;
+// Adds to tally[e] the tokens that name global expert e (once however many of their slots do).
+__device__ void tally_tokens(const DispatchSend& a, int begin, int end, int32_t* tally) {
+  const int K = a.num_topk;
+  for (int i = begin * K + int(threadIdx.x); i < end * K; i += blockDim.x) {
+    const int32_t* topk = a.topk_idx + int64_t(i / K) * K;
+    const int k = i % K;
+    if (is_routed(topk[k], a.num_experts) && !row_has_expert(topk, k, topk[k]))
+      atomicAdd(&tally[topk[k]], 1);
+  }
+}
+
+// One thread per destination d < R: how many rows it gets (total[d]) and, per expert of d,
+// how many of them name it (tally, by global expert; null for a cached dispatch).
+__device__ void send_counts(const Params& P, uint64_t op, const int32_t* total,
+                            const int32_t* tally) {
+  const Peers& p = P.p;
+  const Window& w = p.w;
+  const int slot = int(op % kSlots), El = w.experts_per_rank;
+  for (int d = threadIdx.x; d < w.num_ranks; d += blockDim.x)
+    store_release(p.word(d, w.counts_at(slot, p.rank)),
+                  tagged(op, count_value(OpKind::kDispatch, total[d])));
+  if (tally)
+    for (int e = threadIdx.x; e < w.num_ranks * El; e += blockDim.x)
+      store_relaxed(p.word(e / El, w.expert_rows_at(slot, p.rank, e % El)), tagged(op, tally[e]));
+}
+
+// Large batches: a block per chunk of kRouteThreads tokens gives each token its index among the
+// chunk's tokens sent to each rank (chunk_slot scratch) and counts the chunk's rows (chunk_rows)
+// and rows per expert (expert_tally); the last block turns the chunk counts into offsets and
+// sends every rank its counts.
+__global__ void __launch_bounds__(kRouteThreads) route_kernel(Params P) {
+  extern __shared__ int32_t block_tally[];  // per global expert
+  __shared__ int32_t warp_rows[kRouteThreads / 32][kMaxGpuRanks];
+  __shared__ int32_t invalid, total[kMaxGpuRanks];
+  __shared__ uint64_t op;
+  const Peers& p = P.p;
+  const Window& w = p.w;
+  const DispatchSend& a = P.s;
+  const int R = w.num_ranks, El = w.experts_per_rank, lane = threadIdx.x % 32,
+            warp = threadIdx.x / 32;
+  uint8_t* mine = p.window[p.rank];
+  auto* chunk_rows = reinterpret_cast<int32_t*>(mine + w.chunk_rows_at(0, 0));
+  auto* expert_tally = reinterpret_cast<int32_t*>(mine + w.expert_tally_at(0));
+  auto* chunk_slot = reinterpret_cast<int32_t*>(mine + w.chunk_slot_at(0, 0));
+  auto* invalid_tally = reinterpret_cast<int32_t*>(mine + w.invalid_tally_at());
+  begin_op(p, Begin::kCount, nullptr, &op);
+  for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) block_tally[e] = 0;
+  if (threadIdx.x == 0) invalid = 0;
+  __syncthreads();
+  for (int c = blockIdx.x; c * kRouteThreads < a.num_tokens; c += gridDim.x) {
+    const int t = c * kRouteThreads + threadIdx.x;
+    uint32_t m = 0;
+    if (t < a.num_tokens) {
+      const int32_t* topk = a.topk_idx + int64_t(t) * a.num_topk;
+      m = dest_rank_mask(topk, a.num_topk, a.num_experts, El);
+      if (int bad = count_invalid(topk, a.num_topk, a.num_experts)) atomicAdd(&invalid, bad);
+    }
+    int32_t below[kMaxGpuRanks];  // tokens of earlier lanes of this warp sent to d
+#pragma unroll
+    for (int d = 0; d < kMaxGpuRanks; ++d) {
+      const uint32_t ballot = __ballot_sync(~0u, m >> d & 1u);
+      below[d] = __popc(ballot & ((1u << lane) - 1u));
+      if (lane == 0 && d < R) warp_rows[warp][d] = __popc(ballot);
+    }
+    __syncthreads();
+    if (warp < R) {  // warp d scans the warps' counts for rank d
+      const int d = warp, n = warp_rows[lane][d];
+      int inclusive = n;
+#pragma unroll
+      for (int off = 1; off < 32; off *= 2) {
+        const int up = __shfl_up_sync(~0u, inclusive, off);
+        if (lane >= off) inclusive += up;
+      }
+      warp_rows[lane][d] = inclusive - n;
+      if (lane == 31) chunk_rows[c * R + d] = inclusive;
+    }
+    __syncthreads();
+    if (t < a.num_tokens)
+#pragma unroll
+      for (int d = 0; d < kMaxGpuRanks; ++d)
+        if (d < R) chunk_slot[int64_t(t) * R + d] = m >> d & 1u ? warp_rows[warp][d] + below[d] : -1;
+    tally_tokens(a, c * kRouteThreads, min(a.num_tokens, (c + 1) * kRouteThreads), block_tally);
+    __syncthreads();
+  }
+  for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x)
+    if (block_tally[e]) atomicAdd(&expert_tally[e], block_tally[e]);
+  if (threadIdx.x == 0 && invalid) atomicAdd(invalid_tally, invalid);
+
+  if (!last_block_done(p)) return;
   if (threadIdx.x < R) {  // chunk counts -> rows of earlier chunks
     const int d = threadIdx.x;
-    volatile int32_t(*rows)[kMaxRanks] = link.self->chunk_rows;
+    volatile int32_t* rows = chunk_rows;
     int running = 0;
-    for (int c = 0; c < gridDim.x; ++c) {
-      const int n = rows[c][d];
-      rows[c][d] = running;
+    for (int c = 0; c * kRouteThreads < a.num_tokens; ++c) {
+      const int n = rows[c * R + d];
+      rows[c * R + d] = running;
       running += n;
     }
     total[d] = running;
   }
-  if (threadIdx.x == 0) {
-    volatile int32_t* seen = &link.self->route_invalid;
-    *a.num_invalid = *seen;
-    *seen = 0;
-  }
+  wait_slot_free(p, op);
   __syncthreads();
-  if (threadIdx.x < R) {  // my row of the count matrix, to every rank (myself included)
-    DeviceState* peer = link.peers[threadIdx.x];
-    int32_t* row = peer->counts[seq & 1][link.rank];
-    for (int d = 0; d < R; ++d) row[d] = total[d];
-    __threadfence_system();
-    store_release(&peer->counts_seq[seq & 1][link.rank], seq);
+  send_counts(P, op, total, expert_tally);
+  __syncthreads();
+  for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) expert_tally[e] = 0;  // next op
+  if (threadIdx.x == 0) {
+    *a.num_invalid = *reinterpret_cast<volatile int32_t*>(invalid_tally);
+    *invalid_tally = 0;
   }
 }
 
-// Each warp takes whole tokens: loads its row (kUnroll steps of loads in flight per lane),
-// quantizes it when asked, and stores it from registers straight into the output row of every
-// destination rank (NVLink for peers); scales and expert ids follow with coalesced stores.
+// Lane d (< R): the token's row j on rank d, or -1. `mask`: the ranks it goes to.
+__device__ int32_t row_on(const Params& P, const SendScan& scan, int t, uint32_t* mask) {
+  const Window& w = P.p.w;
+  const int R = w.num_ranks, lane = threadIdx.x % 32;
+  int32_t j = -1;
+  if (P.routing == Routing::kInBlock) {
+    const uint32_t m = scan.mask(t, R);
+    if (lane < R && (m >> lane & 1u)) j = scan.row(t, lane);
+  } else if (lane < R) {
+    const uint8_t* mine = P.p.window[P.p.rank];
+    if (P.routing == Routing::kCached) {
+      j = P.s.send_pos[int64_t(t) * R + lane];
+    } else {
+      j = reinterpret_cast<const int32_t*>(mine + w.chunk_slot_at(t, lane))[0];
+      if (j >= 0) j += reinterpret_cast<const int32_t*>(mine + w.chunk_rows_at(t / kRouteThreads, lane))[0];
+    }
+    if (j >= w.rows_per_source) j = -1;  // a handle that does not fit the window: not sent
+  }
+  *mask = __ballot_sync(~0u, j >= 0);
+  return j;
+}
+
+// The raised flags of parts [p0, p1) of `row` (the warp's stores of them are fenced).
+__device__ __forceinline__ void raise_flags(const Window& w, uint8_t* row, int p0, int p1,
+                                            uint64_t op) {
+  uint64_t* flags = reinterpret_cast<uint64_t*>(row + w.flags_at());
+  for (int part = p0 + threadIdx.x % 32; part < p1; part += 32) store_relaxed(flags + part, op);
+}
+
+// The warp waits until parts [p0, p1) of `row`, from rank `source`, have come.
+__device__ __forceinline__ bool wait_parts(const Peers& p, const uint8_t* row, int p0, int p1,
+                                           uint64_t op, int source) {
+  const uint64_t* flags = reinterpret_cast<const uint64_t*>(row + p.w.flags_at());
+  bool ok = true;
+  for (int part = p0 + threadIdx.x % 32; part < p1; part += 32)
+    ok &= wait_op(p, flags + part, op, kWaitRows, source);
+  return __all_sync(~0u, ok);
+}
+
 template <typename T, bool kFp8>
-__global__ void __launch_bounds__(kSendWarps * 32, 1) send_kernel(Params p, bool aligned) {
+__device__ void send_tokens(const Params& P, uint64_t op, const SendScan& scan, float* stage,
+                            int first_self, bool aligned) {
   using Step = RowStep<T, kFp8>;
-  extern __shared__ float scale_stage[];  // per warp: the scales of its current row
-  const DispatchArgs& a = p.a;
-  const Link& link = p.link;
-  const int R = link.num_ranks, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const uint64_t seq = this_op(link.self);
-  __shared__ int32_t first_row[kMaxRanks];
-  __shared__ void* dest[kMaxRanks][kMailboxPointers];
-  __shared__ int32_t present, received;
-  __shared__ uint8_t* out_rows_of[kSendWarps][kMaxRanks];  // the current token's row on each rank
-  __shared__ float* scales_of[kSendWarps][kMaxRanks];       // and its scales
+  static_assert(kPartElems % Step::kStep == 0, "a part is whole steps");
+  constexpr int kStepsPerPart = kPartElems / Step::kStep;
+  const Peers& p = P.p;
+  const Window& w = p.w;
+  const DispatchSend& a = P.s;
+  const DispatchRecv& v = P.v;
+  const int R = w.num_ranks, me = p.rank, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int K = a.num_topk, slot = int(op % kSlots), El = a.experts_per_rank(R);
+  const bool fresh = a.fresh();
+  __shared__ uint8_t* x_dst[kWarps][kMaxGpuRanks];  // the warp's token's row on each rank
+  __shared__ float* scale_dst[kWarps][kMaxGpuRanks];
+  const Pieces pieces(a.num_tokens, a.hidden);
+  const int units = a.num_tokens * pieces.pieces, stride = gridDim.x * kWarps;
+  const int steps = (a.hidden + Step::kStep - 1) / Step::kStep;
+  const int64_t out_row = v.wire_row_bytes();
+  const int num_scales = kFp8 ? w.num_scales() : 0;
 
+  // Lane d: the token's row on rank d, in place (this rank's output) or in d's window.
+  auto place = [&](int t, uint32_t* mask, uint32_t* in_place) {
+    const int32_t j = row_on(P, scan, t, mask);
+    const bool here = P.in_place() && lane == me && j >= 0 && first_self + j < v.out_rows;
+    *in_place = __ballot_sync(~0u, here);
+    return j;
+  };
+  for (int u = blockIdx.x * kWarps + warp; u < units; u += stride) {
+    const int t = u / pieces.pieces, piece = u % pieces.pieces;
+    uint32_t m, here;
+    const int32_t j = place(t, &m, &here);
+    if (fresh && piece == 0 && lane < R) a.send_pos[int64_t(t) * R + lane] = j;
+    if (!m) continue;
+    if (here >> lane & 1u) {
+      const int64_t i = first_self + j;
+      x_dst[warp][lane] = static_cast<uint8_t*>(v.x_out) + i * out_row;
+      scale_dst[warp][lane] = kFp8 ? v.scales_out + i * num_scales : nullptr;
+    } else if (j >= 0) {
+      uint8_t* row = p.row(lane, slot, me, j);
+      x_dst[warp][lane] = row;
+      scale_dst[warp][lane] = reinterpret_cast<float*>(row + w.scales_at());
+    }
+    __syncwarp();
+    const uint8_t* x = static_cast<const uint8_t*>(a.x) + int64_t(t) * a.hidden * sizeof(T);
+    send_row<T, kFp8>(x, a.hidden, a.round_scale, m, x_dst[warp], scale_dst[warp], stage,
+                      pieces.first(piece) * kStepsPerPart,
+                      min(steps, pieces.end(piece) * kStepsPerPart), aligned);
+    if (fresh && piece == 0) {  // the token's slots as each destination sees them
+      const int32_t* topk = a.topk_idx + int64_t(t) * K;
+      for (uint32_t mm = m; mm; mm &= mm - 1) {
+        const int d = __ffs(mm) - 1;
+        int32_t* ids;
+        float* weights;
+        if (here >> d & 1u) {
+          const int64_t i = first_self + __shfl_sync(~0u, j, d);
+          ids = v.topk_out + i * K;
+          weights = v.weights_out + i * K;
+        } else {
+          ids = reinterpret_cast<int32_t*>(x_dst[warp][d] + w.meta_at());
+          weights = reinterpret_cast<float*>(ids + K);
+        }
+        for (int k = lane; k < K; k += 32) {
+          const int32_t local = local_expert_on(topk[k], d, a.num_experts, El);
+          ids[k] = local;
+          weights[k] = local >= 0 ? a.topk_weights[int64_t(t) * K + k] : 0.f;
+        }
+      }
+    }
+    __syncwarp();  // the warp's staging is free again
+  }
+  // One system fence for all of the warp's stores, then the flags of its pieces in windows.
+  __syncwarp();
+  fence_release_sys();
+  for (int u = blockIdx.x * kWarps + warp; u < units; u += stride) {
+    const int t = u / pieces.pieces, piece = u % pieces.pieces;
+    uint32_t m, here;
+    const int32_t j = place(t, &m, &here);
+    for (uint32_t mm = m & ~here; mm; mm &= mm - 1) {
+      const int d = __ffs(mm) - 1;
+      raise_flags(w, p.row(d, slot, me, __shfl_sync(~0u, j, d)), pieces.first(piece),
+                  pieces.end(piece), op);
+    }
+  }
+}
+
+// Threads s < R: rows[s], what source s sends this rank in op `op` (its count word); then
+// first[s], its first row in (source, j) order, first[R] all. False if this rank gave up.
+__device__ bool row_offsets(const Peers& p, uint64_t op, OpKind kind, int32_t* first) {
+  __shared__ int32_t rows[kMaxGpuRanks];
+  __shared__ bool ok;
+  const Window& w = p.w;
+  const int s = threadIdx.x;
+  if (s == 0) ok = true;
+  __syncthreads();
+  if (s < w.num_ranks) {
+    const uint64_t* word = p.word(p.rank, w.counts_at(int(op % kSlots), s));
+    if (wait_tag(p, word, op, kWaitCounts, s)) {
+      const uint64_t value = load_volatile(word);
+      if (count_kind(value) != kind) give_up(p, kKindMismatch, s, op);
+      rows[s] = min(count_rows(value), w.rows_per_source);
+    } else {
+      rows[s] = 0;
+    }
+  }
+  __syncthreads();
   if (threadIdx.x == 0) {
-    if (a.cached) {
-      received = present = *a.cached_num_recv;
-    } else {
-      received = 0;
-      for (int s = 0; s < R; ++s)
-        wait_for(link, &link.self->counts_seq[seq & 1][s], seq, kWaitCounts, s);
-      const volatile int32_t(*counts)[kMaxRanks] = link.self->counts[seq & 1];
-      for (int d = 0; d < R; ++d) {
-        int before = 0;
-        for (int s = 0; s < link.rank; ++s) before += counts[s][d];
-        first_row[d] = before;
-      }
-      for (int s = 0; s < R; ++s) received += counts[s][link.rank];
-      present = received < a.out_rows ? received : a.out_rows;
-      if (blockIdx.x == 0) {
-        for (int s = 0; s < R; ++s) a.recv_counts[s] = counts[s][link.rank];
-        *a.num_recv = present;
-        *a.num_dropped = received - present;
-      }
+    int running = 0;
+    for (int r = 0; r < w.num_ranks; ++r) {
+      first[r] = running;
+      running += rows[r];
     }
+    first[w.num_ranks] = running;
+    ok = !aborted(p);
   }
-  if (a.cached && blockIdx.x == 0 && threadIdx.x == 0) {
-    void* mine[kMailboxPointers] = {a.x_out, a.scales_out, nullptr, nullptr};
-    publish(link.self, seq, mine);
-  }
-  if (threadIdx.x < R) read_mailbox(link, threadIdx.x, seq, dest[threadIdx.x]);
   __syncthreads();
+  return ok;
+}
 
-  const int64_t in_row = int64_t(a.hidden) * sizeof(T);
-  const int64_t out_row = a.x_out_row_bytes();
-  const int num_scales = kFp8 ? a.scales_per_row() : 0;
-  float* scales = scale_stage + warp * num_scales;
+__device__ __forceinline__ int source_of(const int32_t* first, int row) {
+  int s = 0;
+  while (first[s + 1] <= row) ++s;
+  return s;
+}
 
-  // A token's routing, loaded one token ahead (its loads in flight while the warp sends the
-  // current row): lane d its slot among the rows sent to rank d, that chunk's first row there;
-  // lane k < 32 its k-th expert and weight.
-  struct Route {
-    int32_t slot = -1, chunk_row = 0, expert = -1;
-    float weight = 0.f;
-  };
-  auto route_of = [&](int t) {
-    Route r;
-    if (t >= a.num_tokens) return r;
-    if (lane < R) {
-      r.slot = a.send_pos[int64_t(t) * R + lane];
-      if (!a.cached) r.chunk_row = link.self->chunk_rows[t / kRouteTokens][lane];
+// Block 0 (fresh dispatch): tokens per local expert, as their sources counted them, less those
+// in rows dropped for capacity (rows [present, first[R])).
+__device__ void tally_experts(const Params& P, uint64_t op, const int32_t* first, int present,
+                              int32_t* tally) {
+  const Peers& p = P.p;
+  const Window& w = p.w;
+  const int K = w.num_topk, El = w.experts_per_rank, R = w.num_ranks, slot = int(op % kSlots);
+  for (int e = threadIdx.x; e < El; e += blockDim.x) {
+    int rows = 0;
+    for (int s = 0; s < R; ++s) {
+      const uint64_t* word = p.word(p.rank, w.expert_rows_at(slot, s, e));
+      if (wait_tag(p, word, op, kWaitCounts, s)) rows += int(tag_value(load_volatile(word)));
     }
-    if (!a.cached && lane < a.num_topk) {
-      r.expert = a.topk_idx[int64_t(t) * a.num_topk + lane];
-      r.weight = a.topk_weights[int64_t(t) * a.num_topk + lane];
-    }
-    return r;
-  };
-  const int stride = gridDim.x * kSendWarps;
-  Route next = route_of(blockIdx.x * kSendWarps + warp);
-  for (int t = blockIdx.x * kSendWarps + warp; t < a.num_tokens; t += stride) {
-    const Route route = next;
-    next = route_of(t + stride);
-    if (t + stride < a.num_tokens)  // and the next row into L2, its first loads then hit there
-      for (int64_t at = lane * 128; at < in_row; at += 32 * 128)
-        prefetch_l2(static_cast<const uint8_t*>(a.x) + (t + stride) * in_row + at);
-    // Lane d holds the token's row on rank d (-1: not sent there, or past the capacity).
-    int32_t pos = route.slot;
-    if (!a.cached && pos >= 0) {
-      pos += first_row[lane] + route.chunk_row;
-      if (pos >= a.out_rows) pos = -1;
-      a.send_pos[int64_t(t) * R + lane] = pos;
-    }
-    const uint32_t targets = __ballot_sync(~0u, pos >= 0);
-    if (!targets) continue;
-    const uint8_t* row = static_cast<const uint8_t*>(a.x) + t * in_row;
-    uint8_t** out = out_rows_of[warp];
-    if (pos >= 0) out[lane] = static_cast<uint8_t*>(dest[lane][0]) + int64_t(pos) * out_row;
-    __syncwarp();
-
-    if (pos >= 0)
-      scales_of[warp][lane] = kFp8 ? static_cast<float*>(dest[lane][1]) + int64_t(pos) * num_scales
-                                   : nullptr;
-    __syncwarp();
-    int32_t expert = route.expert;
-    float weight = route.weight;
-    send_row<T, kFp8>(row, a.hidden, a.round_scale, targets, out, scales_of[warp], scales, 0,
-                      (a.hidden + Step::kStep - 1) / Step::kStep, aligned);
-    if (!a.cached) {  // local expert ids and weights as each destination sees them
-      const int32_t* topk = a.topk_idx + int64_t(t) * a.num_topk;
-      const float* weights = a.topk_weights + int64_t(t) * a.num_topk;
-      for (int k0 = 0; k0 < a.num_topk; k0 += 32) {
-        const int k = k0 + lane;
-        if (k0 > 0) {
-          expert = k < a.num_topk ? topk[k] : -1;
-          weight = k < a.num_topk ? weights[k] : 0.f;
-        }
-        // The same expert in an earlier slot: the pair counts once.
-        const uint32_t same = __match_any_sync(~0u, expert);
-        const bool repeated = (same & ((1u << lane) - 1u)) || row_has_expert(topk, k0, expert);
-        for (uint32_t m = targets; m; m &= m - 1) {
-          const int d = __ffs(m) - 1;
-          const int64_t at = int64_t(__shfl_sync(~0u, pos, d)) * a.num_topk + k;
-          if (k >= a.num_topk) continue;
-          const int32_t local = local_expert_on(expert, d, a.num_experts, a.experts_per_rank());
-          static_cast<int32_t*>(dest[d][2])[at] = local;
-          static_cast<float*>(dest[d][3])[at] = local >= 0 ? weight : 0.f;
-          if (local >= 0 && !repeated)
-            atomicAdd(&link.self->expert_tally[d * a.experts_per_rank() + local], 1);
-        }
-      }
-    }
-    __syncwarp();  // the warp's scale and row-address staging is free again
+    tally[e] = rows;
   }
-
-  // Padding rows of this rank's own outputs: zeros, expert -1, weight 0.
-  const int64_t pad_rows = a.out_rows - present;
-  if (pad_rows > 0) {
-    const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-    const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-    uint8_t* x_pad = static_cast<uint8_t*>(a.x_out) + present * out_row;
-    if (out_row % 16 == 0) {
-      for (int64_t i = tid; i < pad_rows * out_row / 16; i += stride)
-        reinterpret_cast<int4*>(x_pad)[i] = make_int4(0, 0, 0, 0);
-    } else {
-      for (int64_t i = tid; i < pad_rows * out_row; i += stride) x_pad[i] = 0;
-    }
-    if (kFp8)
-      for (int64_t i = tid; i < pad_rows * num_scales; i += stride)
-        a.scales_out[present * num_scales + i] = 0.f;
-    if (!a.cached)
-      for (int64_t i = tid; i < pad_rows * a.num_topk; i += stride) {
-        a.topk_out[present * a.num_topk + i] = -1;
-        a.weights_out[present * a.num_topk + i] = 0.f;
-      }
-  }
-
-  __threadfence_system();  // every thread's stores, before the last block announces them
-  if (!last_block_done(&link.self->ticket)) return;
-  const int El = a.experts_per_rank();
-  if (!a.cached)  // each destination gets this rank's tally of the rows it was sent
-    for (int i = threadIdx.x; i < R * El; i += blockDim.x)
-      link.peers[i / El]->expert_inbox[((seq & 1) * R + link.rank) * El + i % El] =
-          link.self->expert_tally[i];
-  __threadfence_system();
   __syncthreads();
-  finish_op(link, seq, kWaitArrived);
-  if (!a.cached)
-    for (int e = threadIdx.x; e < El; e += blockDim.x) {
-      int total = 0;
-      for (int src = 0; src < R; ++src)
-        total += static_cast<volatile int32_t*>(link.self->expert_inbox)[((seq & 1) * R + src) * El + e];
-      a.tokens_per_expert[e] = total;
+  for (int row = present + threadIdx.x; row < first[R]; row += blockDim.x) {
+    const int s = source_of(first, row);
+    const uint8_t* at = p.row(p.rank, slot, s, row - first[s]);
+    if (!wait_op(p, reinterpret_cast<const uint64_t*>(at + w.flags_at()), op, kWaitRows, s))
+      continue;
+    const int32_t* ids = reinterpret_cast<const int32_t*>(at + w.meta_at());
+    for (int k = 0; k < K; ++k)
+      if (ids[k] >= 0 && !row_has_expert(ids, k, ids[k])) atomicSub(&tally[ids[k]], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < El; e += blockDim.x) P.v.tokens_per_expert[e] = tally[e];
+}
+
+__device__ void receive_tokens(const Params& P, uint64_t op, int32_t* tally) {
+  const Peers& p = P.p;
+  const Window& w = p.w;
+  const DispatchRecv& v = P.v;
+  const int R = w.num_ranks, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int slot = int(op % kSlots), K = v.num_topk;
+  const bool fresh = v.fresh();
+  __shared__ int32_t first[kMaxGpuRanks + 1];
+  if (!row_offsets(p, op, OpKind::kDispatch, first)) return;
+  const int present = min(first[R], v.out_rows);
+  if (fresh && blockIdx.x == 0) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < R; ++s) v.recv_counts[s] = first[s + 1] - first[s];
+      *v.num_recv = present;
+      *v.num_dropped = first[R] - present;
     }
+    tally_experts(P, op, first, present, tally);
+  }
+
+  const int64_t x_elem = v.fp8 ? 1 : dtype_size(v.x_dtype);
+  const int num_scales = v.fp8 ? w.num_scales() : 0;
+  const Pieces pieces(v.out_rows, v.hidden);
+  // Block 0, busy with the tally, takes the last units.
+  const int order = (blockIdx.x + gridDim.x - 1) % gridDim.x;
+  for (int u = order * kWarps + warp; u < v.out_rows * pieces.pieces; u += gridDim.x * kWarps) {
+    const int i = u / pieces.pieces, piece = u % pieces.pieces;
+    const int p0 = pieces.first(piece), p1 = pieces.end(piece);
+    const uint8_t* row = nullptr;  // padding rows: zeros, expert -1, weight 0
+    if (i < present) {
+      const int s = source_of(first, i);
+      if (s == p.rank && P.in_place()) continue;  // written in place by the send part
+      row = p.row(p.rank, slot, s, i - first[s]);
+      if (!wait_parts(p, row, p0, p1, op, s)) continue;
+    }
+    const int64_t e0 = int64_t(p0) * kPartElems, e1 = min(int64_t(v.hidden), int64_t(p1) * kPartElems);
+    copy_bytes(static_cast<uint8_t*>(v.x_out) + i * v.wire_row_bytes(), row, e0 * x_elem,
+               e1 * x_elem);
+    if (num_scales)
+      copy_bytes(v.scales_out + int64_t(i) * num_scales, row ? row + w.scales_at() : nullptr,
+                 e0 / kFp8BlockElems * 4, e1 / kFp8BlockElems * 4);
+    if (!fresh || piece != 0) continue;
+    const int32_t* ids = row ? reinterpret_cast<const int32_t*>(row + w.meta_at()) : nullptr;
+    for (int k = lane; k < K; k += 32) {
+      v.topk_out[int64_t(i) * K + k] = ids ? ids[k] : -1;
+      v.weights_out[int64_t(i) * K + k] = ids ? reinterpret_cast<const float*>(ids + K)[k] : 0.f;
+    }
+  }
+  finish_recv(p, op);
+}
+
+// The rows this rank sends itself that come before its own (ranks below it), for writing them
+// in place: first_self = the rows of every lower rank.
+__device__ void rows_before_self(const Peers& p, uint64_t op, int32_t* first_self) {
+  __shared__ int32_t rows[kMaxGpuRanks];
+  const int s = threadIdx.x;
+  if (s < p.rank) {
+    const uint64_t* word = p.word(p.rank, p.w.counts_at(int(op % kSlots), s));
+    rows[s] = wait_tag(p, word, op, kWaitLower, s) ? count_rows(load_volatile(word)) : 0;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int r = 0; r < p.rank; ++r) n += rows[r];
+    *first_self = n;
+  }
+  __syncthreads();
 }
 
 template <typename T, bool kFp8>
-cudaError_t launch_send(const Params& p, int blocks, bool aligned, cudaStream_t stream) {
-  const size_t smem = kFp8 ? kSendWarps * p.a.scales_per_row() * sizeof(float) : 0;
-  return launch(send_kernel<T, kFp8>, blocks, kSendWarps * 32, smem, stream, p, aligned);
+__global__ void __launch_bounds__(kWarps * 32, 1) dispatch_kernel(Params P, bool aligned) {
+  extern __shared__ float dynamic[];  // per warp its row's scales, then the expert tallies
+  __shared__ uint64_t op;
+  __shared__ SendScan scan;
+  __shared__ int32_t bad[kWarps], total[kMaxGpuRanks], first_self;
+  __shared__ bool stop;
+  const Peers& p = P.p;
+  const Window& w = p.w;
+  const DispatchSend& a = P.s;
+  const int R = w.num_ranks, warp = threadIdx.x / 32;
+  const int num_scales = kFp8 ? w.num_scales() : 0;
+  int32_t* tally = reinterpret_cast<int32_t*>(dynamic + kWarps * num_scales);
+  if (threadIdx.x == 0) stop = aborted(p);  // an earlier op gave up: do nothing
+  __syncthreads();
+  if (stop) return;
+  const bool sending = P.part != Part::kRecv;
+  const bool in_block = sending && P.routing == Routing::kInBlock;
+  begin_op(p, !sending ? Begin::kTicket : P.routing == Routing::kRouted ? Begin::kFollow
+                                                                         : Begin::kCount,
+           P.ticket, &op);
+  const bool counts_here = blockIdx.x == 0 && sending && P.routing != Routing::kRouted;
+  if (counts_here && in_block)
+    for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) tally[e] = 0;
+  if (in_block) ballot_tokens(a, R, scan, bad);
+  __syncthreads();  // the op's number, the ballots, the zeroed tally
+  if (blockIdx.x == 0 && threadIdx.x == 0 && P.token_out) *P.token_out = int32_t(op);
+  if (sending) {
+    wait_slot_free(p, op);
+    if (in_block && warp == 0) scan_rows(a.num_tokens, R, scan, total);
+    if (counts_here && in_block) tally_tokens(a, 0, a.num_tokens, tally);
+    if (counts_here && !in_block)  // a cached dispatch: count the handle's rows per rank
+      for (int d = warp; d < R; d += kWarps) {
+        int n = 0;
+        for (int t = threadIdx.x % 32; t < a.num_tokens; t += 32) {
+          const int32_t j = a.send_pos[int64_t(t) * R + d];
+          n += j >= 0 && j < w.rows_per_source;
+        }
+        for (int off = 16; off; off /= 2) n += __shfl_xor_sync(~0u, n, off);
+        if (threadIdx.x % 32 == 0) total[d] = n;
+      }
+    __syncthreads();
+    if (counts_here) {
+      send_counts(P, op, total, in_block ? tally : nullptr);
+      if (in_block && threadIdx.x == 0) {
+        int invalid = 0;
+        for (int wp = 0; wp < kWarps; ++wp) invalid += bad[wp];
+        *a.num_invalid = invalid;
+      }
+    }
+    if (P.in_place()) rows_before_self(p, op, &first_self);
+    send_tokens<T, kFp8>(P, op, scan, dynamic + warp * num_scales, P.in_place() ? first_self : 0,
+                         aligned);
+  }
+  if (P.part != Part::kSend) receive_tokens(P, op, tally);
+}
+
+template <typename T, bool kFp8>
+cudaError_t launch_dispatch(const Params& P, int blocks, bool aligned, cudaStream_t stream) {
+  const size_t smem = sizeof(float) * (kFp8 ? kWarps * P.p.w.num_scales() : 0) +
+                      sizeof(int32_t) * (P.p.w.num_ranks * P.p.w.experts_per_rank);
+  return launch(dispatch_kernel<T, kFp8>, blocks, kWarps * 32, smem, stream, P, aligned);
 }
 
 }  // namespace
 
-std::string dispatch(Comm& comm, int device, cudaStream_t stream, const DispatchArgs& a) {
-  Comm::Rank* rank = nullptr;
-  if (auto err = comm.rank_on(device, &rank); !err.empty()) return err;
-  if (a.fp8 && a.scales_per_row() > kMaxScales) return "jax_ep: fp8 dispatch supports hidden <= 131072";
-  if (!a.cached && a.num_tokens > kRouteTokens * kMaxRouteChunks)
-    return "jax_ep: dispatch supports at most " + std::to_string(kRouteTokens * kMaxRouteChunks) +
-           " tokens per rank";
-  const Params p{a, rank->link};
-  const int blocks = bandwidth_blocks(comm.knobs, device);
-  if (!a.cached) {
-    const int chunks = max(1, (a.num_tokens + kRouteTokens - 1) / kRouteTokens);
-    route_kernel<<<chunks, kRouteTokens, 0, stream>>>(p);
-    JAX_EP_CUDA_TRY(cudaGetLastError());
+std::string dispatch(const Rank& r, cudaStream_t stream, Part part, const DispatchSend* send,
+                     const DispatchRecv* recv, bool low_latency, const int32_t* ticket,
+                     int32_t* token_out) {
+  if (auto err = r.failed(); !err.empty()) return err;
+  Params P{r.peers(), send ? *send : DispatchSend{}, recv ? *recv : DispatchRecv{}, part,
+           Routing::kCached, ticket, token_out};
+  if (send && send->fp8 && send->hidden / kFp8BlockElems > kMaxScalesPerRow)
+    return "jax_ep: fp8 dispatch supports hidden <= " + std::to_string(kMaxScalesPerRow * 128);
+  if (send && send->fresh()) {
+    const bool in_block = low_latency && send->num_tokens <= kMaxInBlockTokens;
+    P.routing = in_block ? Routing::kInBlock : Routing::kRouted;
+    if (!in_block)
+      JAX_EP_CUDA_TRY(launch(route_kernel, r.blocks, kRouteThreads,
+                             sizeof(int32_t) * send->num_experts, stream, P));
   }
-
-  const bool aligned = (int64_t(a.hidden) * dtype_size(a.x_dtype)) % 16 == 0;
-  JAX_EP_CUDA_TRY(with_row_type(a.x_dtype, a.fp8, [&](auto t, auto fp8) {
-    return launch_send<decltype(t), decltype(fp8)::value>(p, blocks, aligned, stream);
+  const Dtype x_dtype = send ? send->x_dtype : recv->x_dtype;
+  const bool fp8 = send ? send->fp8 : recv->fp8;
+  const int hidden = send ? send->hidden : recv->hidden;
+  const bool aligned = (int64_t(hidden) * dtype_size(x_dtype)) % 16 == 0;
+  JAX_EP_CUDA_TRY(with_row_type(x_dtype, fp8, [&](auto t, auto is_fp8) {
+    return launch_dispatch<decltype(t), decltype(is_fp8)::value>(P, r.blocks, aligned, stream);
   }));
   return {};
 }

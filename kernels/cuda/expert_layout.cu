@@ -1,7 +1,7 @@
 // Expert layout of a rank's received rows (local to the rank): one block per local expert counts
 // its rows, then one block per expert places them in rank-layout order in its block (after the
 // aligned blocks of the experts before it, or at a fixed stride in the padded layout).
-#include "kernels/cuda/comm.cuh"
+#include "kernels/cuda/sync.cuh"
 #include "kernels/layout.h"
 
 namespace jax_ep::cuda {

@@ -1,5 +1,5 @@
-// Moving and summing rows, one warp per row: shared by the throughput kernels (dispatch.cu,
-// combine.cu) and the low-latency ones (low_latency.cu).
+// Moving and summing rows, one warp per row: what the dispatch and combine kernels (and the
+// probes under bench/) share.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -228,13 +228,13 @@ constexpr int kSumUnroll = 4;  // 16-byte vectors per lane and source in flight
 // (the fixed summation order), accumulated in float32 and rounded once; 16-byte vectors
 // [first, vectors) of rows of 16-byte multiples. Sources are loaded two at a time, so a peer's
 // loads are in flight together with the local ones.
-__device__ __forceinline__ void sum_rows(const CombineArgs& a, int t, uint32_t sources,
+__device__ __forceinline__ void sum_rows(const CombineRecv& a, int t, uint32_t sources,
                                          const int4* const* row_at, int first, int vectors) {
   const int lane = threadIdx.x % 32;
   const int per_vector = 16 / dtype_size(a.rows_dtype);
   for (int v0 = first; v0 < vectors; v0 += 32 * kSumUnroll) {
     float acc[kSumUnroll][8] = {};
-    if (a.has_bias) {
+    if (a.bias) {
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u) {
         const int v = v0 + u * 32 + lane;

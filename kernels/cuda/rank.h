@@ -1,0 +1,76 @@
+// The CUDA backend's rank: one GPU of an EP group, the windows of its group as this GPU reaches
+// them (kernels/comm/nccl.h), and what its kernels need to find their peers and give up on them.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/limits.h"
+#include "kernels/ops.h"
+#include "kernels/window.h"
+
+namespace jax_ep::cuda {
+
+// Why a kernel gave up; in host-mapped memory, so the host reads it without a sync.
+struct Failure {
+  int32_t code;   // 0: none, else a Wait
+  int32_t peer;
+  int32_t rank;
+  int32_t pad;
+  uint64_t op;
+};
+
+enum Wait : int32_t {
+  kWaitRows = 1,      // a source's rows (their flags)
+  kWaitCounts = 2,    // a source's count word
+  kWaitRelease = 3,   // a destination to release the slot
+  kWaitLower = 4,     // the counts of the ranks before this one (rows it writes in place)
+  kKindMismatch = 5,  // a peer ran another kind of op
+};
+
+// What every kernel of an op takes (by value): the window layout and where every rank's is.
+struct Peers {
+  Window w;
+  uint8_t* window[kMaxGpuRanks];  // window[r]: rank r's window as this GPU reaches it
+  int rank;
+  uint64_t timeout_ns;
+  Failure* failure;               // device view of the host-mapped record
+  bool direct_local;              // whole ops write a rank's own rows in place
+
+  __device__ uint64_t* word(int r, int64_t offset) const {
+    return reinterpret_cast<uint64_t*>(window[r] + offset);
+  }
+  __device__ uint8_t* row(int on, int slot, int source, int j) const {
+    return window[on] + w.row_at(slot, source, j);
+  }
+};
+
+struct Rank {
+  Window window;
+  int group, rank, device;
+  int blocks;                     // of every kernel that begins an op (they number the ops)
+  double timeout_s;
+  bool direct_local;
+  std::vector<uint8_t*> windows;  // device pointers, by rank
+  Failure* failure = nullptr;     // host-mapped
+  Failure* failure_on_device = nullptr;  // the same record as kernels address it
+  std::shared_ptr<void> keep;     // the group's communicators and memory
+
+  Peers peers() const;
+  // "" while no kernel of this rank gave up, else what happened (the Buffer is then unusable).
+  std::string failed() const;
+};
+
+// Each returns "" once its kernels are enqueued on `stream`, else the error. `ticket` (recv
+// halves) is the device word holding the op's number; `token_out` gets it.
+enum class Part : int { kSend = 1, kRecv = 2, kWhole = 3 };
+std::string dispatch(const Rank& r, cudaStream_t stream, Part part, const DispatchSend* send,
+                     const DispatchRecv* recv, bool low_latency, const int32_t* ticket,
+                     int32_t* token_out);
+std::string combine(const Rank& r, cudaStream_t stream, Part part, const CombineSend* send,
+                    const CombineRecv* recv, const int32_t* ticket, int32_t* token_out);
+std::string expert_layout(cudaStream_t stream, const ExpertLayoutArgs& a);
+
+}  // namespace jax_ep::cuda
