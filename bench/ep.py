@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -114,6 +115,62 @@ def repeat(op):
         return value, routing, outputs + (out,)
 
     return step
+
+
+def loop_seconds(step, args, counts=(1, 4), repeats=5, mesh=None, in_specs=None):
+    """Seconds per call of `step(*args) -> out`, for work too large to keep every call's output
+    (Timer keeps them): one jitted program calls it n times in a while loop, n a run-time
+    argument (one compilation), each call's first argument depending on the last output
+    through one element (no call is loop-invariant or dead code); the difference of the best
+    times at the counts over the extra calls cancels launch and sync costs. With a mesh, the
+    program is a shard_map over it (in_specs per argument, step per rank) and every output
+    leaf is split over the mesh's axes."""
+
+    def program(n, *args):
+        def again(_, carry):
+            args, out = carry
+            tick = jax.tree.leaves(out)[0].reshape(-1)[0].astype(jnp.float32) * 0
+            first = args[0].at[(0,) * args[0].ndim].add(tick.astype(args[0].dtype))
+            return (first,) + args[1:], step(first, *args[1:])
+
+        out = jax.lax.fori_loop(1, n, again, (args, step(*args)))[1]
+        return jax.tree.map(lambda a: a.reshape((1,) + a.shape) if a.ndim == 0 else a, out)
+
+    if mesh is None:
+        run = jax.jit(program)
+    else:
+        run = jax.jit(lambda n, *args: jax.shard_map(
+            functools.partial(program, n), mesh=mesh, in_specs=tuple(in_specs),
+            out_specs=P(tuple(mesh.axis_names)))(*args))
+
+    def best(n):
+        jax.block_until_ready(run(n, *args))  # compile (once) and warm up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(run(n, *args))
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    low, high = counts
+    return (best(high) - best(low)) / (high - low)
+
+
+def common_arguments(parser):
+    """The options every benchmark takes: where results go and under which machine name."""
+    parser.add_argument("--machine", default=os.environ.get("JAX_EP_MACHINE", "unknown"))
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--no-plot", action="store_true")
+
+
+def save_record(record, out_dir, name, suffix=""):
+    """Writes record as <out_dir>/<name>-<machine>-<date><suffix>.json; returns the path
+    without .json (for the plot)."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"{name}-{record['machine']}-{record['date']}{suffix}")
+    with open(stem + ".json", "w") as f:
+        json.dump(record, f, indent=1)
+    return stem
 
 
 def harness_seconds(mesh, x, idx, steps):
@@ -325,9 +382,7 @@ def main(argv=None):
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--num-sms", type=int, default=24)
     parser.add_argument("--bf16", action="store_true", help="BF16 dispatch instead of FP8")
-    parser.add_argument("--machine", default=os.environ.get("JAX_EP_MACHINE", "unknown"))
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--no-plot", action="store_true")
+    common_arguments(parser)
     parser.add_argument("--graphs", action="store_true",
                         help="run under XLA command buffers (CUDA graphs), as decode loops do")
     parser.add_argument("--concurrent", action="store_true",
@@ -376,12 +431,8 @@ def main(argv=None):
                   jax_version=jax.__version__, results=results, command_buffers=args.graphs,
                   xla_flags=os.environ.get("XLA_FLAGS", ""),
                   overlap=overlap)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{args.config}-{args.machine}-{record['date']}"
-                                  + ("-concurrent" if args.concurrent else
-                                     "-graphs" if args.graphs else ""))
-    with open(stem + ".json", "w") as f:
-        json.dump(record, f, indent=1)
+    stem = save_record(record, args.out, args.config,
+                       "-concurrent" if args.concurrent else "-graphs" if args.graphs else "")
     if not args.no_plot:
         from bench.plot import plot
         plot([record], stem + ".png")
