@@ -126,10 +126,14 @@ def test_which_implementation():
             grouped.grouped_matmul(jnp.zeros(shape[0], jnp.bfloat16),
                                    jnp.zeros(shape[1], jnp.bfloat16),
                                    jnp.zeros(4, jnp.int32), impl="mosaic")
-    problems = grouped.mosaic_misfits((200, 100), (4, 100, 96), jnp.float32)
+    blocks = grouped.MosaicBlocks(gmm=grouped.Blocks(128, 128, 64, 4, 8),
+                                  gmm_t=grouped.Blocks(128, 128, 64, 4, 8),
+                                  tgmm=grouped.Blocks(128, 128, 32, 4, 8))
+    problems = grouped.mosaic_misfits((200, 100), (4, 100, 96), jnp.float32, blocks)
     for expected in ("dtype float32", "gmm: M=200 is not a positive multiple of 128",
                      "gmm: K=100 is not a positive multiple of 64",
                      "gmm_t: N=96 is not a positive multiple of 64",
+                     "tgmm: M=200 is not a positive multiple of 32",
                      "tgmm: N=96 is not a positive multiple of 128"):
         assert any(p.startswith(expected) for p in problems), (expected, problems)
     with pytest.raises(ValueError, match="impl must be one of"):

@@ -57,9 +57,10 @@ class Blocks(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class MosaicBlocks:
-    """The kernels' block sizes, per product (H200 defaults; bench/grouped_matmul.py sweeps)."""
-    gmm: Blocks = Blocks(128, 128, 64, 4, 8)
-    gmm_t: Blocks = Blocks(128, 128, 64, 4, 8)
+    """The kernels' block sizes, per product: the best of bench/grouped_matmul.py's sweep on an
+    H200 at DeepSeek-V3's expert shapes (bench/results/grouped-matmul-nvidia-h200-*.json)."""
+    gmm: Blocks = Blocks(128, 128, 128, 3, 8)
+    gmm_t: Blocks = Blocks(128, 128, 128, 3, 8)
     tgmm: Blocks = Blocks(128, 128, 64, 4, 8)
 
 
