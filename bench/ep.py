@@ -117,23 +117,28 @@ def repeat(op):
     return step
 
 
-def loop_seconds(step, args, counts=(1, 4), repeats=5, mesh=None, in_specs=None):
-    """Seconds per call of `step(*args) -> out`, for work too large to keep every call's output
-    (Timer keeps them): one jitted program calls it n times in a while loop, n a run-time
-    argument (one compilation), each call's first argument depending on the last output
-    through one element (no call is loop-invariant or dead code); the difference of the best
-    times at the counts over the extra calls cancels launch and sync costs. With a mesh, the
-    program is a shard_map over it (in_specs per argument, step per rank) and every output
-    leaf is split over the mesh's axes."""
+_PERTURBABLE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def loop_seconds(step, args, counts=(1, 4), repeats=5, mesh=None, in_specs=None, prologue=None):
+    """Seconds per call of `step(*inputs) -> out`, for work too large to keep every call's output
+    (Timer keeps them): one jitted program computes inputs = prologue(*args) (or args) once,
+    then calls step n times in a while loop, n a run-time argument (one compilation), each
+    call's first floating-point input depending on the last output through one element (no
+    call is loop-invariant or dead code); the difference of the best times at the counts over
+    the extra calls cancels launch, prologue and sync costs. With a mesh, the program is a
+    shard_map over it (in_specs per argument, step per rank) and every output leaf is split
+    over the mesh's axes."""
 
     def program(n, *args):
-        def again(_, carry):
-            args, out = carry
-            tick = jax.tree.leaves(out)[0].reshape(-1)[0].astype(jnp.float32) * 0
-            first = args[0].at[(0,) * args[0].ndim].add(tick.astype(args[0].dtype))
-            return (first,) + args[1:], step(first, *args[1:])
+        inputs = tuple(prologue(*args)) if prologue else args
 
-        out = jax.lax.fori_loop(1, n, again, (args, step(*args)))[1]
+        def again(_, carry):
+            inputs, out = carry
+            inputs = _perturbed(inputs, jax.tree.leaves(out)[0].reshape(-1)[0])
+            return inputs, step(*inputs)
+
+        out = jax.lax.fori_loop(1, n, again, (inputs, step(*inputs)))[1]
         return jax.tree.map(lambda a: a.reshape((1,) + a.shape) if a.ndim == 0 else a, out)
 
     if mesh is None:
@@ -154,6 +159,15 @@ def loop_seconds(step, args, counts=(1, 4), repeats=5, mesh=None, in_specs=None)
 
     low, high = counts
     return (best(high) - best(low)) / (high - low)
+
+
+def _perturbed(inputs, value):
+    """inputs with value * 0 added to one element of their first floating-point leaf."""
+    leaves, tree = jax.tree.flatten(inputs)
+    i = next(i for i, leaf in enumerate(leaves) if jnp.dtype(leaf.dtype) in _PERTURBABLE)
+    tick = (value.astype(jnp.float32) * 0).astype(leaves[i].dtype)
+    leaves[i] = leaves[i].at[(0,) * leaves[i].ndim].add(tick)
+    return jax.tree.unflatten(tree, leaves)
 
 
 def common_arguments(parser):

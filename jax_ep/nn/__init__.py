@@ -3,10 +3,11 @@
 (jax_ep.nn.eqx, extra "equinox")."""
 from jax_ep.nn.grouped import grouped_matmul
 from jax_ep.nn.moe import (EXPERT_WEIGHTS, MoEAux, MoEConfig, MoELayer, dense_moe,
-                           expert_capacity, expert_load, grouped_matmul_path, init_params,
+                           expert_capacity, expert_ffn, expert_load, grouped_matmul_path,
+                           init_params,
                            load_balancing_loss, moe_block, route, shared_expert,
                            update_routing_bias)
 
 __all__ = ["EXPERT_WEIGHTS", "MoEAux", "MoEConfig", "MoELayer", "dense_moe", "expert_capacity",
-           "expert_load", "grouped_matmul", "grouped_matmul_path", "init_params",
+           "expert_ffn", "expert_load", "grouped_matmul", "grouped_matmul_path", "init_params",
            "load_balancing_loss", "moe_block", "route", "shared_expert", "update_routing_bias"]

@@ -187,6 +187,19 @@ def shared_expert(params, x):
     return _swiglu(x, params["s_gate"], params["s_up"], params["s_down"], jnp.matmul)
 
 
+def expert_ffn(params, rows, group_sizes, cfg: MoEConfig, group_alignment=None):
+    """The local experts' SwiGLU on rows in groups ([M, H] -> [M, H]): grouped matmuls
+    (cfg.grouped_matmul), rows promised aligned to group_alignment (default
+    cfg.expert_alignment)."""
+    alignment = cfg.expert_alignment if group_alignment is None else group_alignment
+
+    def matmul(lhs, rhs):
+        return grouped.grouped_matmul(lhs, rhs, group_sizes, impl=cfg.grouped_matmul,
+                                      group_alignment=alignment)
+
+    return _swiglu(rows, params["w_gate"], params["w_up"], params["w_down"], matmul)
+
+
 def moe_block(buffer: Buffer, params, x, cfg: MoEConfig, token_axes=(), routing_bias=None):
     """Inside shard_map: x [T, H] this rank's tokens, params with this rank's experts ([E_l, ...])
     -> (y [T, H], MoEAux over every token of token_axes). routing_bias [E]: with
@@ -198,12 +211,7 @@ def moe_block(buffer: Buffer, params, x, cfg: MoEConfig, token_axes=(), routing_
                         expert_alignment=cfg.expert_alignment, fp8=cfg.fp8,
                         **({} if capacity is None else dict(capacity=capacity)))
     rows = buffer.dequantize(d, x) if cfg.fp8 else d.x
-
-    def matmul(lhs, rhs):
-        return grouped.grouped_matmul(lhs, rhs, d.group_sizes, impl=cfg.grouped_matmul,
-                                      group_alignment=cfg.expert_alignment)
-
-    out = _swiglu(rows, params["w_gate"], params["w_up"], params["w_down"], matmul)
+    out = expert_ffn(params, rows, d.group_sizes, cfg)
     bias = shared_expert(params, x).astype(x.dtype) if cfg.shared_ffn_hidden else None
     y = buffer.combine(out.astype(x.dtype), d.handle, topk_weights=d.topk_weights, bias=bias,
                        **_partial_dtype_argument(cfg))
