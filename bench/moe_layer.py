@@ -248,6 +248,13 @@ def trained(fn):
     return step
 
 
+def unavailable(impl, platform):
+    """Why impl cannot run on this platform (None when it can)."""
+    if impl == "maxtext" and platform == "cpu":
+        return "XLA:CPU has no ragged_all_to_all"
+    return None
+
+
 def build(impl, mesh, cfg, tokens, capacity_factor, buffer_impl):
     r = mesh.shape[AXIS]
     if impl == "jax_ep":
@@ -363,8 +370,8 @@ def main(argv=None):
           f"{args.ffn}; jax_ep grouped matmuls: {paths}", flush=True)
     results, skipped, checks, reference = [], {}, {}, None
     for impl in args.impls.split(","):
-        if impl == "maxtext" and platform == "cpu":
-            skipped[impl] = "XLA:CPU has no ragged_all_to_all"
+        if unavailable(impl, platform):
+            skipped[impl] = unavailable(impl, platform)
             print(f"  {impl}: skipped ({skipped[impl]})", flush=True)
             continue
         layer = build(impl, mesh, cfg, args.tokens, args.capacity_factor, args.buffer_impl)
