@@ -177,7 +177,6 @@ def _product_fwd(kind, plan, a, b, group_sizes):
 
 def _product_bwd(kind, plan, residuals, ct):
     a, b, group_sizes = residuals
-    ct = ct.astype(a.dtype)
 
     def run(kind, x, y):
         return _product(kind, plan, x, y, group_sizes)
