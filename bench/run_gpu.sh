@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One session on a GPU machine of the device tool: install jax_ep (a wheel built beforehand in
 # .wheel/, else from source), run the GPU tests and the benchmark; logs and results under $OUT.
-#   bench/run_gpu.sh [tests|bench|probe|all] [extra bench/probe args...]
+#   bench/run_gpu.sh [tests|bench|probe|layer|all] [extra bench/probe/moe_layer args...]
+# layer: the grouped-matmul GPU tests, bench.grouped_matmul and bench.moe_layer.
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 export JAX_EP_MACHINE=${JAX_EP_MACHINE:-nvidia-h200-x$(nvidia-smi -L | wc -l)}
@@ -29,5 +30,12 @@ if [ "$what" = probe ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout ${BENCH_TIMEOUT:-480} python3 -m bench.ep --machine "$JAX_EP_MACHINE" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+  cp bench/results/*"$JAX_EP_MACHINE"* "$OUT/" 2>/dev/null
+fi
+if [ "$what" = layer ]; then
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest tests/test_gpu_grouped.py -q -p no:cacheprovider --timeout 200 -rA \
+    2>&1 | tee "$OUT/gpu_grouped_tests.log" | tail -20
+  timeout ${BENCH_TIMEOUT:-480} python3 -m bench.grouped_matmul --machine "$JAX_EP_MACHINE" 2>&1 | tee "$OUT/grouped_matmul.log" | tail -40
+  timeout ${BENCH_TIMEOUT:-600} python3 -m bench.moe_layer --machine "$JAX_EP_MACHINE" "$@" 2>&1 | tee "$OUT/moe_layer.log" | tail -30
   cp bench/results/*"$JAX_EP_MACHINE"* "$OUT/" 2>/dev/null
 fi

@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
+from jax_ep.nn.grouped import grouped_matmul, resolve_impl  # noqa: E402
 
 
 def main():
@@ -52,11 +53,14 @@ def main():
                             max_tokens_per_rank=tokens, impl=impl)
 
         def step(x, idx, w, ew, ev, buf=buf):
-            d = buf.dispatch(x, idx, w, layout="expert", expert_alignment=128 if gpu else 8,
-                             fp8=gpu)
+            alignment = 128 if gpu else 8
+            d = buf.dispatch(x, idx, w, layout="expert", expert_alignment=alignment, fp8=gpu)
             rows = jax_ep.dequantize_fp8(d.x, d.scales).astype(x.dtype) if gpu else d.x
-            h = jax.nn.gelu(jax.lax.ragged_dot(rows, ew, d.group_sizes))
-            out = jax.lax.ragged_dot(h.astype(x.dtype), ev, d.group_sizes)
+            path = resolve_impl("auto", rows.shape, ew.shape, rows.dtype)
+            print(f"  {impl:9s} grouped matmuls: {path}")  # when traced
+            matmul = lambda a, b: grouped_matmul(a, b, d.group_sizes, group_alignment=alignment)
+            h = jax.nn.gelu(matmul(rows, ew))
+            out = matmul(h.astype(x.dtype), ev)
             return buf.combine(out.astype(x.dtype), d.handle, topk_weights=d.topk_weights)
 
         fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))

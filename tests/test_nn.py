@@ -1,12 +1,18 @@
 """jax_ep.nn: the expert-parallel MoE block equals a dense single-device MoE (same weights, same
-tokens, no EP), forward and gradients, on both paths and through both adapters."""
+tokens, no EP), forward and gradients, on both paths and through both adapters; and its knobs
+(capacity drops, routing bias, partial sums of the combine, sharded parameters, meshes with
+explicit axes) against the dense MoE modelling them."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, PartitionSpec as P
 
 from helpers import make_mesh
 from jax_ep import nn
+from jax_ep.nn import moe
 
 H, F, E, K = 64, 32, 16, 4
 TOKENS = 16  # per rank
@@ -25,7 +31,13 @@ def assert_close_trees(got, want, tol, what):
 
 
 def loss(out, aux, cotangent):
-    return jnp.vdot(out.astype(jnp.float32), cotangent) + 0.1 * aux
+    return jnp.vdot(out.astype(jnp.float32), cotangent) + 0.1 * aux.loss
+
+
+def assert_same_aux(aux, want):
+    np.testing.assert_allclose(aux.loss, want.loss, rtol=1e-5)
+    np.testing.assert_array_equal(aux.num_dropped, want.num_dropped)
+    np.testing.assert_array_equal(aux.tokens_per_expert, want.tokens_per_expert)
 
 
 CONFIGS = {
@@ -49,7 +61,8 @@ def test_layer_equals_dense_moe(num_ranks, dp, name, impl):
                         tokens_per_rank=TOKENS, impl=impl)
     (y, aux), (y_dense, aux_dense) = jax.jit(layer)(params, x), nn.dense_moe(params, x, cfg)
     assert relative_error(y, y_dense) < 1e-5
-    np.testing.assert_allclose(aux, aux_dense, rtol=1e-5)
+    assert_same_aux(aux, aux_dense)
+    assert aux.num_dropped == 0 and aux.tokens_per_expert.sum() > 0
     grads = jax.jit(jax.grad(lambda p, x: loss(*layer(p, x), cotangent), argnums=(0, 1)))(params, x)
     dense = jax.grad(lambda p, x: loss(*nn.dense_moe(p, x, cfg), cotangent), argnums=(0, 1))(
         params, x)
@@ -72,13 +85,38 @@ def test_flax_nnx_adapter():
     def step(model, x):
         def objective(model):
             y, sown = nnx.capture(model, nnx.Intermediate)(x)
-            return loss(y, sown["aux_loss"][0], cotangent)
+            return loss(y, sown["aux"][0], cotangent)
         return nnx.value_and_grad(objective)(model)
 
     value, grads = step(model, x)
     want, dense = jax.value_and_grad(lambda p: loss(*nn.dense_moe(p, x, cfg), cotangent))(params)
     np.testing.assert_allclose(value, want, rtol=1e-5)
     assert_close_trees({k: grads[k][...] for k in model.names}, dense, 1e-5, "nnx gradient")
+    specs = nnx.get_partition_spec(nnx.state(model))
+    assert specs["w_gate"].get_value() == P("ep", None, None)
+    assert specs["router"].get_value() == P(None, None)
+    assert model.w_gate[...].sharding.spec == P("ep")  # made sharded, not resharded later
+
+
+def test_flax_nnx_routing_bias_is_state_not_a_parameter():
+    from flax import nnx
+    from jax_ep.nn.flax_nnx import MoE, RoutingBias
+
+    cfg = nn.MoEConfig(num_experts=E, num_topk=K, hidden=H, ffn_hidden=F, routing_bias=True)
+    mesh = make_mesh(4)
+    model = MoE(cfg, mesh, expert_axis="ep", tokens_per_rank=TOKENS, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (4 * TOKENS, H))
+    assert not nnx.state(model, nnx.Param).get("routing_bias")
+    assert isinstance(model.routing_bias, RoutingBias)
+    forward = nnx.jit(lambda model, x: nnx.capture(model, nnx.Intermediate)(x))
+    _, sown = forward(model, x)
+    aux = sown["aux"][0]
+    model.update_routing_bias(aux.tokens_per_expert, 0.5)
+    want = nn.update_routing_bias(jnp.zeros(E), aux.tokens_per_expert, 0.5)
+    np.testing.assert_array_equal(model.routing_bias[...], want)
+    assert np.any(model.routing_bias[...])
+    y, _ = nn.dense_moe(model.weights(), x, cfg, routing_bias=model.routing_bias[...])
+    assert relative_error(forward(model, x)[0], y) < 1e-5
 
 
 def test_equinox_adapter():
@@ -96,13 +134,183 @@ def test_equinox_adapter():
         model.weights)
     np.testing.assert_allclose(value, want, rtol=1e-5)
     assert_close_trees(grads.weights, dense, 1e-5, "equinox gradient")
+    assert model.weights["w_up"].sharding.spec == P("ep")
+
+
+def test_equinox_routing_bias_update():
+    import equinox as eqx
+    from jax_ep.nn.eqx import MoE
+
+    cfg = nn.MoEConfig(num_experts=E, num_topk=K, hidden=H, ffn_hidden=F, routing_bias=True)
+    model = MoE(cfg, make_mesh(4), expert_axis="ep", tokens_per_rank=TOKENS,
+                key=jax.random.key(3))
+    x = jax.random.normal(jax.random.key(1), (4 * TOKENS, H))
+    forward = eqx.filter_jit(lambda model, x: model(x))
+    _, aux = forward(model, x)
+    stepped = model.with_routing_bias_updated(aux.tokens_per_expert, 0.5)
+    np.testing.assert_array_equal(
+        stepped.routing_bias, nn.update_routing_bias(jnp.zeros(E), aux.tokens_per_expert, 0.5))
+    y, _ = nn.dense_moe(stepped.weights, x, cfg, routing_bias=stepped.routing_bias)
+    assert relative_error(forward(stepped, x)[0], y) < 1e-5
 
 
 def test_config_errors():
-    with pytest.raises(ValueError, match="score"):
-        nn.MoEConfig(num_experts=E, num_topk=K, hidden=H, ffn_hidden=F, score="relu")
-    with pytest.raises(ValueError, match="num_groups"):
-        nn.MoEConfig(num_experts=E, num_topk=K, hidden=H, ffn_hidden=F, num_groups=3)
+    base = dict(num_experts=E, num_topk=K, hidden=H, ffn_hidden=F)
+    for field, value, match in (("score", "relu", "score"), ("num_groups", 3, "num_groups"),
+                                ("capacity_factor", 0.0, "capacity_factor"),
+                                ("combine_partial_dtype", jnp.float16, "combine_partial_dtype"),
+                                ("grouped_matmul", "cutlass", "grouped_matmul")):
+        with pytest.raises(ValueError, match=match):
+            nn.MoEConfig(**base, **{field: value})
+    layer = nn.MoELayer(nn.MoEConfig(**base), make_mesh(4), expert_axis="ep",
+                        tokens_per_rank=TOKENS)
+    params, x = nn.init_params(jax.random.key(0), layer.cfg), jnp.zeros((4 * TOKENS, H))
+    with pytest.raises(ValueError, match="cfg.routing_bias is False"):
+        layer(params, x, jnp.zeros(E))
+    biased = nn.MoELayer(nn.MoEConfig(**base, routing_bias=True), make_mesh(4),
+                         expert_axis="ep", tokens_per_rank=TOKENS)
+    with pytest.raises(ValueError, match="pass routing_bias"):
+        biased(params, x)
+
+
+CAPACITY_CONFIGS = {
+    "half": nn.MoEConfig(num_experts=E, num_topk=K, hidden=H, ffn_hidden=F, capacity_factor=0.5),
+    "aligned-shared": nn.MoEConfig(num_experts=E, num_topk=K, hidden=H, ffn_hidden=F,
+                                   capacity_factor=0.8, expert_alignment=8, shared_ffn_hidden=48),
+}
+
+
+@pytest.mark.parametrize("num_ranks,dp", [(4, 1), (2, 2)])
+@pytest.mark.parametrize("name", sorted(CAPACITY_CONFIGS))
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+def test_capacity_drops_like_dense_moe(num_ranks, dp, name, impl):
+    """capacity_factor caps the rows per rank: the rows dropped (counted in num_dropped) are the
+    ones dense_moe leaves out, forward and gradients."""
+    cfg = CAPACITY_CONFIGS[name]
+    mesh = make_mesh(num_ranks, dp)
+    params = nn.init_params(jax.random.key(7), cfg)
+    # Tokens leaning towards a few experts, so that some ranks get more than their share.
+    params["router"] = params["router"] * 4
+    x = jax.random.normal(jax.random.key(1), (mesh.size * TOKENS, H))
+    cotangent = jax.random.normal(jax.random.key(2), x.shape)
+    layer = nn.MoELayer(cfg, mesh, expert_axis="ep", data_axis="dp" if dp > 1 else None,
+                        tokens_per_rank=TOKENS, impl=impl)
+    dense = lambda p, x: nn.dense_moe(p, x, cfg, num_ranks=num_ranks, tokens_per_rank=TOKENS)
+    (y, aux), (y_dense, aux_dense) = jax.jit(layer)(params, x), dense(params, x)
+    assert aux.num_dropped > 0
+    assert relative_error(y, y_dense) < 1e-5
+    assert_same_aux(aux, aux_dense)
+    unlimited = dataclasses.replace(cfg, capacity_factor=None)
+    assert relative_error(y, nn.dense_moe(params, x, unlimited)[0]) > 1e-3  # drops mattered
+    grads = jax.jit(jax.grad(lambda p, x: loss(*layer(p, x), cotangent), argnums=(0, 1)))(params, x)
+    want = jax.grad(lambda p, x: loss(*dense(p, x), cotangent), argnums=(0, 1))(params, x)
+    assert_close_trees(grads, want, 1e-5, "gradient")
+
+
+def test_expert_capacity():
+    cfg = nn.MoEConfig(num_experts=256, num_topk=8, hidden=H, ffn_hidden=F, capacity_factor=1.25,
+                       expert_alignment=128)
+    # 2 ranks: 128 local experts, 4096 x 8 / 128 = 256 rows each balanced, x 1.25 -> 320 -> 384.
+    assert nn.expert_capacity(cfg, 4096, 2) == 128 * 384
+    assert nn.expert_capacity(dataclasses.replace(cfg, capacity_factor=None), 4096, 2) is None
+    # Never more than the rows that hold every token (the dispatch's default).
+    huge = dataclasses.replace(cfg, capacity_factor=1000.0, expert_alignment=1)
+    assert nn.expert_capacity(huge, 16, 2) == 2 * 16 * 8
+
+
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+def test_routing_bias_moves_the_choice_not_the_weights(impl):
+    cfg = nn.MoEConfig(num_experts=E, num_topk=K, hidden=H, ffn_hidden=F, score="sigmoid",
+                       num_groups=4, topk_groups=2, routing_bias=True)
+    mesh = make_mesh(4)
+    params = nn.init_params(jax.random.key(4), cfg)
+    x = jax.random.normal(jax.random.key(1), (mesh.size * TOKENS, H))
+    cotangent = jax.random.normal(jax.random.key(2), x.shape)
+    bias = jnp.linspace(-0.3, 0.3, E)
+    layer = nn.MoELayer(cfg, mesh, expert_axis="ep", tokens_per_rank=TOKENS, impl=impl)
+    (y, aux), (y_dense, aux_dense) = (jax.jit(layer)(params, x, bias),
+                                      nn.dense_moe(params, x, cfg, routing_bias=bias))
+    assert relative_error(y, y_dense) < 1e-5
+    assert_same_aux(aux, aux_dense)
+    _, unbiased = nn.dense_moe(params, x, cfg, routing_bias=jnp.zeros(E))
+    assert np.any(aux.tokens_per_expert != unbiased.tokens_per_expert)
+    # The weights come from the scores alone: the bias's own gradient is zero.
+    idx, weights, scores = nn.route(x, params["router"], cfg, bias)
+    np.testing.assert_allclose(weights, jnp.take_along_axis(scores, idx, 1)
+                               / jnp.take_along_axis(scores, idx, 1).sum(1, keepdims=True),
+                               rtol=1e-6)
+    grads = jax.jit(jax.grad(lambda p, x, b: loss(*layer(p, x, b), cotangent),
+                             argnums=(0, 2)))(params, x, bias)
+    want = jax.grad(lambda p, x: loss(*nn.dense_moe(p, x, cfg, routing_bias=bias), cotangent))(
+        params, x)
+    assert_close_trees(grads[0], want, 1e-5, "gradient")
+    assert not np.any(grads[1])
+
+
+def test_update_routing_bias():
+    bias = jnp.asarray([0.5, 0.0, -0.25, 0.0], jnp.float32)
+    got = nn.update_routing_bias(bias, jnp.asarray([6, 1, 2, 3], jnp.int32), 0.125)
+    np.testing.assert_array_equal(got, [0.375, 0.125, -0.125, 0.0])  # mean load 3
+
+
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+def test_combine_partial_sums_in_bfloat16(impl):
+    """combine_partial_dtype=bfloat16 rounds each rank's partial sum of a token's expert rows:
+    what dense_moe models, and within bfloat16 rounding of the float32 partial sums. Until
+    Buffer.combine takes partial_dtype, the layer refuses the setting instead of ignoring it."""
+    cfg = nn.MoEConfig(num_experts=E, num_topk=K, hidden=H, ffn_hidden=F, shared_ffn_hidden=48,
+                       combine_partial_dtype=jnp.bfloat16)
+    mesh = make_mesh(4)
+    if not moe._combine_takes_partial_dtype():
+        with pytest.raises(ValueError, match="partial_dtype"):
+            nn.MoELayer(cfg, mesh, expert_axis="ep", tokens_per_rank=TOKENS, impl=impl)
+        return
+    params = nn.init_params(jax.random.key(5), cfg, jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (mesh.size * TOKENS, H), jnp.bfloat16)
+    layer = nn.MoELayer(cfg, mesh, expert_axis="ep", tokens_per_rank=TOKENS, impl=impl)
+    y, _ = jax.jit(layer)(params, x)
+    modelled, _ = nn.dense_moe(params, x, cfg, num_ranks=4)
+    exact, _ = nn.dense_moe(params, x, dataclasses.replace(cfg, combine_partial_dtype=jnp.float32),
+                            num_ranks=4)
+    assert relative_error(y, modelled) < 2e-3
+    assert relative_error(y, exact) < 1e-2
+
+
+def test_init_params_sharded():
+    """With a mesh, each device makes only its experts (values as unsharded ones made under
+    jit: eagerly, the scaling rounds differently in the last bit)."""
+    cfg = CONFIGS["sigmoid-groups-shared"]
+    mesh = make_mesh(4, 2)
+    params = nn.init_params(jax.random.key(0), cfg, mesh=mesh, expert_axis="ep")
+    want = jax.jit(nn.init_params, static_argnums=1)(jax.random.key(0), cfg)
+    for name, value in params.items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+        local = {s.data.shape for s in value.addressable_shards}
+        expected = (E // 4,) + value.shape[1:] if name in nn.EXPERT_WEIGHTS else value.shape
+        assert local == {expected}, name
+
+
+@pytest.mark.parametrize("axis_types", [(AxisType.Explicit, AxisType.Explicit),
+                                        (AxisType.Auto, AxisType.Auto),
+                                        (AxisType.Explicit, AxisType.Auto)],
+                         ids=["explicit", "auto", "mixed"])
+@pytest.mark.parametrize("sharded_params", [False, True])
+def test_meshes_with_explicit_and_auto_axes(axis_types, sharded_params):
+    """jax.make_mesh meshes: params from init_params (sharded or not) and tokens of any layout
+    are resharded to the layer's specs over the explicit axes."""
+    cfg = CONFIGS["softmax"]
+    mesh = jax.make_mesh((2, 4), ("dp", "ep"), axis_types=axis_types)
+    layer = nn.MoELayer(cfg, mesh, expert_axis="ep", data_axis="dp", tokens_per_rank=TOKENS)
+    params = nn.init_params(jax.random.key(0), cfg,
+                            **(dict(mesh=mesh, expert_axis="ep") if sharded_params else {}))
+    x = jax.random.normal(jax.random.key(1), (2, 4 * TOKENS, H))
+    with jax.set_mesh(mesh):
+        y, aux = jax.block_until_ready(jax.jit(layer)(params, x))
+    y_dense, aux_dense = nn.dense_moe(nn.init_params(jax.random.key(0), cfg), x.reshape(-1, H),
+                                      cfg)
+    assert y.shape == x.shape
+    assert relative_error(y.reshape(-1, H), y_dense) < 1e-5
+    assert_same_aux(aux, aux_dense)
 
 
 @pytest.mark.parametrize("impl", ["ffi", "reference"])

@@ -1,7 +1,13 @@
-"""Expert-parallel MoE layers on jax_ep: the functional block (moe.py) and thin adapters for
-Flax NNX (jax_ep.nn.flax_nnx, extra "flax") and Equinox (jax_ep.nn.eqx, extra "equinox")."""
-from jax_ep.nn.moe import (EXPERT_WEIGHTS, MoEConfig, MoELayer, dense_moe, init_params,
-                           load_balancing_loss, moe_block, route, shared_expert)
+"""Expert-parallel MoE layers on jax_ep: the functional block (moe.py), its grouped matmuls
+(grouped.py) and thin adapters for Flax NNX (jax_ep.nn.flax_nnx, extra "flax") and Equinox
+(jax_ep.nn.eqx, extra "equinox")."""
+from jax_ep.nn.grouped import grouped_matmul
+from jax_ep.nn.moe import (EXPERT_WEIGHTS, MoEAux, MoEConfig, MoELayer, dense_moe,
+                           expert_capacity, expert_ffn, expert_load, grouped_matmul_path,
+                           init_params,
+                           load_balancing_loss, moe_block, route, shared_expert,
+                           update_routing_bias)
 
-__all__ = ["EXPERT_WEIGHTS", "MoEConfig", "MoELayer", "dense_moe", "init_params",
-           "load_balancing_loss", "moe_block", "route", "shared_expert"]
+__all__ = ["EXPERT_WEIGHTS", "MoEAux", "MoEConfig", "MoELayer", "dense_moe", "expert_capacity",
+           "expert_ffn", "expert_load", "grouped_matmul", "grouped_matmul_path", "init_params",
+           "load_balancing_loss", "moe_block", "route", "shared_expert", "update_routing_bias"]

@@ -1,24 +1,38 @@
 """jax_ep.nn.eqx.MoE: the expert-parallel MoE block as an Equinox module.
 
     moe = MoE(cfg, mesh, expert_axis="ep", data_axis="dp", tokens_per_rank=n, key=key)
-    y, aux_loss = moe(x)                          # x [..., hidden], sharded over (dp, ep)
+    y, aux = moe(x)                               # x [..., hidden], sharded over (dp, ep); MoEAux
+    moe = moe.with_routing_bias_updated(aux.tokens_per_expert, rate=1e-3)  # cfg.routing_bias
+
+The weights are created sharded (experts over expert_axis). routing_bias is state, not a
+parameter: it gets zero gradients, so keep it out of the optimizer (e.g. optax.masked) when
+the optimizer decays weights.
 """
 from __future__ import annotations
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 
-from jax_ep.nn.moe import MoEConfig, MoELayer, init_params
+from jax_ep.nn.moe import MoEConfig, MoELayer, init_params, update_routing_bias
 
 
 class MoE(eqx.Module):
     weights: dict
+    routing_bias: jax.Array | None
     layer: MoELayer = eqx.field(static=True)
 
     def __init__(self, cfg: MoEConfig, mesh, *, expert_axis, tokens_per_rank, key,
                  data_axis=None, impl="auto", **buffer_options):
         self.layer = MoELayer(cfg, mesh, expert_axis=expert_axis, data_axis=data_axis,
                               tokens_per_rank=tokens_per_rank, impl=impl, **buffer_options)
-        self.weights = init_params(key, cfg)
+        self.weights = init_params(key, cfg, mesh=mesh, expert_axis=expert_axis)
+        self.routing_bias = jnp.zeros(cfg.num_experts, jnp.float32) if cfg.routing_bias else None
 
     def __call__(self, x):
-        return self.layer(self.weights, x)
+        return self.layer(self.weights, x, self.routing_bias)
+
+    def with_routing_bias_updated(self, tokens_per_expert, rate):
+        """This module after one balancing step of its routing bias (MoEAux.tokens_per_expert)."""
+        return eqx.tree_at(lambda m: m.routing_bias, self,
+                           update_routing_bias(self.routing_bias, tokens_per_expert, rate))

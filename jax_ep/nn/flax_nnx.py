@@ -2,13 +2,24 @@
 
     moe = MoE(cfg, mesh, expert_axis="ep", data_axis="dp", tokens_per_rank=n, rngs=nnx.Rngs(0))
     y = moe(x)                                   # x [..., hidden], sharded over (dp, ep)
-    y, sown = nnx.capture(moe, nnx.Intermediate)(x)   # sown["aux_loss"][0]: load-balancing loss
+    y, sown = nnx.capture(moe, nnx.Intermediate)(x)   # sown["aux"][0]: MoEAux (loss, ...)
+    moe.update_routing_bias(aux.tokens_per_expert, rate=1e-3)   # with cfg.routing_bias
+
+The weights are created sharded (experts over expert_axis) and carry nnx.with_partitioning
+metadata, so nnx.get_partition_spec(nnx.state(moe)) gives their specs. The routing bias is a
+RoutingBias variable, not an nnx.Param: optimizers over nnx.Param leave it alone.
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
 
-from jax_ep.nn.moe import MoEConfig, MoELayer, init_params
+from jax_ep.nn.moe import MoEConfig, MoELayer, init_params, update_routing_bias
+
+
+class RoutingBias(nnx.Variable):
+    """Per-expert bias of the top-k choice (auxiliary-loss-free balancing): state that the
+    training loop steps, not a trained parameter."""
 
 
 class MoE(nnx.Module):
@@ -16,14 +27,27 @@ class MoE(nnx.Module):
                  data_axis=None, impl="auto", **buffer_options):
         self.layer = MoELayer(cfg, mesh, expert_axis=expert_axis, data_axis=data_axis,
                               tokens_per_rank=tokens_per_rank, impl=impl, **buffer_options)
-        self.names = tuple(init := init_params(rngs.params(), cfg))
+        init = init_params(rngs.params(), cfg, mesh=mesh, expert_axis=expert_axis)
+        specs = self.layer.param_specs(init)
+        self.names = tuple(init)
         for name in self.names:
-            setattr(self, name, nnx.Param(init[name]))
+            value, spec = init[name], specs[name]
+            axes = tuple(spec) + (None,) * (value.ndim - len(spec))
+            # Already sharded by init_params: the initializer hands the array over.
+            setattr(self, name, nnx.Param(nnx.with_partitioning(lambda v=value: v, axes, mesh)()))
+        self.routing_bias = (RoutingBias(jnp.zeros(cfg.num_experts, jnp.float32))
+                             if cfg.routing_bias else None)
 
     def weights(self):
         return {name: getattr(self, name)[...] for name in self.names}
 
     def __call__(self, x):
-        y, aux = self.layer(self.weights(), x)
-        self.sow(nnx.Intermediate, "aux_loss", aux)
+        bias = None if self.routing_bias is None else self.routing_bias[...]
+        y, aux = self.layer(self.weights(), x, bias)
+        self.sow(nnx.Intermediate, "aux", aux)
         return y
+
+    def update_routing_bias(self, tokens_per_expert, rate):
+        """One balancing step of the routing bias from a step's MoEAux.tokens_per_expert."""
+        self.routing_bias[...] = update_routing_bias(self.routing_bias[...], tokens_per_expert,
+                                                     rate)

@@ -1,26 +1,37 @@
 """An expert-parallel MoE block built on jax_ep (framework-neutral, functional).
 
     cfg = MoEConfig(num_experts=64, num_topk=6, hidden=1024, ffn_hidden=512, shared_ffn_hidden=1024)
-    params = init_params(jax.random.key(0), cfg)               # global (unsharded) weights
     layer = MoELayer(cfg, mesh, data_axis="dp", expert_axis="ep", tokens_per_rank=4096)
-    y, aux_loss = layer(params, x)        # under jit; x [tokens, hidden] sharded over (dp, ep)
+    params = init_params(jax.random.key(0), cfg, mesh=mesh, expert_axis="ep")  # made sharded
+    y, aux = layer(params, x)     # under jit; x [tokens, hidden] sharded over (dp, ep)
+    loss = task_loss + 0.01 * aux.loss                # aux: MoEAux(loss, num_dropped, tokens_per_expert)
 
 Inside shard_map call `moe_block(buffer, params_local, x, cfg, token_axes)` directly. The router
-(softmax or sigmoid scores, top-k, optional DeepSeek-V3 group-limited top-k) runs on every
-token's rank; tokens go to their experts with an expert-layout dispatch; each rank runs its
-experts as grouped matmuls (jax.lax.ragged_dot over group_sizes, SwiGLU); combine weights the
-outputs with the router weights and adds the shared expert as its bias. `dense_moe` is the same
-function without expert parallelism, for tests and checks.
+(softmax or sigmoid scores, top-k, optional DeepSeek-V3 group-limited top-k, optional routing
+bias for auxiliary-loss-free balancing) runs on every token's rank; tokens go to their experts
+with an expert-layout dispatch (capped at `capacity_factor` x the balanced rows, if given); each
+rank runs its experts as grouped matmuls (jax_ep.nn.grouped: Mosaic GPU kernels on Hopper,
+jax.lax.ragged_dot elsewhere; SwiGLU); combine weights the outputs with the router weights and
+adds the shared expert as its bias. `dense_moe` is the same function without expert
+parallelism (capacity drops and the combine's partial sums modelled), for tests and checks.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_ep import layout
 from jax_ep.buffer import Buffer
+from jax_ep.nn import grouped
+
+_PARTIAL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,21 +46,60 @@ class MoEConfig:
     normalize_weights: bool = True    # top-k weights sum to 1 before routed_scaling
     routed_scaling: float = 1.0
     shared_ffn_hidden: int = 0        # 0: no shared expert
-    expert_alignment: int = 1         # rows per expert block rounded up to this (grouped GEMMs)
+    expert_alignment: int = 1         # rows per expert block rounded up to this (grouped GEMMs;
+    #                                   128 lets the Mosaic kernels take one block per tile)
     fp8: bool = False                 # FP8 dispatch (activations into the experts)
+    # Rows each rank receives, as a multiple of the balanced count (T * K per rank, split evenly
+    # over its experts, each block aligned); None: room for every row (nothing is dropped).
+    # Rows past it drop in the expert layout's row order (the rank's last experts first) and
+    # are counted in MoEAux.num_dropped.
+    capacity_factor: float | None = None
+    routing_bias: bool = False        # top-k over scores + a per-expert bias (the layer's
+    #                                   routing_bias argument), weights from the scores alone
+    combine_partial_dtype: Any = jnp.float32  # each rank's sum of a token's expert rows (bf16:
+    #                                   half the combine's bytes; needs Buffer.combine support)
+    grouped_matmul: str = "auto"      # jax_ep.nn.grouped impl: "auto", "xla" or "mosaic"
 
     def __post_init__(self):
         if self.score not in ("softmax", "sigmoid"):
             raise ValueError(f"jax_ep.nn: score must be 'softmax' or 'sigmoid', got {self.score!r}")
         if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
             raise ValueError("jax_ep.nn: num_groups must divide num_experts and be >= topk_groups")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"jax_ep.nn: capacity_factor must be positive or None, got "
+                             f"{self.capacity_factor!r}")
+        if jnp.dtype(self.combine_partial_dtype) not in _PARTIAL_DTYPES:
+            raise ValueError(f"jax_ep.nn: combine_partial_dtype must be float32 or bfloat16, got "
+                             f"{self.combine_partial_dtype!r}")
+        if self.grouped_matmul not in grouped.IMPLS:
+            raise ValueError(f"jax_ep.nn: grouped_matmul must be one of {grouped.IMPLS}, got "
+                             f"{self.grouped_matmul!r}")
+
+
+class MoEAux(NamedTuple):
+    """What a layer reports besides y, over every token of the layer (all ranks)."""
+    loss: jax.Array               # [] float32 load-balancing loss (load_balancing_loss)
+    num_dropped: jax.Array        # [] int32 (token, expert) rows dropped for capacity
+    tokens_per_expert: jax.Array  # [E] int32 tokens routed to each expert (before drops)
 
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
-def init_params(key, cfg: MoEConfig, dtype=jnp.float32):
-    """Router, experts ([E, ...], sharded over the expert axis) and optional shared expert."""
+def init_params(key, cfg: MoEConfig, dtype=jnp.float32, *, mesh=None, expert_axis=None):
+    """Router, experts ([E, ...]) and optional shared expert. With a mesh, made under jit with
+    the experts sharded over expert_axis and the rest replicated, so no device ever holds every
+    expert (the values equal the unsharded ones)."""
+    make = functools.partial(_init_params, cfg=cfg, dtype=dtype)
+    if mesh is None:
+        return make(key)
+    names = jax.eval_shape(make, key)
+    return jax.jit(make, out_shardings={
+        name: NamedSharding(mesh, P(expert_axis) if name in EXPERT_WEIGHTS else P())
+        for name in names})(key)
+
+
+def _init_params(key, cfg, dtype):
     keys = jax.random.split(key, 7)
     h, f, e = cfg.hidden, cfg.ffn_hidden, cfg.num_experts
 
@@ -65,18 +115,22 @@ def init_params(key, cfg: MoEConfig, dtype=jnp.float32):
     return params
 
 
-def route(x, router, cfg: MoEConfig):
-    """-> topk_idx [T, K] int32, topk_weights [T, K] float32, scores [T, E] float32."""
+def route(x, router, cfg: MoEConfig, routing_bias=None):
+    """-> topk_idx [T, K] int32, topk_weights [T, K] float32, scores [T, E] float32.
+    routing_bias [E] (DeepSeek-V3's auxiliary-loss-free balancing) moves experts up or down in
+    the choice of the top-k (and of the groups), not in the weights; it gets no gradient."""
     logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if cfg.score == "softmax" else jax.nn.sigmoid(logits)
     choose = scores
+    if routing_bias is not None:
+        choose = scores + jax.lax.stop_gradient(routing_bias.astype(jnp.float32))
     if cfg.num_groups > 1:  # keep the experts of the topk_groups groups with the best top-2 sum
-        grouped = scores.reshape(scores.shape[0], cfg.num_groups, -1)
-        group_score = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0].sum(-1)
+        by_group = choose.reshape(scores.shape[0], cfg.num_groups, -1)
+        group_score = jax.lax.top_k(by_group, min(2, by_group.shape[-1]))[0].sum(-1)
         _, best = jax.lax.top_k(group_score, cfg.topk_groups)
         keep = jnp.zeros(group_score.shape, bool).at[
             jnp.arange(scores.shape[0])[:, None], best].set(True)
-        choose = jnp.where(jnp.repeat(keep, grouped.shape[-1], axis=1), scores, -jnp.inf)
+        choose = jnp.where(jnp.repeat(keep, by_group.shape[-1], axis=1), choose, -jnp.inf)
     _, topk_idx = jax.lax.top_k(choose, cfg.num_topk)
     weights = jnp.take_along_axis(scores, topk_idx, axis=1)
     if cfg.normalize_weights:
@@ -96,6 +150,35 @@ def load_balancing_loss(scores, topk_idx, cfg: MoEConfig, token_axes=()):
     return cfg.num_experts * jnp.sum(slots / (tokens * cfg.num_topk) * prob_sum / tokens)
 
 
+def expert_load(topk_idx, num_experts, token_axes=()):
+    """[E] int32: tokens routed to each expert (an expert twice in a token's top-k counts
+    once, as the dispatch sends one row), over every rank of token_axes."""
+    routed = (topk_idx[:, :, None] == jnp.arange(num_experts)).any(axis=1)
+    load = routed.sum(axis=0, dtype=jnp.int32)
+    return jax.lax.psum(load, token_axes) if token_axes else load
+
+
+def update_routing_bias(bias, tokens_per_expert, rate):
+    """DeepSeek-V3's balancing step: each expert's routing bias goes up by `rate` when it got
+    fewer tokens than the mean, down when more (MoEAux.tokens_per_expert of a step)."""
+    load = tokens_per_expert.astype(jnp.float32)
+    return bias + rate * jnp.sign(load.mean() - load).astype(bias.dtype)
+
+
+def expert_capacity(cfg: MoEConfig, tokens_per_rank, num_ranks):
+    """Expert-layout rows per rank for cfg.capacity_factor (None without one): each local
+    expert's share of the balanced T * K rows, times the factor, aligned; at most the rows
+    that hold every token."""
+    if cfg.capacity_factor is None:
+        return None
+    experts_per_rank = cfg.num_experts // num_ranks
+    balanced = tokens_per_rank * cfg.num_topk / experts_per_rank
+    rows = experts_per_rank * layout.align_up(math.ceil(cfg.capacity_factor * balanced),
+                                              cfg.expert_alignment)
+    return min(rows, layout.default_capacity("expert", num_ranks, tokens_per_rank, cfg.num_topk,
+                                             experts_per_rank, cfg.expert_alignment))
+
+
 def _swiglu(x, gate, up, down, matmul):
     return matmul(jax.nn.silu(matmul(x, gate)) * matmul(x, up), down)
 
@@ -104,45 +187,131 @@ def shared_expert(params, x):
     return _swiglu(x, params["s_gate"], params["s_up"], params["s_down"], jnp.matmul)
 
 
-def moe_block(buffer: Buffer, params, x, cfg: MoEConfig, token_axes=()):
+def expert_ffn(params, rows, group_sizes, cfg: MoEConfig, group_alignment=None):
+    """The local experts' SwiGLU on rows in groups ([M, H] -> [M, H]): grouped matmuls
+    (cfg.grouped_matmul), rows promised aligned to group_alignment (default
+    cfg.expert_alignment)."""
+    alignment = cfg.expert_alignment if group_alignment is None else group_alignment
+
+    def matmul(lhs, rhs):
+        return grouped.grouped_matmul(lhs, rhs, group_sizes, impl=cfg.grouped_matmul,
+                                      group_alignment=alignment)
+
+    return _swiglu(rows, params["w_gate"], params["w_up"], params["w_down"], matmul)
+
+
+def moe_block(buffer: Buffer, params, x, cfg: MoEConfig, token_axes=(), routing_bias=None):
     """Inside shard_map: x [T, H] this rank's tokens, params with this rank's experts ([E_l, ...])
-    -> (y [T, H], auxiliary loss over every token of token_axes)."""
-    topk_idx, topk_weights, scores = route(x, params["router"], cfg)
+    -> (y [T, H], MoEAux over every token of token_axes). routing_bias [E]: with
+    cfg.routing_bias."""
+    _check_routing_bias(cfg, routing_bias)
+    topk_idx, topk_weights, scores = route(x, params["router"], cfg, routing_bias)
+    capacity = expert_capacity(cfg, x.shape[0], buffer.num_ranks)
     d = buffer.dispatch(x, topk_idx, topk_weights, layout="expert",
-                        expert_alignment=cfg.expert_alignment, fp8=cfg.fp8)
+                        expert_alignment=cfg.expert_alignment, fp8=cfg.fp8,
+                        **({} if capacity is None else dict(capacity=capacity)))
     rows = buffer.dequantize(d, x) if cfg.fp8 else d.x
-
-    def grouped(lhs, rhs):
-        return jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), d.group_sizes)
-
-    out = _swiglu(rows, params["w_gate"], params["w_up"], params["w_down"], grouped)
+    out = expert_ffn(params, rows, d.group_sizes, cfg)
     bias = shared_expert(params, x).astype(x.dtype) if cfg.shared_ffn_hidden else None
-    y = buffer.combine(out.astype(x.dtype), d.handle, topk_weights=d.topk_weights, bias=bias)
-    return y, load_balancing_loss(scores, topk_idx, cfg, token_axes)
+    y = buffer.combine(out.astype(x.dtype), d.handle, topk_weights=d.topk_weights, bias=bias,
+                       **_partial_dtype_argument(cfg))
+    num_dropped = jax.lax.psum(d.num_dropped, token_axes) if token_axes else d.num_dropped
+    return y, MoEAux(load_balancing_loss(scores, topk_idx, cfg, token_axes), num_dropped,
+                     expert_load(topk_idx, cfg.num_experts, token_axes))
 
 
-def dense_moe(params, x, cfg: MoEConfig):
-    """The same MoE on one device without expert parallelism: every expert on every token."""
-    topk_idx, topk_weights, scores = route(x, params["router"], cfg)
+def grouped_matmul_path(cfg: MoEConfig, num_ranks, tokens_per_rank, dtype=jnp.bfloat16):
+    """The grouped-matmul implementations moe_block's experts take ("mosaic" or "xla", for the
+    gate/up and the down projection) with tokens_per_rank tokens of `dtype` per rank."""
+    rows = expert_capacity(cfg, tokens_per_rank, num_ranks) or layout.default_capacity(
+        "expert", num_ranks, tokens_per_rank, cfg.num_topk, cfg.num_experts // num_ranks,
+        cfg.expert_alignment)
+    groups, h, f = cfg.num_experts // num_ranks, cfg.hidden, cfg.ffn_hidden
+    return {name: grouped.resolve_impl(cfg.grouped_matmul, (rows, k), (groups, k, n), dtype)
+            for name, (k, n) in (("gate_up", (h, f)), ("down", (f, h)))}
+
+
+def _check_routing_bias(cfg, routing_bias):
+    if cfg.routing_bias and routing_bias is None:
+        raise ValueError("jax_ep.nn: cfg.routing_bias is set: pass routing_bias ([E] float32)")
+    if not cfg.routing_bias and routing_bias is not None:
+        raise ValueError("jax_ep.nn: routing_bias given but cfg.routing_bias is False")
+    if routing_bias is not None and routing_bias.shape != (cfg.num_experts,):
+        raise ValueError(f"jax_ep.nn: routing_bias must have shape ({cfg.num_experts},), got "
+                         f"{routing_bias.shape}")
+
+
+def _combine_takes_partial_dtype():
+    return "partial_dtype" in inspect.signature(Buffer.combine).parameters
+
+
+def _partial_dtype_argument(cfg):
+    """combine's partial_dtype keyword where Buffer.combine has one (float32 is its default)."""
+    if _combine_takes_partial_dtype():
+        return dict(partial_dtype=cfg.combine_partial_dtype)
+    if jnp.dtype(cfg.combine_partial_dtype) != jnp.float32:
+        raise ValueError("jax_ep.nn: combine_partial_dtype needs a Buffer.combine with "
+                         "partial_dtype; this jax_ep sums in float32 only")
+    return {}
+
+
+def dense_moe(params, x, cfg: MoEConfig, *, num_ranks=1, tokens_per_rank=None,
+              routing_bias=None):
+    """The same MoE on one device without expert parallelism: every expert on every token.
+    x [G * R * T, H] holds the tokens of G EP groups of num_ranks ranks with tokens_per_rank
+    each (default: one group), in rank order, as MoELayer splits them; with a capacity_factor
+    the rows the layer drops are left out, and combine_partial_dtype rounds each rank's partial
+    sum as the layer's combine does. -> (y, MoEAux)."""
+    _check_routing_bias(cfg, routing_bias)
+    tokens_per_rank = tokens_per_rank or x.shape[0] // num_ranks
+    topk_idx, topk_weights, scores = route(x, params["router"], cfg, routing_bias)
     per_expert = jax.vmap(lambda g, u, dn: _swiglu(x, g, u, dn, jnp.matmul), out_axes=1)(
         params["w_gate"], params["w_up"], params["w_down"])                  # [T, E, H]
-    mix = (jax.nn.one_hot(topk_idx, cfg.num_experts) * topk_weights[..., None]).sum(axis=1)
-    y = jnp.einsum("teh,te->th", per_expert.astype(jnp.float32), mix)
+    routed = jax.nn.one_hot(topk_idx, cfg.num_experts)
+    mix = (routed * topk_weights[..., None]).sum(axis=1)                     # [T, E]
+    has = routed.max(axis=1) > 0                                             # one row each
+    kept = _kept_rows(has, cfg, num_ranks, tokens_per_rank)
+    # Each rank's weighted sum of a token's expert rows, in combine_partial_dtype, then the sum
+    # over ranks in float32 (the layer's expert outputs are in x.dtype before the combine).
+    weighted = per_expert.astype(x.dtype).astype(jnp.float32) * jnp.where(kept, mix, 0)[..., None]
+    partial = weighted.reshape(x.shape[0], num_ranks, -1, x.shape[1]).sum(axis=2)
+    y = partial.astype(cfg.combine_partial_dtype).astype(jnp.float32).sum(axis=1)
     if cfg.shared_ffn_hidden:
-        y = y + shared_expert(params, x).astype(jnp.float32)
-    return y.astype(x.dtype), load_balancing_loss(scores, topk_idx, cfg)
+        y = y + shared_expert(params, x).astype(x.dtype).astype(jnp.float32)
+    aux = MoEAux(load_balancing_loss(scores, topk_idx, cfg), (has & ~kept).sum(dtype=jnp.int32),
+                 expert_load(topk_idx, cfg.num_experts))
+    return y.astype(x.dtype), aux
+
+
+def _kept_rows(routed, cfg, num_ranks, tokens_per_rank):
+    """[tokens, E] bool: the (token, expert) rows an expert-layout dispatch with the layer's
+    capacity keeps. On each receiving rank, local expert e's rows start after the aligned blocks
+    of the experts before it; rows come by (source rank, token); those past the capacity drop."""
+    capacity = expert_capacity(cfg, tokens_per_rank, num_ranks)
+    if capacity is None:
+        return routed
+    tokens, experts = routed.shape
+    # [EP groups, source rank x token, receiving rank, local expert]
+    has = routed.reshape(-1, num_ranks * tokens_per_rank, num_ranks, experts // num_ranks)
+    count = has.sum(axis=1, dtype=jnp.int32)
+    start = layout.exclusive_cumsum(layout.align_up(count, cfg.expert_alignment), axis=-1)
+    within = layout.exclusive_cumsum(has, axis=1)
+    return (has & (start[:, None] + within < capacity)).reshape(tokens, experts)
 
 
 class MoELayer:
     """moe_block on globally sharded arrays under jit: tokens split over (data_axis,
     expert_axis), expert weights over expert_axis, router and shared expert replicated. Create
-    it outside jit (it owns the jax_ep Buffer); tokens_per_rank = tokens / mesh size."""
+    it outside jit (it owns the jax_ep Buffer); tokens_per_rank = tokens / mesh size. On a mesh
+    with explicit axes (jax.sharding.AxisType.Explicit) the inputs are resharded to those specs
+    first; with auto axes shard_map does it."""
 
     def __init__(self, cfg: MoEConfig, mesh, *, expert_axis, tokens_per_rank, data_axis=None,
                  impl="auto", **buffer_options):
         self.cfg, self.mesh = cfg, mesh
         self.token_axes = tuple(a for a in (data_axis, expert_axis) if a is not None)
         self.expert_axis = expert_axis
+        _partial_dtype_argument(cfg)  # fails here, not under jit, when combine cannot do it
         self.buffer = Buffer(mesh, expert_axis, num_experts=cfg.num_experts, hidden=cfg.hidden,
                              num_topk=cfg.num_topk, max_tokens_per_rank=tokens_per_rank,
                              impl=impl, **buffer_options)
@@ -150,11 +319,37 @@ class MoELayer:
     def param_specs(self, params):
         return {k: P(self.expert_axis) if k in EXPERT_WEIGHTS else P() for k in params}
 
-    def __call__(self, params, x):
-        """x [..., H] -> (y [..., H], auxiliary load-balancing loss)."""
+    def grouped_matmul_path(self, dtype=jnp.bfloat16):
+        """The grouped-matmul implementations of the experts for tokens of `dtype`."""
+        return grouped_matmul_path(self.cfg, self.buffer.num_ranks,
+                                   self.buffer.max_tokens_per_rank, dtype)
+
+    def __call__(self, params, x, routing_bias=None):
+        """x [..., H] -> (y [..., H], MoEAux). routing_bias [E] float32: with cfg.routing_bias
+        (e.g. kept as optimizer-free state, stepped by update_routing_bias)."""
         tokens = P(self.token_axes)
+        specs = (self.param_specs(params), tokens, P())
+        args = self._resharded((params, x.reshape(-1, x.shape[-1]), routing_bias), specs)
         fn = jax.shard_map(
-            lambda p, t: moe_block(self.buffer, p, t, self.cfg, self.token_axes), mesh=self.mesh,
-            in_specs=(self.param_specs(params), tokens), out_specs=(tokens, P()))
-        y, aux = fn(params, x.reshape(-1, x.shape[-1]))
+            lambda p, t, b: moe_block(self.buffer, p, t, self.cfg, self.token_axes, b),
+            mesh=self.mesh, in_specs=specs, out_specs=(tokens, P()))
+        y, aux = fn(*args)
         return y.reshape(x.shape), aux
+
+    def _resharded(self, args, specs):
+        """args laid out as specs over the mesh's explicit axes (the ones shard_map checks)."""
+        explicit = {name for name, kind in zip(self.mesh.axis_names,
+                                               getattr(self.mesh, "axis_types", ()))
+                    if kind == jax.sharding.AxisType.Explicit}
+        if not explicit:
+            return args
+
+        def over_explicit(entry):
+            names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,))
+                          if n in explicit)
+            return names if len(names) > 1 else names[0] if names else None
+
+        return jax.tree.map(
+            lambda spec, a: a if a is None else jax.sharding.reshard(
+                a, NamedSharding(self.mesh, P(*map(over_explicit, spec)))), specs, args,
+            is_leaf=lambda node: isinstance(node, P))

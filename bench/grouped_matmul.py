@@ -1,0 +1,233 @@
+"""Grouped matmuls of DeepSeek-V3's experts on one GPU: jax_ep.nn.grouped's Mosaic GPU kernels
+against the dense batched matmul of the same FLOPs and XLA's ragged_dot.
+
+    python -m bench.grouped_matmul --machine nvidia-h200      # a few minutes on one H200
+
+The rows of one rank of an EP group of R ranks (R = 1, 2: 256 and 128 local experts): 4096
+tokens x top-8 = 32768 rows in groups of multiples of 128 rows (as a dispatch with
+expert_alignment=128 delivers them), sizes uniform or skewed (Zipf: a few large groups, many
+empty); gate/up (K 7168, N 2048) and down (K 2048, N 7168). Each product (forward gmm, d lhs
+gmm_t, d rhs tgmm) is timed with bench.ep.loop_seconds; TFLOP/s count 2 * rows * K * N.
+"dense" is the batched einsum of the same FLOPs ([G, rows/G, K] x [G, K, N]: the grouped
+matmul of uniform groups known in advance); "xla" jax.lax.ragged_dot's product (the forward
+only, and skipped where its dense operand [M, G*K] would exceed 20 GB); "mosaic" the kernels of
+jax_ep.nn.grouped (aligned forward kernels), and "mosaic_unaligned" the forward products with
+group_alignment=1 (jax's ragged_dot_mgpu). The first case sweeps a few block sizes per product
+and the other cases use the best. Prints a table; writes
+bench/results/grouped-matmul-<machine>-<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.ep import common_arguments, loop_seconds, save_record
+from jax_ep.nn import grouped
+from jax_ep.nn.grouped import Blocks
+
+EINSUMS = {"gmm": "gmk,gkn->gmn", "gmm_t": "gmn,gkn->gmk", "tgmm": "gmk,gmn->gkn"}
+SWEEP = {  # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
+    "gmm": [Blocks(128, 128, 64, 4, 8), Blocks(128, 128, 64, 6, 8), Blocks(128, 128, 128, 3, 8),
+            Blocks(64, 256, 64, 4, 4)],
+    "tgmm": [Blocks(128, 128, 64, 4, 8), Blocks(128, 128, 128, 2, 8), Blocks(64, 128, 64, 4, 8)],
+}
+SWEEP["gmm_t"] = SWEEP["gmm"]
+XLA_MEMORY_LIMIT = 20e9
+
+
+def group_sizes(distribution, rows, groups, alignment):
+    """[groups] int32 multiples of alignment summing to rows (a multiple of alignment)."""
+    units = rows // alignment
+    if distribution == "uniform":
+        share = np.full(groups, 1.0 / groups)
+    else:  # Zipf: group g gets a share proportional to 1 / (g + 1)
+        share = 1.0 / np.arange(1, groups + 1)
+        share /= share.sum()
+    sizes = np.floor(share * units).astype(np.int64)
+    sizes[0] += units - sizes.sum()
+    return (sizes * alignment).astype(np.int32)
+
+
+def operands(rows, k, n, groups):
+    keys = jax.random.split(jax.random.key(0), 3)
+    make = jax.jit(lambda: (jax.random.normal(keys[0], (rows, k), jnp.bfloat16),
+                            (jax.random.normal(keys[1], (groups, k, n)) / np.sqrt(k)).astype(
+                                jnp.bfloat16),
+                            jax.random.normal(keys[2], (rows, n), jnp.bfloat16)))
+    return make()
+
+
+def product_operands(kind, lhs, rhs, ct):
+    return {"gmm": (lhs, rhs), "gmm_t": (ct, rhs), "tgmm": (lhs, ct)}[kind]
+
+
+def grouped_step(kind, impl, alignment, blocks=grouped.MOSAIC_BLOCKS):
+    def step(a, b, sizes):
+        return grouped.product(kind, a, b, sizes, impl=impl, group_alignment=alignment,
+                               blocks=blocks)
+    return step
+
+
+def dense_step(kind, groups):
+    def step(a, b, sizes):  # sizes unused: every group has rows / groups rows
+        split = lambda x: x.reshape((groups, -1) + x.shape[1:])
+        out = jnp.einsum(EINSUMS[kind], split(a), split(b) if kind == "tgmm" else b)
+        return out if kind == "tgmm" else out.reshape(-1, out.shape[-1])
+    return step
+
+
+def xla_expansion_bytes(lhs, rhs):
+    """The dense operand XLA:GPU builds for ragged_dot ([M, G*K]: lhs masked per group; its
+    autotuner alone then asks for more than that, so the check cannot be a compilation)."""
+    return rhs.shape[0] * lhs.size * lhs.dtype.itemsize
+
+
+def tflops(rows, k, n, seconds):
+    return 2 * rows * k * n / seconds / 1e12
+
+
+def forward_rates(rows, k, n, sizes, impl, alignment, counts=(1, 4)):
+    """TFLOP/s of grouped_matmul's forward with these group sizes and of the dense batched
+    matmul of the same FLOPs (for bench.moe_layer)."""
+    lhs, rhs, _ = operands(rows, k, n, len(sizes))
+    args = (lhs, rhs, jnp.asarray(sizes))
+    grouped_s = loop_seconds(grouped_step("gmm", impl, alignment), args, counts)
+    dense_s = loop_seconds(dense_step("gmm", len(sizes)), args, counts)
+    return tflops(int(np.sum(sizes)), k, n, grouped_s), tflops(rows, k, n, dense_s)
+
+
+def run_case(case, plan, sweep, counts, results):
+    """Times the implementations of the three products of one case. plan: the Mosaic blocks;
+    sweep: also try SWEEP's blocks (and jax's unaligned forward kernels) and return the best
+    blocks per product."""
+    ranks, groups, rows, projection, k, n, distribution, alignment = case
+    sizes = group_sizes(distribution, rows, groups, alignment)
+    lhs, rhs, ct = operands(rows, k, n, groups)
+    base = dict(ranks=ranks, groups=groups, rows=rows, projection=projection, k=k, n=n,
+                distribution=distribution, nonempty_groups=int((sizes > 0).sum()))
+
+    def timed(kind, impl, step, args, blocks=None, repeats=5):
+        """Seconds per call, recorded and printed (None, with the error, if it fails)."""
+        seconds = error = None
+        try:
+            seconds = loop_seconds(step, args, counts, repeats)
+        except Exception as e:  # noqa: BLE001  (e.g. blocks the kernel cannot fit in memory)
+            error = str(e).splitlines()[0][:200]
+        results.append(dict(base, product=kind, impl=impl, blocks=blocks, error=error,
+                            time_ms=None if error else seconds * 1e3,
+                            tflops=None if error else tflops(rows, k, n, seconds)))
+        print(f"  R={ranks} {projection:7s} {distribution:7s} {kind:5s} {impl:16s} "
+              f"{'' if blocks is None else blocks}: " + (
+                  f"failed ({error})" if error else
+                  f"{seconds * 1e3:8.3f} ms {tflops(rows, k, n, seconds):7.1f} TFLOP/s"),
+              flush=True)
+        return seconds
+
+    mosaic = not grouped.mosaic_misfits((rows, k), (groups, k, n), jnp.bfloat16, plan)
+    best = {}
+    for kind in grouped.PRODUCTS:
+        args = product_operands(kind, lhs, rhs, ct) + (jnp.asarray(sizes),)
+        if distribution == "uniform":
+            timed(kind, "dense", dense_step(kind, groups), args)
+            if kind == "gmm":
+                expansion = xla_expansion_bytes(lhs, rhs)
+                if expansion > XLA_MEMORY_LIMIT:
+                    error = f"skipped: a {expansion / 1e9:.0f} GB dense operand"
+                    print(f"  xla {kind}: {error}", flush=True)
+                    results.append(dict(base, product=kind, impl="xla", error=error,
+                                        time_ms=None, tflops=None))
+                else:
+                    timed(kind, "xla", grouped_step(kind, "xla", alignment), args, repeats=2)
+        if not mosaic:
+            continue
+        candidates = SWEEP[kind] if sweep else [getattr(plan, kind)]
+        times = []
+        for blocks in candidates:
+            step = grouped_step(kind, "mosaic", alignment,
+                                dataclasses.replace(plan, **{kind: blocks}))
+            seconds = timed(kind, "mosaic", step, args, list(blocks))
+            if seconds is not None:
+                times.append((seconds, blocks))
+        if times:
+            best[kind] = min(times)[1]
+        if sweep and kind != "tgmm":  # jax's forward kernels: their grid's extra tiles
+            blocks = best.get(kind, candidates[0])
+            timed(kind, "mosaic_unaligned", grouped_step(
+                kind, "mosaic", 1, dataclasses.replace(plan, **{kind: blocks})), args,
+                list(blocks))
+    return best
+
+
+def table(results):
+    dense = {(r["ranks"], r["projection"], r["product"]): r["tflops"] for r in results
+             if r["impl"] == "dense"}
+    best = {}
+    for r in results:
+        if r["tflops"] is not None and r["impl"] != "dense":
+            key = (r["ranks"], r["projection"], r["distribution"], r["product"], r["impl"])
+            best[key] = max(best.get(key, 0.0), r["tflops"])
+    lines = [f"{'R':>2s} {'projection':10s} {'groups':8s} {'product':7s} {'impl':16s} "
+             f"{'TFLOP/s':>8s} {'dense':>8s} {'share':>6s}"]
+    for (ranks, projection, distribution, kind, impl), rate in sorted(best.items()):
+        ref = dense.get((ranks, projection, kind))
+        lines.append(f"{ranks:2d} {projection:10s} {distribution:8s} {kind:7s} {impl:16s} "
+                     f"{rate:8.1f} {ref or float('nan'):8.1f} "
+                     f"{rate / ref if ref else float('nan'):6.0%}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="1,2", help="EP ranks whose per-rank shapes to time")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--ffn", type=int, default=2048)
+    parser.add_argument("--alignment", type=int, default=128)
+    parser.add_argument("--counts", default="1,4", help="loop lengths timed (low,high)")
+    parser.add_argument("--no-sweep", action="store_true", help="the default blocks only")
+    common_arguments(parser)
+    args = parser.parse_args(argv)
+    counts = tuple(int(c) for c in args.counts.split(","))
+    rows = args.tokens * args.topk
+    cases = [(ranks, args.experts // ranks, rows, projection, k, n, distribution, args.alignment)
+             for ranks in (int(r) for r in args.ranks.split(","))
+             for projection, (k, n) in (("gate_up", (args.hidden, args.ffn)),
+                                        ("down", (args.ffn, args.hidden)))
+             for distribution in ("uniform", "zipf")]
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {rows} rows per rank",
+          flush=True)
+    _, groups, rows, _, k, n, _, _ = cases[0]
+    problems = grouped.mosaic_misfits((rows, k), (groups, k, n), jnp.bfloat16)
+    if problems:
+        print("  mosaic kernels not timed:", "; ".join(problems), flush=True)
+    results, blocks = [], {}  # the best blocks per projection, from its first case
+    for case in cases:
+        projection = case[3]
+        found = run_case(case, dataclasses.replace(grouped.MOSAIC_BLOCKS,
+                                                   **blocks.get(projection, {})),
+                         not args.no_sweep and projection not in blocks, counts, results)
+        blocks.setdefault(projection, found)
+    print(table(results))
+    best_blocks = {p: {kind: list(b) for kind, b in found.items()} for p, found in blocks.items()}
+    print("best blocks:", best_blocks)
+    record = dict(machine=args.machine, date=datetime.date.today().isoformat(),
+                  command="python -m bench.grouped_matmul " + " ".join(
+                      sys.argv[1:] if argv is None else argv),
+                  config="grouped_matmul", device=jax.devices()[0].device_kind,
+                  jax_version=jax.__version__, default_blocks={
+                      kind: list(getattr(grouped.MOSAIC_BLOCKS, kind))
+                      for kind in grouped.PRODUCTS},
+                  best_blocks=best_blocks, results=results)
+    print(f"wrote {save_record(record, args.out, 'grouped-matmul')}.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""Grouped matmuls of the MoE experts: consecutive row groups of `lhs`, group g times rhs[g].
+
+    y = grouped_matmul(lhs, rhs, group_sizes)   # lhs [M, K], rhs [G, K, N], group_sizes [G]
+
+Rows [sum(group_sizes[:g]), sum(group_sizes[:g+1])) of y are lhs's rows times rhs[g]; rows past
+sum(group_sizes) are zero (their gradients too), as with jax.lax.ragged_dot. Group sizes live on
+the device (no host sync); it works under jit, shard_map, jax.checkpoint and gradients of any
+order.
+
+Three products make the matmul and its gradients, each the adjoint of the others:
+
+  gmm    out[i] = lhs[i] @ rhs[g(i)]          [M, K] x [G, K, N] -> [M, N]   (forward)
+  gmm_t  out[i] = lhs[i] @ rhs[g(i)]^T        [M, N] x [G, K, N] -> [M, K]   (d lhs)
+  tgmm   out[g] = sum_i lhs[i]^T rhs[i]       [M, K] x [M, N]    -> [G, K, N] (d rhs)
+
+Two implementations: "xla" (jax.lax.ragged_dot_general: the reference, and the path on CPU;
+XLA:GPU expands it to dense work) and "mosaic" (Pallas Mosaic GPU kernels for Hopper). impl="auto"
+takes "mosaic" where the default device is a CUDA GPU of compute capability 9.x and the shapes
+fit the kernels' blocks (`mosaic_misfits`), "xla" otherwise. The Mosaic kernels:
+
+- gmm, gmm_t with group_alignment a multiple of block_m (every group size a multiple of it, as
+  a dispatch with that expert_alignment gives): `_aligned_gmm` below, one output tile per row
+  block and column block of the rows in groups, each row block in one group;
+- otherwise jax's jax.experimental.pallas.ops.gpu.ragged_dot_mgpu, whose grid also holds
+  G - 1 tiles for blocks split between groups and the blocks of rows past sum(group_sizes)
+  (computed, not stored: at 128 rows per group half its tiles);
+- tgmm: jax's transposed_ragged_dot_mgpu (each group's row blocks only).
+
+The Mosaic weight gradient multiplies the rows of a group's last block past its end by zero, so
+rows past sum(group_sizes) must be finite (a dispatch's padding rows are zeros).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep.primitives import all_varying, varying_like
+
+IMPLS = ("auto", "xla", "mosaic")
+PRODUCTS = ("gmm", "gmm_t", "tgmm")
+MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+class Blocks(NamedTuple):
+    """Tiling of one Mosaic GPU kernel: output tiles of block_m x block_n, block_k deep, with
+    max_concurrent_steps loads in flight; grid_block_n output tiles side by side per SM sweep."""
+    block_m: int
+    block_n: int
+    block_k: int
+    max_concurrent_steps: int
+    grid_block_n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBlocks:
+    """The kernels' block sizes, per product: the best of bench/grouped_matmul.py's sweep on an
+    H200 at DeepSeek-V3's expert shapes (bench/results/grouped-matmul-nvidia-h200-*.json)."""
+    gmm: Blocks = Blocks(128, 128, 128, 3, 8)
+    gmm_t: Blocks = Blocks(128, 128, 128, 3, 8)
+    tgmm: Blocks = Blocks(128, 128, 64, 4, 8)
+
+
+MOSAIC_BLOCKS = MosaicBlocks()
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, impl="auto", group_alignment=1,
+                   blocks=MOSAIC_BLOCKS):
+    """lhs [M, K] rows in groups of group_sizes [G] (int32, sum <= M), rhs [G, K, N] -> [M, N]
+    in lhs.dtype (rhs is cast to it). impl: "auto", "xla" or "mosaic" (ValueError when the
+    kernels cannot run here or these shapes do not fit their blocks). group_alignment: a
+    number every group size is a multiple of (the caller's promise: wrong results otherwise),
+    e.g. the expert_alignment of the dispatch that made the rows."""
+    if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
+        raise ValueError(f"jax_ep.nn.grouped_matmul: lhs must be [M, K] and rhs [G, K, N], got "
+                         f"{lhs.shape} and {rhs.shape}")
+    if group_sizes.shape != (rhs.shape[0],):
+        raise ValueError(f"jax_ep.nn.grouped_matmul: group_sizes must have shape "
+                         f"({rhs.shape[0]},), got {group_sizes.shape}")
+    return product("gmm", lhs, rhs, group_sizes, impl=impl, group_alignment=group_alignment,
+                   blocks=blocks)
+
+
+def product(kind, a, b, group_sizes, *, impl="auto", group_alignment=1, blocks=MOSAIC_BLOCKS):
+    """One of the three products alone ("gmm", "gmm_t" or "tgmm", shapes as in the module
+    docstring), differentiable like grouped_matmul: for benchmarks and custom layers."""
+    if kind not in PRODUCTS:
+        raise ValueError(f"jax_ep.nn.grouped: kind must be one of {PRODUCTS}, got {kind!r}")
+    (m, first), second = a.shape, b.shape
+    lhs_shape, rhs_shape = {
+        "gmm": ((m, first), second),
+        "gmm_t": ((m, second[1]), second),
+        "tgmm": ((m, first), (group_sizes.shape[0], first, second[1])),
+    }[kind]
+    impl = resolve_impl(impl, lhs_shape, rhs_shape, a.dtype, blocks)
+    # The backward's cotangents vary over the axes of all three operands: so must the operands.
+    a, b, group_sizes = all_varying(a, b.astype(a.dtype), group_sizes.astype(jnp.int32))
+    return _product(kind, _Plan(impl, group_alignment, blocks), a, b, group_sizes)
+
+
+class _Plan(NamedTuple):
+    """How the products run (static): implementation, promised alignment, block sizes."""
+    impl: str
+    group_alignment: int
+    blocks: MosaicBlocks
+
+
+def resolve_impl(impl, lhs_shape, rhs_shape, dtype, blocks=MOSAIC_BLOCKS):
+    """The implementation grouped_matmul takes for these operands: "xla" or "mosaic"."""
+    if impl not in IMPLS:
+        raise ValueError(f"jax_ep.nn.grouped_matmul: impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "xla":
+        return impl
+    problems = mosaic_misfits(lhs_shape, rhs_shape, dtype, blocks)
+    if not problems:
+        return "mosaic"
+    if impl == "mosaic":
+        raise ValueError("jax_ep.nn.grouped_matmul: impl='mosaic' cannot run: "
+                         + "; ".join(problems))
+    return "xla"
+
+
+def mosaic_misfits(lhs_shape, rhs_shape, dtype, blocks=MOSAIC_BLOCKS):
+    """Why the Mosaic GPU kernels cannot compute this grouped matmul and both its gradients
+    (empty when they can). Each kernel tiles its output and contraction dimensions by its blocks
+    exactly (grid_block_n need not divide); the forward reads lhs in block_m rows."""
+    problems = list(_platform_misfits())
+    if jnp.dtype(dtype) not in MOSAIC_DTYPES:
+        problems.append(f"dtype {jnp.dtype(dtype).name} (needs bfloat16 or float16)")
+    (m, k), (_, _, n) = lhs_shape, rhs_shape
+    # (product, dimension name, size, multiple it must be of): forward [M,K]x[K,N], d lhs
+    # [M,N]x[N,K] (rhs transposed), d rhs [K,M]x[M,N] contracting over the rows.
+    needs = [("gmm", "M", m, blocks.gmm.block_m), ("gmm", "K", k, blocks.gmm.block_k),
+             ("gmm", "N", n, blocks.gmm.block_n),
+             ("gmm_t", "M", m, blocks.gmm_t.block_m), ("gmm_t", "N", n, blocks.gmm_t.block_k),
+             ("gmm_t", "K", k, blocks.gmm_t.block_n),
+             ("tgmm", "M", m, blocks.tgmm.block_k), ("tgmm", "K", k, blocks.tgmm.block_m),
+             ("tgmm", "N", n, blocks.tgmm.block_n)]
+    for product, name, size, multiple in needs:
+        if size == 0 or size % multiple:
+            problems.append(f"{product}: {name}={size} is not a positive multiple of {multiple}")
+    return problems
+
+
+@functools.cache
+def _platform_misfits():
+    device = jax.devices()[0]
+    capability = str(getattr(device, "compute_capability", ""))
+    if device.platform != "gpu" or capability.split(".")[0] != "9":
+        return (f"the default device is {device.device_kind} ({device.platform}), not a CUDA GPU "
+                f"of compute capability 9.x",)
+    try:
+        _mosaic_kernels()
+    except ImportError as e:
+        return (f"jax's Mosaic GPU kernels do not import: {e}",)
+    return ()
+
+
+def _mosaic_kernels():
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+    return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
+
+
+# ---------------------------------------------------------------- the three products
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _product(kind, plan, a, b, group_sizes):
+    return _compute(kind, plan, a, b, group_sizes)
+
+
+def _product_fwd(kind, plan, a, b, group_sizes):
+    return _product(kind, plan, a, b, group_sizes), (a, b, group_sizes)
+
+
+def _product_bwd(kind, plan, residuals, ct):
+    a, b, group_sizes = residuals
+
+    def run(kind, x, y):
+        return _product(kind, plan, x, y, group_sizes)
+
+    if kind == "gmm":      # out = a @ b_g
+        grads = run("gmm_t", ct, b), run("tgmm", a, ct)
+    elif kind == "gmm_t":  # out = a @ b_g^T
+        grads = run("gmm", ct, b), run("tgmm", ct, a)
+    else:                  # out_g = a_g^T @ b_g
+        grads = run("gmm_t", b, ct), run("gmm", a, ct)
+    return grads + (None,)
+
+
+_product.defvjp(_product_fwd, _product_bwd)
+
+_XLA_DIMENSIONS = {  # ((lhs contracting, rhs contracting), (batch, batch)), ragged, group dims
+    "gmm": ((([1], [1]), ([], [])), [0], [0]),
+    "gmm_t": ((([1], [2]), ([], [])), [0], [0]),
+    "tgmm": ((([0], [0]), ([], [])), [0], []),
+}
+
+
+def _compute(kind, plan, a, b, group_sizes):
+    if plan.impl == "xla":
+        dot, ragged, group = _XLA_DIMENSIONS[kind]
+        return jax.lax.ragged_dot_general(
+            a, b, group_sizes, jax.lax.RaggedDotDimensionNumbers(dot, ragged, group))
+    ragged_dot, transposed_ragged_dot = _mosaic_kernels()
+    tiles = getattr(plan.blocks, kind)
+    if kind == "tgmm":  # the kernel reads only the groups' rows; an empty group's block is zero
+        out = transposed_ragged_dot(a, b, group_sizes=group_sizes, **tiles._asdict())
+    elif plan.group_alignment % tiles.block_m == 0:
+        out = _aligned_gmm(a, b, group_sizes, tiles, transpose_rhs=kind == "gmm_t")
+    else:
+        out = ragged_dot(a, b, group_sizes=group_sizes, transpose_rhs=kind == "gmm_t",
+                         **tiles._asdict())
+    # A custom call's outputs look replicated to shard_map: they vary like the operands.
+    out = varying_like(out, a, b, group_sizes)
+    if kind == "tgmm":
+        return out
+    # The kernel leaves rows past sum(group_sizes) unwritten.
+    valid = jnp.arange(out.shape[0]) < group_sizes.sum()
+    return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
+
+
+def _aligned_gmm(lhs, rhs, group_sizes, tiles, transpose_rhs):
+    """lhs [M, K] @ rhs[g] ([G, K, N], or [G, N, K] transposed) for groups whose sizes are
+    multiples of tiles.block_m: the SMs share the output tiles of the row blocks in groups
+    (a grid sized on the device), n fastest within grid_block_n columns so that neighbouring
+    SMs read the same rows; each tile is a pipeline of block_k steps. Rows past the groups are
+    not written."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bm, bn, bk, steps, columns_together = tiles
+    (m, k), num_groups = lhs.shape, rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    ends = jnp.cumsum(group_sizes)
+    # Row block b's group: the first whose end is past the block's first row.
+    block_group = (ends[None, :] <= jnp.arange(m // bm, dtype=jnp.int32)[:, None] * bm).sum(
+        axis=1, dtype=jnp.int32)
+    block_group = jnp.minimum(block_group, num_groups - 1)
+    row_blocks = (ends[-1:] // bm).astype(jnp.int32)
+    column_blocks = n // bn
+
+    def body(block_group_ref, row_blocks_ref, lhs_ref, rhs_ref, out_ref):
+        used_row_blocks = row_blocks_ref[0]
+
+        @plgpu.nd_loop((used_row_blocks * column_blocks,), collective_axes="sm")
+        def tile(loop):
+            mi, ni = plgpu.planar_snake(loop.index[0], (used_row_blocks, column_blocks), 1,
+                                        columns_together)
+            weights = rhs_ref.at[block_group_ref[mi]]
+
+            def multiply(_, lhs_smem, rhs_smem, acc_ref):
+                plgpu.wgmma(acc_ref, lhs_smem,
+                            rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem)
+
+            def accumulate(acc_ref):
+                plgpu.emit_pipeline(
+                    functools.partial(multiply, acc_ref=acc_ref),
+                    grid=(k // bk,),
+                    in_specs=[
+                        plgpu.BlockSpec((bm, bk), lambda ki: (mi, ki), delay_release=1),
+                        plgpu.BlockSpec((bn, bk), lambda ki: (ni, ki), delay_release=1)
+                        if transpose_rhs else
+                        plgpu.BlockSpec((bk, bn), lambda ki: (ki, ni), delay_release=1),
+                    ],
+                    max_concurrent_steps=steps,
+                )(lhs_ref, weights)
+                return acc_ref[...]
+
+            acc = pl.run_scoped(accumulate, plgpu.ACC((bm, bn)))
+
+            @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((bm, bn), out_ref.dtype))
+            def store(out_smem):
+                out_smem[...] = acc.astype(out_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    out_smem, out_ref.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        grid=(jax.devices()[0].core_count,), grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return kernel(block_group, row_blocks, lhs, rhs)

@@ -1,0 +1,147 @@
+"""jax_ep.nn.grouped_matmul's Mosaic GPU kernels (Hopper) against its XLA path computing in
+float32 on the same bfloat16 values: the forward and both gradients, uniform, skewed and empty
+groups, rows past sum(group_sizes) zero, both forward kernels (rows aligned to the block or
+not), under shard_map, jax.checkpoint and command buffers. Skipped where JAX sees no GPU."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from helpers import make_mesh
+from jax_ep.nn import grouped
+
+pytestmark = pytest.mark.gpu
+TOLERANCE = 1e-2  # bfloat16 outputs of float32 sums: ~2^-9 relative per element
+
+SIZES = {  # 8 groups of at most 1024 rows
+    "uniform": [128] * 8,
+    "skewed": [512, 256, 0, 128, 0, 0, 128, 0],
+    "empty_first_and_padding_rows": [0, 256, 128, 0, 0, 0, 384, 0],
+    "unaligned": [100, 3, 0, 421, 77, 0, 150, 50],
+    "no_rows": [0] * 8,
+}
+
+
+def relative_error(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def operands(m, k, n, groups, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(keys[0], (m, k), jnp.bfloat16),
+            (jax.random.normal(keys[1], (groups, k, n)) / np.sqrt(k)).astype(jnp.bfloat16),
+            jax.random.normal(keys[2], (m, n), jnp.bfloat16))
+
+
+def forward_and_gradients(lhs, rhs, ct, sizes, **kwargs):
+    def objective(lhs, rhs):
+        out = grouped.grouped_matmul(lhs, rhs, sizes, **kwargs)
+        return jnp.vdot(out.astype(jnp.float32), ct.astype(jnp.float32)), out
+    (_, out), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(
+        lhs, rhs)
+    return (out,) + grads
+
+
+def assert_like_xla(lhs, rhs, ct, sizes, **kwargs):
+    got = forward_and_gradients(lhs, rhs, ct, sizes, impl="mosaic", **kwargs)
+    f32 = [a.astype(jnp.float32) for a in (lhs, rhs, ct)]
+    want = forward_and_gradients(*f32, sizes, impl="xla")
+    for what, g, w in zip(("forward", "d lhs", "d rhs"), got, want):
+        assert g.dtype == jnp.bfloat16, what
+        if np.any(np.asarray(w)):
+            assert relative_error(g, w) < TOLERANCE, (what, relative_error(g, w))
+        else:
+            assert not np.any(np.asarray(g)), what
+    past = int(np.sum(sizes))
+    assert not np.asarray(got[0])[past:].any() and not np.asarray(got[1])[past:].any()
+
+
+def test_auto_takes_the_kernels_here():
+    assert grouped.resolve_impl("auto", (1024, 256), (8, 256, 384), jnp.bfloat16) == "mosaic"
+    assert grouped.resolve_impl("auto", (1024, 256), (8, 256, 384), jnp.float32) == "xla"
+
+
+@pytest.mark.parametrize("name,group_alignment", [  # 128: the aligned forward kernels
+    (name, alignment) for name in sorted(SIZES) for alignment in (1, 128)
+    if not np.any(np.asarray(SIZES[name]) % alignment)])
+def test_matches_xla(name, group_alignment):
+    sizes = np.asarray(SIZES[name], np.int32)
+    lhs, rhs, ct = operands(1024, 256, 384, len(sizes))
+    assert_like_xla(lhs, rhs, ct, jnp.asarray(sizes), group_alignment=group_alignment)
+
+
+@pytest.mark.parametrize("k,n", [(7168, 2048), (2048, 7168)])
+def test_v3_expert_shapes(k, n):
+    """32 experts of DeepSeek-V3's shapes, 4096 rows, skewed (Zipf) and aligned to 128."""
+    weights = 1 / np.arange(1, 33)
+    sizes = np.floor(weights / weights.sum() * 4096 / 128).astype(np.int32) * 128
+    sizes[0] += 4096 - sizes.sum()
+    lhs, rhs, ct = operands(4096, k, n, 32, seed=1)
+    assert_like_xla(lhs, rhs, ct, jnp.asarray(sizes), group_alignment=128)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_under_shard_map(remat):
+    """On a mesh of this machine's GPUs, each its own rows and experts, under check_vma."""
+    mesh = make_mesh(len(jax.devices("gpu")), devices=jax.devices("gpu"))
+    ranks, groups, rows = mesh.size, 4, 512
+    lhs, rhs, ct = operands(ranks * rows, 256, 256, ranks * groups, seed=2)
+    sizes = jnp.asarray(np.tile([128, 0, 256, 0], ranks), jnp.int32)
+
+    def layer(impl):
+        def per_rank(lhs, rhs, sizes):
+            return jax.nn.silu(grouped.grouped_matmul(lhs, rhs, sizes, impl=impl,
+                                                      group_alignment=128))
+        f = jax.shard_map(jax.checkpoint(per_rank) if remat else per_rank, mesh=mesh,
+                          in_specs=P("ep"), out_specs=P("ep"))
+        return jax.jit(jax.grad(lambda a, b: jnp.vdot(f(a, b, sizes).astype(jnp.float32),
+                                                      ct.astype(jnp.float32)), argnums=(0, 1)))
+
+    got = layer("mosaic")(lhs, rhs)
+    want = layer("xla")(lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+    for g, w in zip(got, want):
+        assert relative_error(g, w) < TOLERANCE
+
+
+def test_under_command_buffers():
+    """A jitted loop of forward and backward passes under XLA command buffers (CUDA graphs)."""
+    code = """
+        import jax, jax.numpy as jnp, numpy as np
+        from jax_ep.nn import grouped
+        keys = jax.random.split(jax.random.key(0), 2)
+        lhs = jax.random.normal(keys[0], (1024, 256), jnp.bfloat16)
+        rhs = (jax.random.normal(keys[1], (8, 256, 256)) / 16).astype(jnp.bfloat16)
+        sizes = jnp.asarray([256, 0, 128, 128, 0, 256, 0, 128], jnp.int32)
+
+        def steps(impl):
+            def step(i, carry):
+                lhs, rhs = carry
+                f = lambda a, b: jnp.sum(grouped.grouped_matmul(a, b, sizes, impl=impl,
+                                                                group_alignment=128) ** 2)
+                da, db = jax.grad(f, argnums=(0, 1))(lhs, rhs)
+                return lhs - 1e-3 * da.astype(lhs.dtype), rhs - 1e-3 * db.astype(rhs.dtype)
+            return jax.jit(lambda a, b: jax.lax.fori_loop(0, 3, step, (a, b)))
+
+        got = steps("mosaic")(lhs, rhs)
+        got_again = steps("mosaic")(lhs, rhs)
+        want = steps("xla")(lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+        for g, a, w in zip(got, got_again, want):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(a, np.float32))
+            err = np.linalg.norm(np.asarray(g, np.float64) - np.asarray(w, np.float64))
+            assert err / np.linalg.norm(np.asarray(w, np.float64)) < 1e-2, err
+        print("OK")
+    """
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
+                         "--xla_gpu_graph_min_graph_size=1")
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                         text=True, timeout=300, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert "OK" in out.stdout, out.stderr[-3000:]

@@ -1,0 +1,147 @@
+"""jax_ep.nn.grouped_matmul on its XLA path (the path on CPU): the forward and both gradients
+against jax.lax.ragged_dot and a numpy loop over the groups, gradients of second order, under
+shard_map and jax.checkpoint; and which implementation it takes. (The Mosaic GPU path:
+tests/test_gpu_grouped.py.)"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.test_util import check_grads
+
+from helpers import make_mesh
+from jax_ep.nn import grouped
+
+M, K, N = 24, 16, 12
+GROUP_SIZES = {  # G = 4 groups of M = 24 rows
+    "full": [5, 7, 8, 4],
+    "empty_groups": [0, 10, 0, 14],
+    "padding_rows": [3, 0, 6, 2],       # rows 11.. belong to no group
+    "one_group": [0, 0, 24, 0],
+    "no_rows": [0, 0, 0, 0],
+}
+
+
+def operands(seed, m=M, k=K, n=N, groups=4):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((m, k)).astype(np.float32),
+            rng.standard_normal((groups, k, n)).astype(np.float32),
+            rng.standard_normal((m, n)).astype(np.float32))
+
+
+def loop_products(lhs, rhs, ct, sizes):
+    """The forward, d lhs and d rhs of sum(ct * grouped_matmul) group by group, in float64."""
+    lhs, rhs, ct = (np.asarray(a, np.float64) for a in (lhs, rhs, ct))
+    out, d_lhs, d_rhs = np.zeros(ct.shape), np.zeros(lhs.shape), np.zeros(rhs.shape)
+    start = 0
+    for g, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        out[rows] = lhs[rows] @ rhs[g]
+        d_lhs[rows] = ct[rows] @ rhs[g].T
+        d_rhs[g] = lhs[rows].T @ ct[rows]
+        start += size
+    return out, d_lhs, d_rhs
+
+
+def value_and_grads(matmul, lhs, rhs, ct, sizes):
+    def objective(lhs, rhs):
+        out = matmul(lhs, rhs, jnp.asarray(sizes, jnp.int32))
+        return jnp.vdot(out, ct), out
+    (_, out), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(
+        lhs, rhs)
+    return (out,) + grads
+
+
+@pytest.mark.parametrize("name", sorted(GROUP_SIZES))
+def test_matches_ragged_dot_and_a_loop(name):
+    sizes = GROUP_SIZES[name]
+    lhs, rhs, ct = operands(1)
+    got = value_and_grads(lambda *a: grouped.grouped_matmul(*a, impl="xla"), lhs, rhs, ct, sizes)
+    ragged = value_and_grads(jax.lax.ragged_dot, lhs, rhs, ct, sizes)
+    loop = loop_products(lhs, rhs, ct, sizes)
+    for what, g, r, want in zip(("forward", "d lhs", "d rhs"), got, ragged, loop):
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5, err_msg=what)
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=what)
+    past = sum(sizes)  # rows of no group: zero, and so is their gradient
+    assert not np.asarray(got[0])[past:].any() and not np.asarray(got[1])[past:].any()
+
+
+def test_casts_rhs_to_the_lhs_dtype():
+    lhs, rhs, _ = operands(2)
+    sizes = jnp.asarray(GROUP_SIZES["full"], jnp.int32)
+    out = grouped.grouped_matmul(jnp.asarray(lhs, jnp.bfloat16), rhs, sizes, impl="xla")
+    assert out.dtype == jnp.bfloat16
+    d_rhs = jax.grad(lambda r: grouped.grouped_matmul(
+        jnp.asarray(lhs, jnp.bfloat16), r, sizes, impl="xla").astype(jnp.float32).sum())(rhs)
+    assert d_rhs.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("name", ["full", "padding_rows"])
+def test_gradients_of_first_and_second_order(name):
+    """Numerical against automatic derivatives: the three products are each other's adjoints."""
+    lhs, rhs, _ = operands(3, m=8, k=4, n=3, groups=3)
+    sizes = jnp.asarray({"full": [3, 1, 4], "padding_rows": [2, 0, 3]}[name], jnp.int32)
+    check_grads(lambda a, b: grouped.grouped_matmul(a, b, sizes, impl="xla"), (lhs, rhs),
+                order=2, modes=["rev"], atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("rhs_spec", [P("ep"), P()], ids=["experts_sharded", "replicated"])
+def test_under_shard_map(remat, rhs_spec):
+    """Each of 4 ranks multiplies its own rows and group sizes, with its rank's experts (rhs
+    sharded) or all ranks with the same experts (replicated: d rhs sums over the ranks)."""
+    mesh = make_mesh(4)
+    ranks, groups = mesh.size, 3
+    lhs, rhs, ct = operands(4, m=ranks * M, groups=ranks * groups if rhs_spec == P("ep") else groups)
+    rng = np.random.default_rng(5)
+    sizes = np.stack([rng.multinomial(M - 2 * r, np.ones(groups) / groups) for r in range(ranks)])
+
+    def per_rank(lhs, rhs, sizes):
+        return grouped.grouped_matmul(lhs, rhs, sizes.reshape(-1), impl="xla")
+
+    f = jax.checkpoint(per_rank) if remat else per_rank
+    f = jax.shard_map(f, mesh=mesh, in_specs=(P("ep"), rhs_spec, P("ep")), out_specs=P("ep"))
+    args = [jax.device_put(a, NamedSharding(mesh, s))
+            for a, s in ((lhs, P("ep")), (rhs, rhs_spec), (jnp.asarray(sizes, jnp.int32), P("ep")))]
+    out, grads = jax.jit(jax.value_and_grad(lambda a, b, s: jnp.vdot(f(a, b, s), ct),
+                                            argnums=(0, 1)))(*args)
+    want = [loop_products(lhs[r * M:(r + 1) * M],
+                          rhs[r * groups:(r + 1) * groups] if rhs_spec == P("ep") else rhs,
+                          ct[r * M:(r + 1) * M], sizes[r]) for r in range(ranks)]
+    np.testing.assert_allclose(out, sum(np.vdot(w[0], ct[r * M:(r + 1) * M])
+                                        for r, w in enumerate(want)), rtol=1e-5)
+    np.testing.assert_allclose(grads[0], np.concatenate([w[1] for w in want]), rtol=1e-5,
+                               atol=1e-5)
+    d_rhs = (np.concatenate([w[2] for w in want]) if rhs_spec == P("ep")
+             else sum(w[2] for w in want))
+    np.testing.assert_allclose(grads[1], d_rhs, rtol=1e-5, atol=1e-5)
+
+
+def test_which_implementation():
+    shape = ((256, 256), (4, 256, 256))
+    assert grouped.resolve_impl("xla", *shape, jnp.bfloat16) == "xla"
+    if jax.devices()[0].platform == "cpu":
+        assert grouped.resolve_impl("auto", *shape, jnp.bfloat16) == "xla"
+        with pytest.raises(ValueError, match="not a CUDA GPU of compute capability 9"):
+            grouped.grouped_matmul(jnp.zeros(shape[0], jnp.bfloat16),
+                                   jnp.zeros(shape[1], jnp.bfloat16),
+                                   jnp.zeros(4, jnp.int32), impl="mosaic")
+    blocks = grouped.MosaicBlocks(gmm=grouped.Blocks(128, 128, 64, 4, 8),
+                                  gmm_t=grouped.Blocks(128, 128, 64, 4, 8),
+                                  tgmm=grouped.Blocks(128, 128, 32, 4, 8))
+    problems = grouped.mosaic_misfits((200, 100), (4, 100, 96), jnp.float32, blocks)
+    for expected in ("dtype float32", "gmm: M=200 is not a positive multiple of 128",
+                     "gmm: K=100 is not a positive multiple of 64",
+                     "gmm_t: N=96 is not a positive multiple of 64",
+                     "tgmm: M=200 is not a positive multiple of 32",
+                     "tgmm: N=96 is not a positive multiple of 128"):
+        assert any(p.startswith(expected) for p in problems), (expected, problems)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        grouped.resolve_impl("cutlass", *shape, jnp.bfloat16)
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match=r"lhs must be \[M, K\] and rhs \[G, K, N\]"):
+        grouped.grouped_matmul(jnp.zeros((4, 3)), jnp.zeros((2, 4, 3)), jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match=r"group_sizes must have shape \(2,\)"):
+        grouped.grouped_matmul(jnp.zeros((4, 3)), jnp.zeros((2, 3, 3)), jnp.zeros(3, jnp.int32))
