@@ -10,57 +10,65 @@ void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RE
 Rank::Rank(const Window& window, int group, int rank, std::vector<uint8_t*> windows,
            std::shared_ptr<void> keep, double timeout_s)
     : window(window), group(group), rank(rank), windows_(std::move(windows)),
-      keep_(std::move(keep)), timeout_s_(timeout_s) {
-  worker_ = std::thread([this] { work(); });
-  completer_ = std::thread([this] { complete(); });
+      keep_(std::move(keep)), timeout_s_(timeout_s), queues_(std::make_shared<Queues>()) {
+  worker_ = std::thread(work, queues_);
+  completer_ = std::thread(complete, queues_);
 }
 
 Rank::~Rank() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    std::lock_guard<std::mutex> lock(queues_->mu);
+    queues_->stop = true;
   }
-  cv_.notify_all();
-  worker_.join();
-  completer_.join();
+  queues_->cv.notify_all();
+  for (std::thread* t : {&worker_, &completer_}) {
+    if (t->get_id() == std::this_thread::get_id())
+      t->detach();
+    else
+      t->join();
+  }
 }
 
 void Rank::run(std::function<std::string()> job, Done done) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    jobs_.emplace_back(std::move(job), std::move(done));
+    std::lock_guard<std::mutex> lock(queues_->mu);
+    queues_->jobs.emplace_back(std::move(job), std::move(done));
   }
-  cv_.notify_all();
+  queues_->cv.notify_all();
 }
 
-void Rank::work() {
-  std::unique_lock<std::mutex> lock(mu_);
+void Rank::work(std::shared_ptr<Queues> q) {
+  std::unique_lock<std::mutex> lock(q->mu);
   while (true) {
-    cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
-    if (jobs_.empty()) return;
-    auto [job, done] = std::move(jobs_.front());
-    jobs_.pop_front();
-    std::string error = broken_;
+    q->cv.wait(lock, [&] { return q->stop || !q->jobs.empty(); });
+    if (q->jobs.empty()) return;
+    auto [job, done] = std::move(q->jobs.front());
+    q->jobs.pop_front();
+    ++q->running;
+    std::string error = q->broken;
     if (error.empty()) {
       lock.unlock();
       error = job();
       lock.lock();
       if (!error.empty())
-        broken_ = error + " (this Buffer stopped here: its ranks no longer agree on the ops "
-                          "in flight; create a new Buffer)";
+        q->broken = error + " (this Buffer stopped here: its ranks no longer agree on the ops "
+                            "in flight; create a new Buffer)";
     }
-    completions_.emplace_back(std::move(done), std::move(error));
-    cv_.notify_all();
+    q->completions.emplace_back(std::move(done), std::move(error));
+    --q->running;
+    q->cv.notify_all();
   }
 }
 
-void Rank::complete() {
-  std::unique_lock<std::mutex> lock(mu_);
+void Rank::complete(std::shared_ptr<Queues> q) {
+  std::unique_lock<std::mutex> lock(q->mu);
   while (true) {
-    cv_.wait(lock, [&] { return !completions_.empty() || (stop_ && jobs_.empty()); });
-    if (completions_.empty()) return;
-    auto [done, error] = std::move(completions_.front());
-    completions_.pop_front();
+    q->cv.wait(lock, [&] {
+      return !q->completions.empty() || (q->stop && q->jobs.empty() && q->running == 0);
+    });
+    if (q->completions.empty()) return;
+    auto [done, error] = std::move(q->completions.front());
+    q->completions.pop_front();
     lock.unlock();
     done(error);
     lock.lock();

@@ -57,20 +57,27 @@ class Rank {
  private:
   template <typename Ready>
   std::string wait(int64_t offset, Ready ready, uint64_t op, int peer, const char* what) const;
-  void work();
-  void complete();
+
+  // The threads' state, theirs as much as the rank's: the last reference to a rank may drop on
+  // one of them (a completed call ends a program, which may free it), which then lets the
+  // threads finish on their own instead of joining itself.
+  struct Queues {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::pair<std::function<std::string()>, Done>> jobs;
+    std::deque<std::pair<Done, std::string>> completions;
+    std::string broken;
+    int running = 0;  // jobs taken whose completion is not queued yet
+    bool stop = false;
+  };
+  static void work(std::shared_ptr<Queues> q);
+  static void complete(std::shared_ptr<Queues> q);
 
   std::vector<uint8_t*> windows_;
   std::shared_ptr<void> keep_;
   const double timeout_s_;
   uint64_t sent_ = 0;
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::pair<std::function<std::string()>, Done>> jobs_;
-  std::deque<std::pair<Done, std::string>> completions_;
-  std::string broken_;
-  bool stop_ = false;
+  std::shared_ptr<Queues> queues_;
   std::thread worker_, completer_;
 };
 
