@@ -84,24 +84,27 @@ def input_shapes(mesh, sizes):
     return [jax.ShapeDtypeStruct(shape, dtype, sharding=shard) for shape, dtype in shapes]
 
 
-def step_bytes(mesh, sizes):
-    """Device memory per device that XLA's compiled layer needs: arguments, outputs, temporaries."""
-    layer = program(moe_layer, mesh, make_buffer(mesh, sizes, "reference"))
-    stats = layer.lower(*input_shapes(mesh, sizes)).compile().memory_analysis()
-    return stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+def compile_layer(mesh, sizes, buf):
+    """(the layer on buf, compiled; the device memory per device that XLA says it needs:
+    arguments, outputs and temporaries)."""
+    layer = program(moe_layer, mesh, buf).lower(*input_shapes(mesh, sizes)).compile()
+    stats = layer.memory_analysis()
+    return layer, stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
 
 
 def choose_sizes(mesh):
-    """(sizes, why these): fixed on CPUs; on GPUs the largest layer whose step fits."""
+    """(sizes, why these, the reference path's layer compiled for them): fixed on CPUs; on GPUs
+    the largest layer whose compiled step fits."""
     device = mesh.devices.flat[0]
     if device.platform == "cpu":
-        return CPU_SIZES, "small, for CPUs"
+        layer, _ = compile_layer(mesh, CPU_SIZES, make_buffer(mesh, CPU_SIZES, "reference"))
+        return CPU_SIZES, "small, for CPUs", layer
     limit = device.memory_stats()["bytes_limit"]
     for sizes in GPU_SIZES:
-        need = step_bytes(mesh, sizes)
+        layer, need = compile_layer(mesh, sizes, make_buffer(mesh, sizes, "reference"))
         if need <= GPU_MEMORY_SHARE * limit:
             return sizes, (f"the largest that fits: XLA needs {need / 2**30:.1f} GiB per GPU for "
-                           f"the layer, of {limit / 2**30:.1f} GiB")
+                           f"the layer, of {limit / 2**30:.1f} GiB"), layer
     raise SystemExit(f"jax_ep demo: even {GPU_SIZES[-1]} needs more than "
                      f"{GPU_MEMORY_SHARE:.0%} of the {limit / 2**30:.1f} GiB of {device}")
 
@@ -119,14 +122,14 @@ def random_inputs(mesh, sizes):
         return (jax.random.normal(keys[0], x_s.shape, x_s.dtype),
                 jax.lax.top_k(scores, sizes.topk)[1].astype(jnp.int32),
                 jax.random.uniform(keys[2], w_s.shape, w_s.dtype),
-                jax.random.normal(keys[3], in_s.shape, in_s.dtype) / np.sqrt(sizes.hidden),
-                jax.random.normal(keys[4], out_s.shape, out_s.dtype) / np.sqrt(sizes.ffn))
+                jax.random.normal(keys[3], in_s.shape, in_s.dtype) * sizes.hidden ** -0.5,
+                jax.random.normal(keys[4], out_s.shape, out_s.dtype) * sizes.ffn ** -0.5)
 
     return make()
 
 
 def best_time_ms(fn, args, runs=5):
-    out = jax.block_until_ready(fn(*args))  # compiles
+    out = jax.block_until_ready(fn(*args))  # compiles, or warms up
     times = []
     for _ in range(runs):
         start = time.perf_counter()
@@ -144,24 +147,25 @@ def relative_difference(a, b):
 def main():
     devices = jax.devices()
     mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
-    sizes, why = choose_sizes(mesh)
     backend = "CUDA kernels" if devices[0].platform == "gpu" else "CPU backend"
     print(f"jax_ep demo: {len(devices)} x {devices[0].device_kind}, jax {jax.__version__}, one "
-          f"expert-parallel rank per device")
+          f"expert-parallel rank per device (compiling takes a minute or two on GPUs)", flush=True)
+    sizes, why, reference_layer = choose_sizes(mesh)
     print(f"  MoE layer: {sizes.tokens} tokens per rank, hidden {sizes.hidden}, "
           f"{sizes.experts_per_rank * len(devices)} experts ({sizes.experts_per_rank} per rank, "
           f"ffn {sizes.ffn}), top-{sizes.topk} ({why})")
     print("  per rank: FP8 dispatch of its tokens to their experts' ranks, each expert's rows "
-          "through its MLP, weighted combine back")
+          "through its MLP, weighted combine back", flush=True)
     args = random_inputs(mesh, sizes)
     outputs = {}
     for impl, name in (("ffi", f"custom calls ({backend})"), ("reference", "jax.lax reference")):
-        buf = make_buffer(mesh, sizes, impl)
-        layer, layer_ms = best_time_ms(program(moe_layer, mesh, buf), args)
-        trip, trip_ms = best_time_ms(program(round_trip, mesh, buf), args)
-        outputs[impl] = layer, trip
+        buf = make_buffer(mesh, sizes, impl)  # referenced until its programs' results are ready
+        layer = reference_layer if impl == "reference" else compile_layer(mesh, sizes, buf)[0]
+        layer_out, layer_ms = best_time_ms(layer, args)
+        trip_out, trip_ms = best_time_ms(program(round_trip, mesh, buf), args)
+        outputs[impl] = layer_out, trip_out
         print(f"  {name:27s} layer {layer_ms:9.2f} ms, dispatch + combine alone "
-              f"{trip_ms:8.2f} ms (best of 5)")
+              f"{trip_ms:8.2f} ms (best of 5)", flush=True)
     (layer, trip), (ref_layer, ref_trip) = outputs["ffi"], outputs["reference"]
     same_trip = np.array_equal(np.asarray(trip), np.asarray(ref_trip))
     diff = relative_difference(layer, ref_layer)
