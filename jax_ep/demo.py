@@ -89,7 +89,8 @@ def compile_layer(mesh, sizes, buf):
     arguments, outputs and temporaries)."""
     layer = program(moe_layer, mesh, buf).lower(*input_shapes(mesh, sizes)).compile()
     stats = layer.memory_analysis()
-    return layer, stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    need = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    return layer, need
 
 
 def choose_sizes(mesh):
