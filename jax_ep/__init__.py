@@ -1,4 +1,4 @@
-"""jax_ep: expert-parallel dispatch and combine for JAX (SPEC §3)."""
+"""jax_ep: expert-parallel dispatch and combine for JAX (docs/API.md)."""
 import importlib.metadata
 import importlib.util
 import os
