@@ -1,6 +1,6 @@
 // Peer bandwidth of the mechanisms a kernel can use to move bytes between two GPUs, from a given
 // number of SMs: the ceilings the dispatch and combine kernels are measured against (bench/).
-// The row paths are jax_ep's own (kernels/cuda/rows.cuh), so the probes measure what the kernels run.
+// The row paths are jax_ep's own (kernels/cuda/rows.cuh): the probes measure what the kernels run.
 #include <cuda_runtime.h>
 
 #include <chrono>
