@@ -406,11 +406,14 @@ def main(argv=None):
     sizes = ([int(t) for t in args.tokens.split(",")] if args.tokens else list(cfg["sweep"]))
     p2p = p2p_both = None
     if len(devices) > 1 and devices[0].platform == "gpu":
-        from jax_ep import _native
-        p2p = _native.peer_gbps(0, 1, 256 << 20, 0, -1, 20, False)
-        p2p_both = _native.peer_gbps(0, 1, 256 << 20, 0, -1, 20, True)
-        print(f"peer copy GPU0 -> GPU1 (copy engine): {p2p:.1f} GB/s; both directions at once: "
-              f"{p2p_both:.1f} GB/s each", flush=True)
+        from bench.probe import copy_engine_gbps
+        p2p, p2p_both = copy_engine_gbps(False), copy_engine_gbps(True)
+        if p2p is None or p2p_both is None:
+            print("peer copy bandwidth: not measured (needs bench._probe: bench/probe.py says how "
+                  "to build it)", flush=True)
+        else:
+            print(f"peer copy GPU0 -> GPU1 (copy engine): {p2p:.1f} GB/s; both directions at "
+                  f"once: {p2p_both:.1f} GB/s each", flush=True)
     rng = np.random.default_rng(0)
     results = []
     for i, tokens in enumerate(sizes):

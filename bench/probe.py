@@ -2,6 +2,15 @@
 a given number of SMs, and jax_ep's V3 dispatch/combine against num_sms.
 
     python -m bench.probe [--blocks 8,16,24,32,48,64,132] [--mib 29.4,256] [--modes 1,6,7] [--no-ep]
+
+The transfers are the CUDA extension bench._probe (bench/cuda/), no part of jax_ep. Build it once
+on the GPU machine, from the repository's root (it lands next to this file; needs nvcc, nanobind
+and jax):
+
+    cmake -S . -B build/probe -DJAX_EP_PROBES=ON -DPython_EXECUTABLE=$(which python3)
+    cmake --build build/probe --target _probe -j
+
+(or bench/run_gpu.sh probe, which builds it first).
 """
 from __future__ import annotations
 
@@ -12,6 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.ep import CONFIGS, bench_size
+
+try:
+    from bench import _probe
+except ImportError:  # not built (see above)
+    _probe = None
 
 MODES = {-1: "copy engine", 0: "push bulk-copy", 1: "push st.v4", 2: "pull bulk-copy",
          3: "pull ld.v4", 4: "push + local", 5: "push rows", 6: "send rows", 7: "send rows peer",
@@ -25,7 +39,20 @@ MODES = {-1: "copy engine", 0: "push bulk-copy", 1: "push st.v4", 2: "pull bulk-
 # to V3 rows (all loads of half a row in flight), into local rows or the peer's
 
 
+def copy_engine_gbps(both_ways):
+    """GB/s per direction of 256 MiB copied GPU0 -> GPU1 by the copy engine (and GPU1 -> GPU0 at
+    the same time when both_ways), or None when it was not measured: bench._probe not built, or
+    the copy failed."""
+    if _probe is None:
+        return None
+    gbps = _probe.peer_gbps(0, 1, 256 << 20, 0, -1, 20, both_ways)
+    return gbps if gbps > 0 else None
+
+
 def main():
+    if _probe is None:
+        raise SystemExit("bench.probe needs the extension bench._probe: build it with "
+                         "bench/run_gpu.sh probe, or the cmake commands atop bench/probe.py")
     parser = argparse.ArgumentParser()
     parser.add_argument("--blocks", default="8,16,24,32,48,64,132")
     parser.add_argument("--tokens", type=int, default=4096)
@@ -33,7 +60,6 @@ def main():
     parser.add_argument("--modes", default=",".join(map(str, MODES)))
     parser.add_argument("--no-ep", action="store_true", help="only the raw transfers")
     args = parser.parse_args()
-    from jax_ep import _native
 
     blocks = [int(b) for b in args.blocks.split(",")]
     modes = [int(m) for m in args.modes.split(",")]
@@ -44,7 +70,7 @@ def main():
                   f"{'both directions at once' if both else 'GPU0 -> GPU1'}; columns: SMs (blocks)")
             print(f"{'':16s}" + "".join(f"{b:>8d}" for b in blocks))
             for mode in modes:
-                row = [_native.peer_gbps(0, 1, size, b, mode, max(10, int(2e9 // size)), both)
+                row = [_probe.peer_gbps(0, 1, size, b, mode, max(10, int(2e9 // size)), both)
                        for b in blocks]
                 print(f"{MODES[mode]:16s}" + "".join(f"{g:8.1f}" for g in row), flush=True)
     if args.no_ep:
@@ -55,7 +81,7 @@ def main():
     dst = jax.device_put(jnp.zeros((size,), jnp.uint8), jax.devices()[1]).block_until_ready()
     print(f"\n{'into XLA memory':16s}" + "".join(f"{b:>8d}" for b in blocks))
     for mode in (1, 5):
-        row = [_native.peer_gbps(0, 1, size, b, mode, 10, False, dst.unsafe_buffer_pointer())
+        row = [_probe.peer_gbps(0, 1, size, b, mode, 10, False, dst.unsafe_buffer_pointer())
                for b in blocks]
         print(f"{MODES[mode]:16s}" + "".join(f"{g:8.1f}" for g in row), flush=True)
     del dst

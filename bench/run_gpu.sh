@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# One session on a GPU machine of the device tool: install jax_ep (a wheel built beforehand in
-# .wheel/, else from source), run the GPU tests and the benchmark; logs and results under $OUT.
+# A run on a GPU machine: install jax_ep (a wheel built beforehand in .wheel/, else from source),
+# then the GPU tests, the benchmark, the bandwidth probes or the MoE layer's benchmarks; logs and
+# results under $OUT.
 #   bench/run_gpu.sh [tests|bench|probe|layer|all] [extra bench/probe/moe_layer args...]
-# layer: the grouped-matmul GPU tests, bench.grouped_matmul and bench.moe_layer.
+# bench, probe and all also build the probes' extension bench._probe (the benchmark reports the
+# copy engine's peer bandwidth through it); layer: the grouped-matmul GPU tests,
+# bench.grouped_matmul and bench.moe_layer.
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-export JAX_EP_MACHINE=${JAX_EP_MACHINE:-nvidia-h200-x$(nvidia-smi -L | wc -l)}
+gpus=$(nvidia-smi -L | wc -l)
+export JAX_EP_MACHINE=${JAX_EP_MACHINE:-nvidia-h200$([ "$gpus" -gt 1 ] && echo "-x$gpus")}
 OUT=${OUT:-/tmp/jax_ep_out}
 mkdir -p "$OUT"
 what=${1:-all}
@@ -21,6 +25,14 @@ else
   JAX_EP_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps .
 fi 2>&1 | tail -3
 python3 -c "import jax_ep, jax_ep._native as n; print('jax_ep with CUDA:', n.has_cuda)" || exit 1
+if [ "$what" != tests ]; then  # without bench._probe the benchmark's peer bandwidth is null
+  if ! { cmake -S . -B build/probe -DJAX_EP_PROBES=ON -DPython_EXECUTABLE="$(command -v python3)" &&
+         cmake --build build/probe --target _probe -j && python3 -c "import bench._probe"; } \
+       > "$OUT/probe_build.log" 2>&1; then
+    tail -20 "$OUT/probe_build.log"
+    [ "$what" = probe ] && exit 1
+  fi
+fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --timeout 200 -rA \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -40

@@ -325,6 +325,9 @@ class Buffer:
 
     def _checked(self, rows, routing):
         if self.check_invalid:  # every rank raises (a rank left running would wait for the rest)
+            # After the op's own collectives (the reference path's), so that no rank stops
+            # while the others are still in one of them.
+            rows, routing = jax.lax.optimization_barrier((rows, routing))
             everywhere = jax.lax.psum(routing.num_invalid, self._bound_axes())
             jax.debug.callback(_raise_if_invalid, routing.num_invalid, everywhere,
                                self.num_experts)

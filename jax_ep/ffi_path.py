@@ -71,8 +71,10 @@ def _call(cfg: _Config, target, shapes, token, *operands, halves=False):
     every rank runs the same program, so whatever XLA drops or recomputes (jax.checkpoint) it
     does on all ranks alike. Halves have one: a recv half whose results go unused must still run
     (it releases its send's slot), and a send half must not be merged with another."""
+    # Under vmap a whole op runs once per batch element; halves cannot (the batch's sends would
+    # all come before its recvs, more than the two slots hold).
     call = jax.ffi.ffi_call(f"jax_ep_{target}", (_TOKEN, *shapes), has_side_effect=halves,
-                            vmap_method="sequential")
+                            vmap_method=None if halves else "sequential")
     out = varying_like(call(token, *operands, **cfg.attributes()), token, *operands)
     return out[0], out[1:]
 

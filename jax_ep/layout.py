@@ -1,4 +1,5 @@
-"""The layout rules of SPEC §3 in plain JAX: the single statement every backend follows.
+"""The layout rules of docs/API.md (dispatch, FP8) in plain JAX: the single statement every
+backend follows.
 
 The CUDA and CPU kernels implement the same rules in kernels/; the tests compare them bitwise.
 """
@@ -99,7 +100,7 @@ def quantize_fp8(x, round_scale):
 def divide_rounded(a, b):
     """a / b correctly rounded (IEEE), for positive normal float32 a, b with a normal quotient.
 
-    SPEC §3 asks for a true division; XLA:GPU divides approximately (within 2 ulp), so the
+    The FP8 rule asks for a true division; XLA:GPU divides approximately (within 2 ulp), so the
     quotient is computed here by long division of the significands, on integers.
     """
     ua = jax.lax.bitcast_convert_type(a, jnp.uint32)

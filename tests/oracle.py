@@ -1,5 +1,5 @@
-"""SPEC §3 written as plain numpy loops over all ranks at once: an oracle independent of both
-jax_ep paths (no jax, no shared code)."""
+"""docs/API.md (dispatch, FP8, combine) written as plain numpy loops over all ranks at once:
+an oracle independent of both jax_ep paths (no jax, no shared code)."""
 from __future__ import annotations
 
 import ml_dtypes

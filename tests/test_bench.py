@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from bench import probe
 from bench.ep import JAX_EP, bench_size, table
 from bench.trace import device_kernels, kernel_summary
 
@@ -43,3 +44,13 @@ def test_kernel_summary_per_step_and_table_column():
 
 def test_device_kernels_without_gpus_is_empty():
     assert device_kernels(jax.jit(lambda x: x + 1), (np.ones(4),)) == {}
+
+
+def test_peer_bandwidth_is_not_measured_without_the_probe():
+    """Without bench._probe (a CPU machine, or not built) the benchmark records no bandwidth
+    rather than a made-up one."""
+    if probe._probe is not None:
+        pytest.skip("bench._probe is built here")
+    assert probe.copy_engine_gbps(False) is None and probe.copy_engine_gbps(True) is None
+    with pytest.raises(SystemExit, match="bench._probe"):
+        probe.main()

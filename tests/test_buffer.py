@@ -1,4 +1,5 @@
-"""Buffer construction and the trace-time errors of SPEC §5: a ValueError naming the argument."""
+"""Buffer construction and the trace-time errors of docs/API.md (Errors): a ValueError naming
+the argument."""
 import jax
 import jax.numpy as jnp
 import numpy as np

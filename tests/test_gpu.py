@@ -271,8 +271,8 @@ def test_cuda_peer_that_never_arrives_times_out():
 
 
 def test_cuda_fp8_matches_oracle():
-    """FP8 rows from the CUDA kernels equal the numpy statement of SPEC §3 (and say how the
-    reference path on this GPU compares)."""
+    """FP8 rows from the CUDA kernels equal the numpy statement of the FP8 rule in oracle.py (and
+    say how the reference path on this GPU compares)."""
     import oracle
     mesh = make_mesh(len(gpus()), devices=gpus())
     rng = np.random.default_rng(11)

@@ -1,4 +1,4 @@
-"""The reference path (jax.lax.all_to_all) against the numpy oracle of SPEC §3."""
+"""The reference path (jax.lax.all_to_all) against the numpy oracle of docs/API.md."""
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np

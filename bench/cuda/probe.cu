@@ -1,14 +1,22 @@
 // Peer bandwidth of the mechanisms a kernel can use to move bytes between two GPUs, from a given
 // number of SMs: the ceilings the dispatch and combine kernels are measured against (bench/).
+// The row paths are jax_ep's own (kernels/cuda/rows.cuh): the probes measure what the kernels run.
+#include <cuda_runtime.h>
+
 #include <chrono>
 #include <vector>
 
-#include "kernels/cuda/comm.cuh"
-#include "kernels/cuda/ptx.cuh"
+#include "bench/cuda/probe.h"
+#include "bench/cuda/ptx.cuh"
 #include "kernels/cuda/rows.cuh"
 
-namespace jax_ep::cuda {
+namespace jax_ep::probe {
 namespace {
+
+using cuda::RowStep;
+using cuda::quantize16;
+using cuda::send_row;
+using cuda::sum_rows;
 
 constexpr int kWarps = 8;
 constexpr int kChunk = 8192;
@@ -164,20 +172,18 @@ __global__ void __launch_bounds__((kWarps + 1) * 32) pull_bulk(const uint8_t* sr
     mbar_init_fence();
   }
   __syncthreads();
-  Link link{};
-  link.timeout_ns = timeout_ns;
   const int64_t chunks = bytes / (2 * kChunk);
   uint32_t item = 0;
   for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x, ++item) {
     const int stage = item % kStages;
     if (warp == 0) {
       if (lane == 0) {
-        mbar_wait(link, &empty[stage], ((item / kStages) & 1) ^ 1);
+        mbar_wait(timeout_ns, &empty[stage], ((item / kStages) & 1) ^ 1);
         mbar_expect_tx(&full[stage], 2 * kChunk);
         bulk_load(ring + stage * 2 * kChunk, src + c * 2 * kChunk, 2 * kChunk, &full[stage]);
       }
     } else {
-      mbar_wait(link, &full[stage], (item / kStages) & 1);
+      mbar_wait(timeout_ns, &full[stage], (item / kStages) & 1);
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[stage]);
     }
@@ -198,9 +204,15 @@ __global__ void pull_loads(const int4* src, int64_t vectors, int* sink) {
   if (acc == 0x12345678) *sink = acc;
 }
 
-}  // namespace
-
-namespace {
+// Lets `device` read and write `peer`'s memory (idempotent).
+bool enable_peer_access(int device, int peer) {
+  int can = 0;
+  if (cudaDeviceCanAccessPeer(&can, device, peer) != cudaSuccess || !can) return false;
+  cudaSetDevice(device);
+  const cudaError_t err = cudaDeviceEnablePeerAccess(peer, 0);
+  if (err == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();  // clears it
+  return err == cudaSuccess || err == cudaErrorPeerAccessAlreadyEnabled;
+}
 
 // Moves `bytes` from a buffer on `from` to one on `to`, `iters` times, with the mechanism of
 // `mode` (-1: the copy engine); pushes run on `from`, pulls on `to`.
@@ -222,7 +234,7 @@ struct Transfer {
   int64_t dst_bytes() const { return mode == 10 ? 2 * bytes : quantises() ? bytes + bytes / 32 : bytes; }
   int runner() const { return mode == 2 || mode == 3 || mode == 10 ? to : from; }
   bool setup() {
-    if (!enable_peer_access(from, to).empty() || !enable_peer_access(to, from).empty()) return false;
+    if (!enable_peer_access(from, to) || !enable_peer_access(to, from)) return false;
     cudaSetDevice(to);
     dst = given_dst;
     if (!given_dst) cudaMalloc(&dst, dst_bytes());
@@ -340,4 +352,4 @@ double peer_gbps(int src, int dst, int64_t bytes, int blocks, int mode, int iter
   return ok && seconds > 0 ? double(bytes) * iters / seconds / 1e9 : -1.0;
 }
 
-}  // namespace jax_ep::cuda
+}  // namespace jax_ep::probe

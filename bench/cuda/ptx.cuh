@@ -1,10 +1,15 @@
-// Hopper (sm_90) building blocks: mbarriers and bulk (TMA) copies between global and shared memory.
+// Hopper (sm_90) building blocks of the probes: mbarriers and bulk (TMA) copies between global and
+// shared memory.
 #pragma once
 #include <cstdint>
 
-#include "kernels/cuda/comm.cuh"
+namespace jax_ep::probe {
 
-namespace jax_ep::cuda {
+__device__ __forceinline__ uint64_t global_time_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -40,12 +45,12 @@ __device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
   return done;
 }
 
-// Waits for the phase of `bar` with this parity to complete; traps after the link's timeout.
-__device__ __forceinline__ void mbar_wait(const Link& link, uint64_t* bar, uint32_t parity) {
+// Waits for the phase of `bar` with this parity to complete; traps after timeout_ns.
+__device__ __forceinline__ void mbar_wait(uint64_t timeout_ns, uint64_t* bar, uint32_t parity) {
   if (mbar_test(bar, parity)) return;
   uint64_t start = global_time_ns();
   while (!mbar_test(bar, parity))
-    if (global_time_ns() - start > link.timeout_ns) __trap();
+    if (global_time_ns() - start > timeout_ns) __trap();
 }
 
 // global -> shared, completing `bytes` on `bar`. Sizes and addresses: multiples of 16.
@@ -85,4 +90,4 @@ __device__ __forceinline__ void fence_shared_to_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-}  // namespace jax_ep::cuda
+}  // namespace jax_ep::probe
