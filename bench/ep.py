@@ -1,4 +1,4 @@
-"""Dispatch and combine: jax_ep against the JAX-native baselines, in one run (SPEC §6).
+"""Dispatch and combine: jax_ep against the JAX-native baselines, in one run.
 
     python -m bench.ep --config v3          # 4096 tokens/rank, H 7168, 256 experts, top-8
     python -m bench.ep --config ll          # 128 tokens/rank, same model

@@ -1,4 +1,4 @@
-"""One MoE layer of DeepSeek-V3's shape (SPEC §6 "moe_layer"), forward and train step: jax_ep's
+"""One MoE layer of DeepSeek-V3's shape, forward and train step: jax_ep's
 layer against a MaxText-style layer and a dense capacity-padded all_to_all layer.
 
     python -m bench.moe_layer --machine nvidia-h200        # hidden 7168, 256 experts, top-8,

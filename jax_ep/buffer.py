@@ -1,4 +1,4 @@
-"""jax_ep.Buffer: dispatch and combine of SPEC §3, built from the primitives of a backend."""
+"""jax_ep.Buffer: dispatch and combine (docs/API.md), built from the primitives of a backend."""
 from __future__ import annotations
 
 import functools

@@ -1,6 +1,6 @@
 """The reference path: rank-level dispatch and combine with jax.lax.all_to_all (capacity-padded,
 one [R, T] block per peer). It is the readable statement of the row order, the capacity drops
-and the combine order. JAX differentiates it natively, except that x's rows go back as SPEC §3
+and the combine order. JAX differentiates it natively, except that x's rows go back as docs/API.md
 says, by a combine (float32 sums, rounded once)."""
 from __future__ import annotations
 

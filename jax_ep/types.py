@@ -32,7 +32,7 @@ class Handle:
 
 
 class DispatchResult(NamedTuple):
-    """What dispatch returns (SPEC §3). Padding rows hold zeros, expert -1 and weight 0."""
+    """What dispatch returns (docs/API.md). Padding rows hold zeros, expert -1 and weight 0."""
 
     x: Array                  # [C, H]
     scales: Array | None      # [C, H / 128] float32 when fp8

@@ -172,3 +172,26 @@ def test_recv_halves_out_of_send_order(num_ranks):
                               "random")
     got, want = (run(mesh, out_of_order(bufs[impl]), x, idx, w) for impl in ("ffi", "reference"))
     assert_same_ops(got, want)
+
+
+def test_vmap_runs_one_op_per_batch_element():
+    """jax.vmap over dispatch and combine: one op per element, the reference path's results;
+    the halves refuse to batch (their sends would outnumber the slots)."""
+    mesh = make_mesh(4)
+    bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
+    x, idx, w = random_inputs(np.random.default_rng(21), 4, T, H, E, K, 4, "random")
+    xs = jnp.stack([x * (i + 1) for i in range(3)], axis=1)  # [R*T, 3, H]: a batch per rank
+
+    def batched(buf):
+        def one(x, idx, w):
+            d = buf.dispatch(x, idx, w, layout="expert")
+            return d._replace(handle=None), buf.combine(d.x, d.handle, d.topk_weights)
+        return lambda xs, idx, w: jax.vmap(one, in_axes=(1, None, None))(xs, idx, w)
+
+    got, want = (run(mesh, batched(bufs[impl]), xs, idx, w) for impl in ("ffi", "reference"))
+    assert_bitwise_equal(got[0], want[0], "dispatch")
+    np.testing.assert_allclose(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32),
+                               rtol=1e-2, atol=1e-2)
+    with pytest.raises(Exception, match="vmap"):
+        run(mesh, lambda xs, idx, w: jax.vmap(
+            lambda x: bufs["ffi"].dispatch_send(x, idx, w).arrays[0], in_axes=1)(xs), xs, idx, w)
