@@ -110,28 +110,26 @@ inline ffi::Error decode_recv(const Window& w, const CallConfig& cfg, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-inline void fresh_outputs(ffi::ResultBuffer<ffi::S32, 2> topk_out,
-                          ffi::ResultBuffer<ffi::F32, 2> weights_out,
-                          ffi::ResultBuffer<ffi::S32, 1> recv_counts,
-                          ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert,
-                          ffi::ResultBuffer<ffi::S32, 0> num_recv,
-                          ffi::ResultBuffer<ffi::S32, 0> num_dropped, DispatchRecv* a) {
+// The recv half of a fresh dispatch: its rows and its routing outputs.
+inline ffi::Error decode_fresh_recv(const Window& w, const CallConfig& cfg, ffi::AnyBuffer x_out,
+                                    ffi::AnyBuffer scales_out,
+                                    ffi::ResultBuffer<ffi::S32, 2> topk_out,
+                                    ffi::ResultBuffer<ffi::F32, 2> weights_out,
+                                    ffi::ResultBuffer<ffi::S32, 1> recv_counts,
+                                    ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert,
+                                    ffi::ResultBuffer<ffi::S32, 0> num_recv,
+                                    ffi::ResultBuffer<ffi::S32, 0> num_dropped, DispatchRecv* a) {
+  if (auto err = decode_recv(w, cfg, x_out, scales_out, a); err.failure()) return err;
+  if (topk_out->dimensions()[0] != a->out_rows || topk_out->dimensions()[1] != w.num_topk ||
+      recv_counts->element_count() != w.num_ranks ||
+      tokens_per_expert->element_count() != w.experts_per_rank)
+    return invalid("dispatch: the routing outputs do not match the Buffer");
   a->topk_out = topk_out->typed_data();
   a->weights_out = weights_out->typed_data();
   a->recv_counts = recv_counts->typed_data();
   a->tokens_per_expert = tokens_per_expert->typed_data();
   a->num_recv = num_recv->typed_data();
   a->num_dropped = num_dropped->typed_data();
-}
-
-inline ffi::Error check_fresh(const Window& w, const DispatchRecv& a,
-                              ffi::ResultBuffer<ffi::S32, 2> topk_out,
-                              ffi::ResultBuffer<ffi::S32, 1> recv_counts,
-                              ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert) {
-  if (topk_out->dimensions()[0] != a.out_rows || topk_out->dimensions()[1] != w.num_topk ||
-      recv_counts->element_count() != w.num_ranks ||
-      tokens_per_expert->element_count() != w.experts_per_rank)
-    return invalid("dispatch: the routing outputs do not match the Buffer");
   return ffi::Error::Success();
 }
 
@@ -220,11 +218,10 @@ struct Calls {
     ffi::Error err = check_tokens(token, token_out);
     if (err.success())
       err = decode_fresh_send(w, st->config, x, topk_idx, topk_weights, send_pos, num_invalid, &send);
-    if (err.success()) err = decode_recv(w, st->config, *x_out, *scales_out, &recv);
-    if (err.success()) err = check_fresh(w, recv, topk_out, recv_counts, tokens_per_expert);
+    if (err.success())
+      err = decode_fresh_recv(w, st->config, *x_out, *scales_out, topk_out, weights_out,
+                              recv_counts, tokens_per_expert, num_recv, num_dropped, &recv);
     if (err.failure()) return B::error(std::move(err));
-    fresh_outputs(topk_out, weights_out, recv_counts, tokens_per_expert, num_recv, num_dropped,
-                  &recv);
     return B::dispatch(ctx, *st, *rank, Phase::kWhole, &send, &recv, {nullptr, token_out->typed_data()});
   }
 
@@ -259,11 +256,10 @@ struct Calls {
     DispatchRecv recv;
     ffi::Error err = check_tokens(token, token_out);
     if (err.success()) err = check_tokens(ticket, token_out);
-    if (err.success()) err = decode_recv(w, st->config, *x_out, *scales_out, &recv);
-    if (err.success()) err = check_fresh(w, recv, topk_out, recv_counts, tokens_per_expert);
+    if (err.success())
+      err = decode_fresh_recv(w, st->config, *x_out, *scales_out, topk_out, weights_out,
+                              recv_counts, tokens_per_expert, num_recv, num_dropped, &recv);
     if (err.failure()) return B::error(std::move(err));
-    fresh_outputs(topk_out, weights_out, recv_counts, tokens_per_expert, num_recv, num_dropped,
-                  &recv);
     return B::dispatch(ctx, *st, *rank, Phase::kRecv, nullptr, &recv,
                        {ticket.typed_data(), token_out->typed_data()});
   }

@@ -23,19 +23,6 @@ struct Params {
   __host__ __device__ bool in_place() const { return part == Part::kWhole && p.direct_local; }
 };
 
-struct Pieces {  // as in dispatch.cu: rows in pieces of whole parts, so few rows use many warps
-  int parts, per_piece, pieces;
-  __device__ Pieces(int rows, int width) {
-    parts = (width + kPartElems - 1) / kPartElems;
-    const int warps = gridDim.x * kWarps;
-    const int want = max(1, min(parts, warps / max(rows, 1)));
-    per_piece = (parts + want - 1) / want;
-    pieces = (parts + per_piece - 1) / per_piece;
-  }
-  __device__ int first(int piece) const { return piece * per_piece; }
-  __device__ int end(int piece) const { return min(parts, (piece + 1) * per_piece); }
-};
-
 // first[s]: this rank's first rank-level row from source s (the dispatch's counts); first[R]: all.
 __device__ void dispatch_offsets(const CombineSend& s, int num_ranks, int32_t* first) {
   if (threadIdx.x == 0) {
@@ -47,12 +34,6 @@ __device__ void dispatch_offsets(const CombineSend& s, int num_ranks, int32_t* f
     first[num_ranks] = running;
   }
   __syncthreads();
-}
-
-__device__ __forceinline__ int source_of(const int32_t* first, int row) {
-  int s = 0;
-  while (first[s + 1] <= row) ++s;
-  return s;
 }
 
 __device__ void send_back(const Params& P, uint64_t op, const int32_t* first) {
@@ -68,7 +49,7 @@ __device__ void send_back(const Params& P, uint64_t op, const int32_t* first) {
                   tagged(op, count_value(OpKind::kCombine, kept)));
   }
   const int64_t elem = dtype_size(s.rows_dtype), row_bytes = s.width * elem;
-  const Pieces pieces(present, s.width);
+  const Pieces pieces(kWarps, present, s.width);
   const int units = present * pieces.pieces, stride = gridDim.x * kWarps;
   // Row i of this rank goes back to row j of its source's block there; in place: not sent.
   auto dest = [&](int i) -> uint8_t* {
@@ -130,7 +111,7 @@ __device__ void sum_back(const Params& P, uint64_t op) {
   if (!ok) return;
   const int64_t elem = dtype_size(v.rows_dtype);
   const bool vectors = (v.width * elem) % 16 == 0;
-  const Pieces pieces(v.num_tokens, v.width);
+  const Pieces pieces(kWarps, v.num_tokens, v.width);
   for (int u = blockIdx.x * kWarps + warp; u < v.num_tokens * pieces.pieces;
        u += gridDim.x * kWarps) {
     const int t = u / pieces.pieces, piece = u % pieces.pieces;

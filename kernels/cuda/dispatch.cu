@@ -37,20 +37,6 @@ struct Params {
   __host__ __device__ bool in_place() const { return part == Part::kWhole && p.direct_local; }
 };
 
-// How a warp's work splits rows into pieces of whole parts: few rows still use many warps.
-struct Pieces {
-  int parts, per_piece, pieces;  // per row
-  __device__ Pieces(int rows, int width) {
-    parts = (width + kPartElems - 1) / kPartElems;
-    const int warps = gridDim.x * kWarps;
-    const int want = max(1, min(parts, warps / max(rows, 1)));
-    per_piece = (parts + want - 1) / want;
-    pieces = (parts + per_piece - 1) / per_piece;
-  }
-  __device__ int first(int piece) const { return piece * per_piece; }
-  __device__ int end(int piece) const { return min(parts, (piece + 1) * per_piece); }
-};
-
 // Which ranks each token goes to and its row j among the tokens this rank sends there: bit t%32
 // of sent_to[t/32][d], and before[t/32][d] + the set bits below it.
 struct SendScan {
@@ -269,7 +255,7 @@ __device__ void send_tokens(const Params& P, uint64_t op, const SendScan& scan, 
   const bool fresh = a.fresh();
   __shared__ uint8_t* x_dst[kWarps][kMaxGpuRanks];  // the warp's token's row on each rank
   __shared__ float* scale_dst[kWarps][kMaxGpuRanks];
-  const Pieces pieces(a.num_tokens, a.hidden);
+  const Pieces pieces(kWarps, a.num_tokens, a.hidden);
   const int units = a.num_tokens * pieces.pieces, stride = gridDim.x * kWarps;
   const int steps = (a.hidden + Step::kStep - 1) / Step::kStep;
   const int64_t out_row = v.wire_row_bytes();
@@ -373,12 +359,6 @@ __device__ bool row_offsets(const Peers& p, uint64_t op, OpKind kind, int32_t* f
   return ok;
 }
 
-__device__ __forceinline__ int source_of(const int32_t* first, int row) {
-  int s = 0;
-  while (first[s + 1] <= row) ++s;
-  return s;
-}
-
 // Block 0 (fresh dispatch): tokens per local expert, as their sources counted them, less those
 // in rows dropped for capacity (rows [present, first[R])).
 __device__ void tally_experts(const Params& P, uint64_t op, const int32_t* first, int present,
@@ -429,7 +409,7 @@ __device__ void receive_tokens(const Params& P, uint64_t op, int32_t* tally) {
 
   const int64_t x_elem = v.fp8 ? 1 : dtype_size(v.x_dtype);
   const int num_scales = v.fp8 ? w.num_scales() : 0;
-  const Pieces pieces(v.out_rows, v.hidden);
+  const Pieces pieces(kWarps, v.out_rows, v.hidden);
   // Block 0, busy with the tally, takes the last units.
   const int order = (blockIdx.x + gridDim.x - 1) % gridDim.x;
   for (int u = order * kWarps + warp; u < v.out_rows * pieces.pieces; u += gridDim.x * kWarps) {

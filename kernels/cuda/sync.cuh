@@ -121,6 +121,28 @@ __device__ __forceinline__ void wait_slot_free(const Peers& p, uint64_t op) {
     wait_op(p, p.word(p.rank, p.w.released_at(int(op % kSlots), d)), op - kSlots, kWaitRelease, d);
 }
 
+// The source of row `row` in (source, j) order, first[s] being the first row of source s.
+__device__ __forceinline__ int source_of(const int32_t* first, int row) {
+  int s = 0;
+  while (first[s + 1] <= row) ++s;
+  return s;
+}
+
+// How a grid's warps split rows into pieces of whole parts (each under its own flags), so that
+// few rows still use many warps.
+struct Pieces {
+  int parts, per_piece, pieces;  // per row
+  __device__ Pieces(int warps_per_block, int rows, int width) {
+    parts = (width + kPartElems - 1) / kPartElems;
+    const int warps = gridDim.x * warps_per_block;
+    const int want = max(1, min(parts, warps / max(rows, 1)));
+    per_piece = (parts + want - 1) / want;
+    pieces = (parts + per_piece - 1) / per_piece;
+  }
+  __device__ int first(int piece) const { return piece * per_piece; }
+  __device__ int end(int piece) const { return min(parts, (piece + 1) * per_piece); }
+};
+
 // The end of a recv part, in every block: the next kernel of this rank releases the op.
 __device__ __forceinline__ void finish_recv(const Peers& p, uint64_t op) {
   if (threadIdx.x == 0)
