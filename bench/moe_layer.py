@@ -80,7 +80,8 @@ class JaxEpLayer:
     def combine(self, out, x, routed, d):
         rows, shared = out
         return self.buffer.combine(rows.astype(x.dtype), d.handle, topk_weights=d.topk_weights,
-                                   bias=shared, **moe._partial_dtype_argument(self.cfg))
+                                   bias=shared,
+                                   partial_dtype=self.cfg.combine_partial_dtype)
 
     def total(self, x, params):
         return moe.moe_block(self.buffer, params, x, self.cfg, (AXIS,))[0]
@@ -358,8 +359,7 @@ def main(argv=None):
     cfg = moe.MoEConfig(num_experts=args.experts, num_topk=args.topk, hidden=args.hidden,
                         ffn_hidden=args.ffn, shared_ffn_hidden=args.shared_ffn,
                         expert_alignment=args.alignment, fp8=args.fp8,
-                        combine_partial_dtype=jnp.bfloat16 if moe._combine_takes_partial_dtype()
-                        else jnp.float32)
+                        combine_partial_dtype=jnp.bfloat16)
     params = moe.init_params(jax.random.key(0), cfg, jnp.bfloat16, mesh=mesh, expert_axis=AXIS)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (num_ranks * args.tokens,
                                                              args.hidden), jnp.bfloat16),

@@ -116,7 +116,7 @@ class Buffer:
         self.impl = "ffi" if impl == "auto" else impl
         self.check_invalid = bool(check_invalid)
         self._native = None
-        self._low_latency_tokens = 0  # the reference and CPU paths have one set of kernels
+        self._low_latency_tokens = 0  # the single-kernel routing is the CUDA backend's
         self._reference = Reference(axis_name, num_ranks, num_experts)
         if self.impl == "reference":
             self._ops = self._reference
@@ -153,7 +153,7 @@ class Buffer:
         if plan.platform is None:
             _fail(f"the custom calls run on CPU and CUDA devices, not on "
                   f"{self.mesh.devices.flat[0].platform}: use impl='reference' there")
-        bound = limits()["max_gpu_ranks" if plan.platform == "cuda" else "max_cpu_ranks"]
+        bound = bounds["max_gpu_ranks" if plan.platform == "cuda" else "max_cpu_ranks"]
         if self.num_ranks > bound:
             _fail(f"axis {self.axis_name!r} has {self.num_ranks} ranks; the {plan.platform} "
                   f"backend takes at most {bound}")

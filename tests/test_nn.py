@@ -256,15 +256,12 @@ def test_update_routing_bias():
 @pytest.mark.parametrize("impl", ["ffi", "reference"])
 def test_combine_partial_sums_in_bfloat16(impl):
     """combine_partial_dtype=bfloat16 rounds each rank's partial sum of a token's expert rows:
-    what dense_moe models, and within bfloat16 rounding of the float32 partial sums. Until
-    Buffer.combine takes partial_dtype, the layer refuses the setting instead of ignoring it."""
-    cfg = nn.MoEConfig(num_experts=E, num_topk=K, hidden=H, ffn_hidden=F, shared_ffn_hidden=48,
+    exactly what dense_moe models, and within bfloat16 rounding of the float32 partial sums. (No
+    shared expert here: its bfloat16 intermediates are XLA's to fuse, which rounds them
+    differently from one program to another.)"""
+    cfg = nn.MoEConfig(num_experts=E, num_topk=K, hidden=H, ffn_hidden=F,
                        combine_partial_dtype=jnp.bfloat16)
     mesh = make_mesh(4)
-    if not moe._combine_takes_partial_dtype():
-        with pytest.raises(ValueError, match="partial_dtype"):
-            nn.MoELayer(cfg, mesh, expert_axis="ep", tokens_per_rank=TOKENS, impl=impl)
-        return
     params = nn.init_params(jax.random.key(5), cfg, jnp.bfloat16)
     x = jax.random.normal(jax.random.key(1), (mesh.size * TOKENS, H), jnp.bfloat16)
     layer = nn.MoELayer(cfg, mesh, expert_axis="ep", tokens_per_rank=TOKENS, impl=impl)
@@ -272,8 +269,8 @@ def test_combine_partial_sums_in_bfloat16(impl):
     modelled, _ = nn.dense_moe(params, x, cfg, num_ranks=4)
     exact, _ = nn.dense_moe(params, x, dataclasses.replace(cfg, combine_partial_dtype=jnp.float32),
                             num_ranks=4)
-    assert relative_error(y, modelled) < 2e-3
-    assert relative_error(y, exact) < 1e-2
+    assert relative_error(y, modelled) < 1e-6
+    assert 0 < relative_error(y, exact) < 1e-2
 
 
 def test_init_params_sharded():

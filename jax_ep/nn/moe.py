@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 from typing import Any, NamedTuple
 
@@ -214,7 +213,7 @@ def moe_block(buffer: Buffer, params, x, cfg: MoEConfig, token_axes=(), routing_
     out = expert_ffn(params, rows, d.group_sizes, cfg)
     bias = shared_expert(params, x).astype(x.dtype) if cfg.shared_ffn_hidden else None
     y = buffer.combine(out.astype(x.dtype), d.handle, topk_weights=d.topk_weights, bias=bias,
-                       **_partial_dtype_argument(cfg))
+                       partial_dtype=cfg.combine_partial_dtype)
     num_dropped = jax.lax.psum(d.num_dropped, token_axes) if token_axes else d.num_dropped
     return y, MoEAux(load_balancing_loss(scores, topk_idx, cfg, token_axes), num_dropped,
                      expert_load(topk_idx, cfg.num_experts, token_axes))
@@ -239,20 +238,6 @@ def _check_routing_bias(cfg, routing_bias):
     if routing_bias is not None and routing_bias.shape != (cfg.num_experts,):
         raise ValueError(f"jax_ep.nn: routing_bias must have shape ({cfg.num_experts},), got "
                          f"{routing_bias.shape}")
-
-
-def _combine_takes_partial_dtype():
-    return "partial_dtype" in inspect.signature(Buffer.combine).parameters
-
-
-def _partial_dtype_argument(cfg):
-    """combine's partial_dtype keyword where Buffer.combine has one (float32 is its default)."""
-    if _combine_takes_partial_dtype():
-        return dict(partial_dtype=cfg.combine_partial_dtype)
-    if jnp.dtype(cfg.combine_partial_dtype) != jnp.float32:
-        raise ValueError("jax_ep.nn: combine_partial_dtype needs a Buffer.combine with "
-                         "partial_dtype; this jax_ep sums in float32 only")
-    return {}
 
 
 def dense_moe(params, x, cfg: MoEConfig, *, num_ranks=1, tokens_per_rank=None,
@@ -311,7 +296,6 @@ class MoELayer:
         self.cfg, self.mesh = cfg, mesh
         self.token_axes = tuple(a for a in (data_axis, expert_axis) if a is not None)
         self.expert_axis = expert_axis
-        _partial_dtype_argument(cfg)  # fails here, not under jit, when combine cannot do it
         self.buffer = Buffer(mesh, expert_axis, num_experts=cfg.num_experts, hidden=cfg.hidden,
                              num_topk=cfg.num_topk, max_tokens_per_rank=tokens_per_rank,
                              impl=impl, **buffer_options)
