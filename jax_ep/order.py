@@ -6,8 +6,9 @@ call returned and returns the next one, so that XLA must run them one after the 
 device in the same order, forward and backward alike.
 
 The chain is kept per traced function (JAX's trace). A nested function (a loop body, a cond
-branch, jax.checkpoint, a custom_vjp rule) that calls the Buffer starts from the token of the
-function around it, which JAX then passes in, so its calls follow the ones before it. A call of
+branch, jax.checkpoint) that calls the Buffer starts from the token of the function around it,
+which JAX then passes in, so its calls follow the ones before it. A backward rule starts from
+its forward call's token instead (see Chain.take). A call of
 the enclosing function after the nested one is ordered after it by their data only (the nested
 function's results it uses): the token of a finished trace cannot leave it.
 """
@@ -47,12 +48,16 @@ class Chain:
         return last
 
     def take(self, *after):
-        """The token the next call takes: the last of this trace (or of the nearest enclosing
-        trace that has one), joined with `after` (tokens it must also follow, e.g. the forward
-        call's token in a backward pass)."""
+        """The token the next call takes: the last of this trace, joined with `after` (tokens
+        it must also follow: the forward call's token in a backward rule). A call without
+        `after` that is this trace's first starts from the nearest enclosing trace's token; a
+        backward rule does not, since JAX cannot transpose a loop or jit whose body captured a
+        value of the trace around it, and its forward token already orders it after the calls
+        that came before its forward call."""
         stack = _trace_stack()
         last = self._last(stack)
-        token = next((last[id(t)][1] for t in stack if id(t) in last), None)
+        searched = stack[:1] if after else stack
+        token = next((last[id(t)][1] for t in searched if id(t) in last), None)
         for other in after:
             token = other if token is None else jnp.maximum(token, other)
         return jnp.zeros(TOKEN_SHAPE, jnp.int32) if token is None else token
