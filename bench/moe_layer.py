@@ -67,7 +67,7 @@ class JaxEpLayer:
         capacity = moe.expert_capacity(self.cfg, x.shape[0], self.buffer.num_ranks)
         return self.buffer.dispatch(x, *routed, layout="expert", fp8=self.cfg.fp8,
                                     expert_alignment=self.cfg.expert_alignment,
-                                    **({} if capacity is None else dict(capacity=capacity)))
+                                    capacity=capacity)
 
     def matmuls(self, d, x, weights):
         rows = self.buffer.dequantize(d, x) if self.cfg.fp8 else d.x
@@ -269,7 +269,7 @@ def build(impl, mesh, cfg, tokens, capacity_factor, buffer_impl):
 
 
 def bench_layer(impl, layer, mesh, x, params, counts, repeats, phases):
-    specs = (P(AXIS), {k: P(AXIS) if k in moe.EXPERT_WEIGHTS else P() for k in params})
+    specs = (P(AXIS), moe.param_specs(params, AXIS))
     args = (x, params)
     tokens = x.shape[0]
     results = []
@@ -290,7 +290,7 @@ def bench_layer(impl, layer, mesh, x, params, counts, repeats, phases):
 
 
 def outputs(layer, mesh, x, params):
-    specs = (P(AXIS), {k: P(AXIS) if k in moe.EXPERT_WEIGHTS else P() for k in params})
+    specs = (P(AXIS), moe.param_specs(params, AXIS))
     return np.asarray(jax.jit(jax.shard_map(total(layer), mesh=mesh, in_specs=specs,
                                             out_specs=P(AXIS)))(x, params), np.float32)
 

@@ -28,8 +28,6 @@ _created: dict[tuple, int] = {}  # Buffers created so far, per set of processes
 class Plan:
     key: int                  # names the Buffer in compiled programs: the same on every process
     platform: str             # "cpu" or "cuda"
-    num_groups: int
-    num_ranks: int
     local: tuple              # (device number, group, rank) of this process's devices
     group_owners: tuple       # per group: the process that draws what the group shares
     processes: tuple          # the processes holding devices of the mesh, sorted
@@ -61,7 +59,7 @@ def plan(mesh, axis_name):
     seq = _created[processes] = _created.get(processes, 0) + 1
     digest = hashlib.sha256(repr((processes, seq)).encode()).digest()
     key = int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
-    return Plan(key, platform, groups.shape[0], groups.shape[1], local,
+    return Plan(key, platform, local,
                 tuple(int(row[0].process_index) for row in groups), processes, me)
 
 
@@ -144,8 +142,8 @@ def check_same_arguments(p: Plan, arguments: dict, timeout_s: float):
                 verdict = f"process {q} did not create the Buffer within {timeout_s} s"
                 break
             if theirs != mine:
-                diff = {k: (v, json.loads(theirs).get(k)) for k, v in arguments.items()
-                        if json.loads(theirs).get(k) != v}
+                asked = json.loads(theirs)
+                diff = {k: (v, asked.get(k)) for k, v in arguments.items() if asked.get(k) != v}
                 verdict = (f"process {q} asked for another Buffer than process {first}: "
                            + ", ".join(f"{k}={b!r} there, {a!r} here" for k, (a, b) in diff.items()))
                 break

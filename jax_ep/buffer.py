@@ -5,7 +5,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_ep import bootstrap, layout
 from jax_ep.primitives import all_varying, done
@@ -14,8 +13,14 @@ from jax_ep.types import DispatchResult, Handle, Pending
 
 _LAYOUTS = ("rank", "expert", "expert_padded")
 _MODES = ("auto", "normal", "low_latency")
-_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-_UNSET = object()  # an argument the caller did not give
+FLOAT_ROWS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))  # what rows and sums may be
+
+
+def _is_integer(value):
+    try:
+        return int(value) == value
+    except (TypeError, ValueError):
+        return False
 
 
 def limits():
@@ -91,7 +96,7 @@ class Buffer:
         for name, value in (("num_experts", num_experts), ("hidden", hidden),
                             ("num_topk", num_topk), ("max_tokens_per_rank", max_tokens_per_rank),
                             ("num_sms", num_sms)):
-            if int(value) != value or value < 1:
+            if not _is_integer(value) or value < 1:
                 _fail(f"{name} must be a positive integer, got {value!r}")
         num_experts, hidden, num_topk = int(num_experts), int(hidden), int(num_topk)
         max_tokens_per_rank, num_sms = int(max_tokens_per_rank), int(num_sms)
@@ -102,7 +107,7 @@ class Buffer:
             low_latency_tokens = min(max_tokens_per_rank, 256)
         if impl not in ("auto", "ffi", "reference"):
             _fail(f"impl must be 'auto', 'ffi' or 'reference', got {impl!r}")
-        if jnp.dtype(max_row_dtype) not in _FLOATS:
+        if jnp.dtype(max_row_dtype) not in FLOAT_ROWS:
             _fail(f"max_row_dtype must be float32 or bfloat16, got {max_row_dtype!r}")
         if not timeout_s > 0:
             _fail(f"timeout_s must be positive, got {timeout_s!r}")
@@ -116,7 +121,7 @@ class Buffer:
         self.impl = "ffi" if impl == "auto" else impl
         self.check_invalid = bool(check_invalid)
         self._native = None
-        self._low_latency_tokens = 0  # the single-kernel routing is the CUDA backend's
+        self._low_latency_tokens = None  # the single-kernel routing is the CUDA backend's
         self._reference = Reference(axis_name, num_ranks, num_experts)
         if self.impl == "reference":
             self._ops = self._reference
@@ -145,7 +150,7 @@ class Buffer:
         if self.max_tokens_per_rank > bounds["max_tokens_per_rank"]:
             _fail(f"max_tokens_per_rank must be at most {bounds['max_tokens_per_rank']}, got "
                   f"{self.max_tokens_per_rank}")
-        if int(low_latency_tokens) != low_latency_tokens or not 0 <= low_latency_tokens <= min(
+        if not _is_integer(low_latency_tokens) or not 0 <= low_latency_tokens <= min(
                 self.max_tokens_per_rank, bounds["max_in_block_tokens"]):
             _fail(f"low_latency_tokens must be an integer in [0, min(max_tokens_per_rank, "
                   f"{bounds['max_in_block_tokens']})], got {low_latency_tokens!r}")
@@ -164,7 +169,10 @@ class Buffer:
                          max_row_dtype=self.max_row_dtype.name, num_sms=num_sms,
                          low_latency_tokens=low_latency_tokens, timeout_s=timeout_s,
                          direct_local=direct_local, axis_name=self.axis_name,
-                         check_invalid=self.check_invalid)
+                         check_invalid=self.check_invalid,
+                         mesh=dict(axis_names=list(self.mesh.axis_names),
+                                   shape=list(self.mesh.devices.shape),
+                                   device_ids=[d.id for d in self.mesh.devices.flat]))
         bootstrap.check_same_arguments(plan, arguments, timeout_s)
         self._native = bootstrap.connect(plan, self._window(), timeout_s=timeout_s,
                                          num_sms=num_sms, direct_local=direct_local)
@@ -250,7 +258,7 @@ class Buffer:
             topk_weights = jnp.zeros(topk_idx.shape, jnp.float32)
         if layout_name not in _LAYOUTS:
             _fail(f"layout must be one of {', '.join(map(repr, _LAYOUTS))}, got {layout_name!r}")
-        if int(alignment) != alignment or alignment < 1:
+        if not _is_integer(alignment) or alignment < 1:
             _fail(f"expert_alignment must be a positive integer, got {alignment!r}")
         alignment = int(alignment)
         if layout_name == "expert_padded" and alignment != 1:
@@ -414,9 +422,9 @@ class Buffer:
         rows_shape = (handle.capacity,)
         if handle.layout == "expert_padded":
             rows_shape = (self.num_local_experts, handle.capacity // self.num_local_experts)
-        _check(expert_out, "expert_out", rows_shape + (self.hidden,), _FLOATS)
+        _check(expert_out, "expert_out", rows_shape + (self.hidden,), FLOAT_ROWS)
         if bias is not None:
-            _check(bias, "bias", (tokens, self.hidden), _FLOATS)
+            _check(bias, "bias", (tokens, self.hidden), FLOAT_ROWS)
         if handle.layout == "rank":
             if topk_weights is not None:
                 _fail("combine in the rank layout is unweighted (the caller mixes its local "
@@ -432,7 +440,7 @@ class Buffer:
                 topk_weights = topk_weights.reshape(-1)
             if partial_dtype is None:
                 partial_dtype = self.max_row_dtype
-            if jnp.dtype(partial_dtype) not in _FLOATS:
+            if jnp.dtype(partial_dtype) not in FLOAT_ROWS:
                 _fail(f"partial_dtype must be float32 or bfloat16, got {partial_dtype!r}")
             row_data = layout.reduce_expert_rows(expert_out.reshape(-1, self.hidden), topk_weights,
                                                  handle.expert_src, handle.expert_rows)
@@ -466,7 +474,7 @@ class Buffer:
                   f"(max_row_dtype={self.max_row_dtype.name})")
 
     def _check_x(self, x, fp8, round_scale):
-        _check(x, "x", (None, self.hidden), _FLOATS)
+        _check(x, "x", (None, self.hidden), FLOAT_ROWS)
         if not fp8:
             self._check_row_dtype(x, "x")
         tokens = x.shape[0]
@@ -482,7 +490,9 @@ class Buffer:
     def _low_latency(self, mode, tokens):
         if mode not in _MODES:
             _fail(f"mode must be one of {', '.join(map(repr, _MODES))}, got {mode!r}")
-        if mode == "low_latency" and self._low_latency_tokens and tokens > self._low_latency_tokens:
+        if self._low_latency_tokens is None:  # no single-kernel path: every mode is the same
+            return False
+        if mode == "low_latency" and tokens > self._low_latency_tokens:
             _fail(f"mode='low_latency' takes at most low_latency_tokens="
                   f"{self._low_latency_tokens} tokens per rank, x has {tokens}")
         return mode != "normal" and tokens <= self._low_latency_tokens
@@ -491,7 +501,7 @@ class Buffer:
         if capacity is None:
             return layout.default_capacity(layout_name, self.num_ranks, self.max_tokens_per_rank,
                                            self.num_topk, self.num_local_experts, alignment)
-        if int(capacity) != capacity or capacity < 1:
+        if not _is_integer(capacity) or capacity < 1:
             _fail(f"capacity must be a positive integer, got {capacity!r}")
         if layout_name == "expert" and capacity % alignment:
             _fail(f"capacity={capacity} must be a multiple of expert_alignment={alignment} in the "

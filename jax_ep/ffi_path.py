@@ -25,17 +25,11 @@ _TOKEN = jax.ShapeDtypeStruct(TOKEN_SHAPE, jnp.int32)
 ROWS_DTYPES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1}  # kernels/dtype.h Dtype
 
 
-_registered = False
-
-
+@functools.cache
 def register_targets():
     """Registers the custom-call targets, and the type of their state, of every backend built.
     Called when the first Buffer is made: the backends exist then, and jaxlib registers what
     comes after a backend's start in order (before it, CPU types would follow the targets)."""
-    global _registered
-    if _registered:
-        return
-    _registered = True
     backends = [("cpu", _native.cpu_targets(), _native.cpu_state_type())]
     if _native.has_cuda:
         backends.append(("CUDA", _native.cuda_targets(), _native.cuda_state_type()))
@@ -112,7 +106,7 @@ def _received_shapes(cfg: _Config, rows, hidden, k):
 
 def _received(cfg: _Config, received, send_pos, num_invalid):
     x_rows, scales, topk_rows, weight_rows, recv_counts, per_expert, num_recv, dropped = received
-    return (RankRows(x_rows, scales if cfg.fp8 else None, topk_rows, weight_rows),
+    return (RankRows(x_rows, _scales(cfg, scales), topk_rows, weight_rows),
             Routing(send_pos, recv_counts, per_expert, num_recv, dropped, num_invalid))
 
 

@@ -31,6 +31,8 @@ def test_attributes():
     (dict(num_experts=6), "num_experts=6 must be divisible"),
     (dict(num_experts=0), "num_experts must be a positive integer"),
     (dict(num_experts=-4), "num_experts must be a positive integer"),
+    (dict(num_experts=None), "num_experts must be a positive integer"),
+    (dict(timeout_s=0), "timeout_s must be positive"),
     (dict(impl="nccl"), "impl"),
     (dict(hidden=0), "hidden"),
     (dict(max_tokens_per_rank=2.5), "max_tokens_per_rank"),

@@ -12,7 +12,6 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from helpers import make_mesh
 from jax_ep import nn
-from jax_ep.nn import moe
 
 H, F, E, K = 64, 32, 16, 4
 TOKENS = 16  # per rank
@@ -171,6 +170,9 @@ def test_config_errors():
                          expert_axis="ep", tokens_per_rank=TOKENS)
     with pytest.raises(ValueError, match="pass routing_bias"):
         biased(params, x)
+    with pytest.raises(ValueError, match="wider than the Buffer's max_row_dtype"):
+        nn.MoELayer(nn.MoEConfig(**base), make_mesh(4), expert_axis="ep",
+                    tokens_per_rank=TOKENS, max_row_dtype=jnp.bfloat16)
 
 
 CAPACITY_CONFIGS = {

@@ -27,10 +27,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_ep import layout
-from jax_ep.buffer import Buffer
+from jax_ep.buffer import FLOAT_ROWS, Buffer
 from jax_ep.nn import grouped
-
-_PARTIAL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +54,7 @@ class MoEConfig:
     routing_bias: bool = False        # top-k over scores + a per-expert bias (the layer's
     #                                   routing_bias argument), weights from the scores alone
     combine_partial_dtype: Any = jnp.float32  # each rank's sum of a token's expert rows (bf16:
-    #                                   half the combine's bytes; needs Buffer.combine support)
+    #                                   half the combine's bytes; needed with max_row_dtype=bf16)
     grouped_matmul: str = "auto"      # jax_ep.nn.grouped impl: "auto", "xla" or "mosaic"
 
     def __post_init__(self):
@@ -67,7 +65,7 @@ class MoEConfig:
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"jax_ep.nn: capacity_factor must be positive or None, got "
                              f"{self.capacity_factor!r}")
-        if jnp.dtype(self.combine_partial_dtype) not in _PARTIAL_DTYPES:
+        if jnp.dtype(self.combine_partial_dtype) not in FLOAT_ROWS:
             raise ValueError(f"jax_ep.nn: combine_partial_dtype must be float32 or bfloat16, got "
                              f"{self.combine_partial_dtype!r}")
         if self.grouped_matmul not in grouped.IMPLS:
@@ -85,6 +83,11 @@ class MoEAux(NamedTuple):
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
+def param_specs(names, expert_axis):
+    """Each parameter's PartitionSpec: the experts split over expert_axis, the rest replicated."""
+    return {name: P(expert_axis) if name in EXPERT_WEIGHTS else P() for name in names}
+
+
 def init_params(key, cfg: MoEConfig, dtype=jnp.float32, *, mesh=None, expert_axis=None):
     """Router, experts ([E, ...]) and optional shared expert. With a mesh, made under jit with
     the experts sharded over expert_axis and the rest replicated, so no device ever holds every
@@ -93,9 +96,8 @@ def init_params(key, cfg: MoEConfig, dtype=jnp.float32, *, mesh=None, expert_axi
     if mesh is None:
         return make(key)
     names = jax.eval_shape(make, key)
-    return jax.jit(make, out_shardings={
-        name: NamedSharding(mesh, P(expert_axis) if name in EXPERT_WEIGHTS else P())
-        for name in names})(key)
+    specs = param_specs(names, expert_axis)
+    return jax.jit(make, out_shardings={k: NamedSharding(mesh, v) for k, v in specs.items()})(key)
 
 
 def _init_params(key, cfg, dtype):
@@ -207,8 +209,7 @@ def moe_block(buffer: Buffer, params, x, cfg: MoEConfig, token_axes=(), routing_
     topk_idx, topk_weights, scores = route(x, params["router"], cfg, routing_bias)
     capacity = expert_capacity(cfg, x.shape[0], buffer.num_ranks)
     d = buffer.dispatch(x, topk_idx, topk_weights, layout="expert",
-                        expert_alignment=cfg.expert_alignment, fp8=cfg.fp8,
-                        **({} if capacity is None else dict(capacity=capacity)))
+                        expert_alignment=cfg.expert_alignment, fp8=cfg.fp8, capacity=capacity)
     rows = buffer.dequantize(d, x) if cfg.fp8 else d.x
     out = expert_ffn(params, rows, d.group_sizes, cfg)
     bias = shared_expert(params, x).astype(x.dtype) if cfg.shared_ffn_hidden else None
@@ -299,9 +300,14 @@ class MoELayer:
         self.buffer = Buffer(mesh, expert_axis, num_experts=cfg.num_experts, hidden=cfg.hidden,
                              num_topk=cfg.num_topk, max_tokens_per_rank=tokens_per_rank,
                              impl=impl, **buffer_options)
+        if jnp.dtype(cfg.combine_partial_dtype).itemsize > self.buffer.max_row_dtype.itemsize:
+            raise ValueError(f"jax_ep.nn: combine_partial_dtype "
+                             f"{jnp.dtype(cfg.combine_partial_dtype)} is wider than the Buffer's "
+                             f"max_row_dtype {self.buffer.max_row_dtype}: set "
+                             f"combine_partial_dtype=jnp.bfloat16 too")
 
     def param_specs(self, params):
-        return {k: P(self.expert_axis) if k in EXPERT_WEIGHTS else P() for k in params}
+        return param_specs(params, self.expert_axis)
 
     def grouped_matmul_path(self, dtype=jnp.bfloat16):
         """The grouped-matmul implementations of the experts for tokens of `dtype`."""
@@ -323,7 +329,7 @@ class MoELayer:
     def _resharded(self, args, specs):
         """args laid out as specs over the mesh's explicit axes (the ones shard_map checks)."""
         explicit = {name for name, kind in zip(self.mesh.axis_names,
-                                               getattr(self.mesh, "axis_types", ()))
+                                               self.mesh.axis_types)
                     if kind == jax.sharding.AxisType.Explicit}
         if not explicit:
             return args
