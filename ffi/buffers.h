@@ -17,9 +17,9 @@ class NativeBuffer {
  public:
   virtual ~NativeBuffer() = default;
   // This Buffer's rank on `device` (a local device ordinal), or null.
-  std::shared_ptr<void> rank_on(int device) const {
+  void* rank_on(int device) const {
     auto it = ranks.find(device);
-    return it == ranks.end() ? nullptr : it->second;
+    return it == ranks.end() ? nullptr : it->second.get();
   }
   std::map<int, std::shared_ptr<void>> ranks;  // by device ordinal: cpu::Rank or cuda::Rank
 };
@@ -41,7 +41,7 @@ struct CallState {
   static xla::ffi::TypeId id;
   std::shared_ptr<NativeBuffer> buffer;
   CallConfig config;
-  RankT* rank_on(int device) const { return static_cast<RankT*>(buffer->rank_on(device).get()); }
+  RankT* rank_on(int device) const { return static_cast<RankT*>(buffer->rank_on(device)); }
 };
 template <class RankT>
 xla::ffi::TypeId CallState<RankT>::id = {};

@@ -46,8 +46,8 @@ ffi::Future queued(cpu::Rank& rank, std::function<std::string()> job) {
   return future;
 }
 
-uint64_t op_of_call(cpu::Rank& r, Phase phase, const Tokens& tokens) {
-  const uint64_t op = sends(phase) ? r.next_op() : r.op_of_ticket(*tokens.ticket);
+uint64_t op_of_call(cpu::Rank& r, Part part, const Tokens& tokens) {
+  const uint64_t op = sends(part) ? r.next_op() : r.op_of_ticket(*tokens.ticket);
   *tokens.out = int32_t(op);
   return op;
 }
@@ -66,26 +66,26 @@ struct CpuBackend {
   }
 
   // The state outlives the calls in flight, and with it the rank (the job's raw pointer).
-  static ffi::Future dispatch(Context, State&, Rank& rank, Phase phase, const DispatchSend* send,
+  static ffi::Future dispatch(Context, State&, Rank& rank, Part part, const DispatchSend* send,
                               const DispatchRecv* recv, Tokens tokens) {
-    const uint64_t op = op_of_call(rank, phase, tokens);
+    const uint64_t op = op_of_call(rank, part, tokens);
     // The structs hold pointers into XLA's buffers, which stay ours until the call completes.
     DispatchSend s = send ? *send : DispatchSend{};
     DispatchRecv v = recv ? *recv : DispatchRecv{};
-    return queued(rank, [r = &rank, phase, op, s, v] {
-      std::string err = sends(phase) ? cpu::dispatch_send(*r, op, s) : "";
-      return err.empty() && receives(phase) ? cpu::dispatch_recv(*r, op, v) : err;
+    return queued(rank, [r = &rank, part, op, s, v] {
+      std::string err = sends(part) ? cpu::dispatch_send(*r, op, s) : "";
+      return err.empty() && receives(part) ? cpu::dispatch_recv(*r, op, v) : err;
     });
   }
 
-  static ffi::Future combine(Context, State&, Rank& rank, Phase phase, const CombineSend* send,
+  static ffi::Future combine(Context, State&, Rank& rank, Part part, const CombineSend* send,
                              const CombineRecv* recv, Tokens tokens) {
-    const uint64_t op = op_of_call(rank, phase, tokens);
+    const uint64_t op = op_of_call(rank, part, tokens);
     CombineSend s = send ? *send : CombineSend{};
     CombineRecv v = recv ? *recv : CombineRecv{};
-    return queued(rank, [r = &rank, phase, op, s, v] {
-      std::string err = sends(phase) ? cpu::combine_send(*r, op, s) : "";
-      return err.empty() && receives(phase) ? cpu::combine_recv(*r, op, v) : err;
+    return queued(rank, [r = &rank, part, op, s, v] {
+      std::string err = sends(part) ? cpu::combine_send(*r, op, s) : "";
+      return err.empty() && receives(part) ? cpu::combine_recv(*r, op, v) : err;
     });
   }
 
@@ -100,47 +100,21 @@ using T = Calls<CpuBackend>;
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_instantiate, Instantiate<CpuBackend>, instantiate_binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_dispatch, T::dispatch, dispatch_binding<CpuBackend>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_dispatch_send, T::dispatch_send,
-                              dispatch_send_binding<CpuBackend>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_dispatch_recv, T::dispatch_recv,
-                              dispatch_recv_binding<CpuBackend>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_dispatch_cached, T::dispatch_cached,
-                              dispatch_cached_binding<CpuBackend>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_dispatch_cached_send, T::dispatch_cached_send,
-                              dispatch_cached_send_binding<CpuBackend>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_dispatch_cached_recv, T::dispatch_cached_recv,
-                              dispatch_cached_recv_binding<CpuBackend>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_combine, T::combine, combine_binding<CpuBackend>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_combine_send, T::combine_send,
-                              combine_send_binding<CpuBackend>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_combine_recv, T::combine_recv,
-                              combine_recv_binding<CpuBackend>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_dispatch_adjoint, T::dispatch_adjoint,
-                              dispatch_adjoint_binding<CpuBackend>());
+#define JAX_EP_CPU_CALL(name) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_##name, T::name, name##_binding<CpuBackend>());
+JAX_EP_BUFFER_CALLS(JAX_EP_CPU_CALL)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_expert_layout, ExpertLayout<CpuBackend>,
                               expert_layout_binding<CpuBackend>());
 
 Targets cpu_targets() {
   const Handler inst = jax_ep_cpu_instantiate;
-  return {{"dispatch", {inst, jax_ep_cpu_dispatch}},
-          {"dispatch_send", {inst, jax_ep_cpu_dispatch_send}},
-          {"dispatch_recv", {inst, jax_ep_cpu_dispatch_recv}},
-          {"dispatch_cached", {inst, jax_ep_cpu_dispatch_cached}},
-          {"dispatch_cached_send", {inst, jax_ep_cpu_dispatch_cached_send}},
-          {"dispatch_cached_recv", {inst, jax_ep_cpu_dispatch_cached_recv}},
-          {"combine", {inst, jax_ep_cpu_combine}},
-          {"combine_send", {inst, jax_ep_cpu_combine_send}},
-          {"combine_recv", {inst, jax_ep_cpu_combine_recv}},
-          {"dispatch_adjoint", {inst, jax_ep_cpu_dispatch_adjoint}},
+#define JAX_EP_CPU_TARGET(name) {#name, {inst, jax_ep_cpu_##name}},
+  return {JAX_EP_BUFFER_CALLS(JAX_EP_CPU_TARGET)
           {"expert_layout", {nullptr, jax_ep_cpu_expert_layout}}};
 }
 
 XLA_FFI_TypeId* cpu_state_type_id() { return &CpuState::id; }
-const XLA_FFI_TypeInfo* cpu_state_type_info() {
-  static const XLA_FFI_TypeInfo info = ffi::MakeTypeInfo<CpuState>();
-  return &info;
-}
+const XLA_FFI_TypeInfo* cpu_state_type_info() { return state_type_info<CpuState>(); }
 
 // ---- the CPU side of a Buffer
 

@@ -49,17 +49,17 @@ struct CudaBackend {
 
   static ffi::Error error(ffi::Error error) { return error; }
 
-  static ffi::Error dispatch(const Context& c, State& st, Rank& rank, Phase phase,
+  static ffi::Error dispatch(const Context& c, State& st, Rank& rank, Part part,
                              const DispatchSend* send, const DispatchRecv* recv, Tokens tokens) {
     handler_calls.fetch_add(1, std::memory_order_relaxed);
-    return to_error(cuda::dispatch(rank, c.stream, cuda::Part(int(phase)), send, recv,
+    return to_error(cuda::dispatch(rank, c.stream, part, send, recv,
                                    st.config.low_latency, tokens.ticket, tokens.out));
   }
 
-  static ffi::Error combine(const Context& c, State&, Rank& rank, Phase phase,
+  static ffi::Error combine(const Context& c, State&, Rank& rank, Part part,
                             const CombineSend* send, const CombineRecv* recv, Tokens tokens) {
     handler_calls.fetch_add(1, std::memory_order_relaxed);
-    return to_error(cuda::combine(rank, c.stream, cuda::Part(int(phase)), send, recv,
+    return to_error(cuda::combine(rank, c.stream, part, send, recv,
                                   tokens.ticket, tokens.out));
   }
 
@@ -75,49 +75,22 @@ constexpr auto kGraphSafe = ffi::Traits::kCmdBufferCompatible;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_instantiate, Instantiate<CudaBackend>,
                               instantiate_binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_dispatch, T::dispatch, dispatch_binding<CudaBackend>(),
-                              {kGraphSafe});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_dispatch_send, T::dispatch_send,
-                              dispatch_send_binding<CudaBackend>(), {kGraphSafe});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_dispatch_recv, T::dispatch_recv,
-                              dispatch_recv_binding<CudaBackend>(), {kGraphSafe});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_dispatch_cached, T::dispatch_cached,
-                              dispatch_cached_binding<CudaBackend>(), {kGraphSafe});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_dispatch_cached_send, T::dispatch_cached_send,
-                              dispatch_cached_send_binding<CudaBackend>(), {kGraphSafe});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_dispatch_cached_recv, T::dispatch_cached_recv,
-                              dispatch_cached_recv_binding<CudaBackend>(), {kGraphSafe});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_combine, T::combine, combine_binding<CudaBackend>(),
-                              {kGraphSafe});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_combine_send, T::combine_send,
-                              combine_send_binding<CudaBackend>(), {kGraphSafe});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_combine_recv, T::combine_recv,
-                              combine_recv_binding<CudaBackend>(), {kGraphSafe});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_dispatch_adjoint, T::dispatch_adjoint,
-                              dispatch_adjoint_binding<CudaBackend>(), {kGraphSafe});
+#define JAX_EP_CUDA_CALL(name)                                                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_##name, T::name, name##_binding<CudaBackend>(), \
+                                {kGraphSafe});
+JAX_EP_BUFFER_CALLS(JAX_EP_CUDA_CALL)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_expert_layout, ExpertLayout<CudaBackend>,
                               expert_layout_binding<CudaBackend>(), {kGraphSafe});
 
 Targets cuda_targets() {
   const Handler inst = jax_ep_cuda_instantiate;
-  return {{"dispatch", {inst, jax_ep_cuda_dispatch}},
-          {"dispatch_send", {inst, jax_ep_cuda_dispatch_send}},
-          {"dispatch_recv", {inst, jax_ep_cuda_dispatch_recv}},
-          {"dispatch_cached", {inst, jax_ep_cuda_dispatch_cached}},
-          {"dispatch_cached_send", {inst, jax_ep_cuda_dispatch_cached_send}},
-          {"dispatch_cached_recv", {inst, jax_ep_cuda_dispatch_cached_recv}},
-          {"combine", {inst, jax_ep_cuda_combine}},
-          {"combine_send", {inst, jax_ep_cuda_combine_send}},
-          {"combine_recv", {inst, jax_ep_cuda_combine_recv}},
-          {"dispatch_adjoint", {inst, jax_ep_cuda_dispatch_adjoint}},
+#define JAX_EP_CUDA_TARGET(name) {#name, {inst, jax_ep_cuda_##name}},
+  return {JAX_EP_BUFFER_CALLS(JAX_EP_CUDA_TARGET)
           {"expert_layout", {nullptr, jax_ep_cuda_expert_layout}}};
 }
 
 XLA_FFI_TypeId* cuda_state_type_id() { return &CudaState::id; }
-const XLA_FFI_TypeInfo* cuda_state_type_info() {
-  static const XLA_FFI_TypeInfo info = ffi::MakeTypeInfo<CudaState>();
-  return &info;
-}
+const XLA_FFI_TypeInfo* cuda_state_type_info() { return state_type_info<CudaState>(); }
 
 int64_t cuda_handler_calls() { return handler_calls.load(); }
 

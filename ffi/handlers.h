@@ -12,17 +12,12 @@
 #include <utility>
 
 #include "ffi/buffers.h"
-#include "kernels/limits.h"
 #include "kernels/ops.h"
 #include "kernels/window.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {
 namespace ffi = xla::ffi;
-
-enum class Phase : int { kSend = 1, kRecv = 2, kWhole = 3 };
-inline bool sends(Phase p) { return int(p) & int(Phase::kSend); }
-inline bool receives(Phase p) { return int(p) & int(Phase::kRecv); }
 
 // Every cross-rank call takes the Buffer's ordering token and returns the next one (the op's
 // number, its low 32 bits); a recv half also takes its send half's token, the ticket naming its op.
@@ -77,7 +72,7 @@ inline ffi::Error decode_send(const Window& w, const CallConfig& cfg, ffi::AnyBu
   if (!to_dtype(x.element_type(), &a->x_dtype)) return invalid("dispatch: x must be float32 or bfloat16");
   if (a->num_tokens > w.rows_per_source)
     return invalid("dispatch: more tokens than the Buffer's max_tokens_per_rank");
-  if (a->hidden > w.hidden || (a->fp8 && a->hidden % kFp8BlockElems))
+  if (a->hidden > w.hidden || (a->fp8 && a->hidden % kFp8Block))
     return invalid("dispatch: rows wider than the Buffer's hidden, or fp8 with hidden % 128 != 0");
   if (a->wire_row_bytes() > w.payload_bytes())
     return invalid("dispatch: x's element type is wider than the Buffer's rows (max_row_dtype)");
@@ -100,7 +95,7 @@ inline ffi::Error decode_recv(const Window& w, const CallConfig& cfg, ffi::AnyBu
   a->scales_out = cfg.fp8 ? static_cast<float*>(scales_out.untyped_data()) : nullptr;
   if (cfg.fp8) {
     if (x_out.element_type() != ffi::DataType::F8E4M3FN ||
-        scales_out.element_count() != int64_t(a->out_rows) * (a->hidden / kFp8BlockElems))
+        scales_out.element_count() != int64_t(a->out_rows) * (a->hidden / kFp8Block))
       return invalid("dispatch: fp8 rows must be float8_e4m3fn with one scale per 128 channels");
   } else if (!to_dtype(x_out.element_type(), &a->x_dtype)) {
     return invalid("dispatch: rows must be float32 or bfloat16");
@@ -121,6 +116,7 @@ inline ffi::Error decode_fresh_recv(const Window& w, const CallConfig& cfg, ffi:
                                     ffi::ResultBuffer<ffi::S32, 0> num_dropped, DispatchRecv* a) {
   if (auto err = decode_recv(w, cfg, x_out, scales_out, a); err.failure()) return err;
   if (topk_out->dimensions()[0] != a->out_rows || topk_out->dimensions()[1] != w.num_topk ||
+      weights_out->dimensions()[0] != a->out_rows || weights_out->dimensions()[1] != w.num_topk ||
       recv_counts->element_count() != w.num_ranks ||
       tokens_per_expert->element_count() != w.experts_per_rank)
     return invalid("dispatch: the routing outputs do not match the Buffer");
@@ -181,6 +177,13 @@ inline ffi::Error decode_bias(ffi::RemainingArgs bias, CombineRecv* a) {
   return ffi::Error::Success();
 }
 
+// A whole dispatch writes the rows a rank sends itself straight into its outputs: they must agree.
+inline ffi::Error check_whole(const DispatchSend& s, const DispatchRecv& v) {
+  if (s.hidden != v.hidden || (!s.fp8 && s.x_dtype != v.x_dtype))
+    return invalid("dispatch: the rows out differ from x in width or type");
+  return ffi::Error::Success();
+}
+
 // ---- the targets
 
 template <class B>
@@ -221,8 +224,9 @@ struct Calls {
     if (err.success())
       err = decode_fresh_recv(w, st->config, *x_out, *scales_out, topk_out, weights_out,
                               recv_counts, tokens_per_expert, num_recv, num_dropped, &recv);
+    if (err.success()) err = check_whole(send, recv);
     if (err.failure()) return B::error(std::move(err));
-    return B::dispatch(ctx, *st, *rank, Phase::kWhole, &send, &recv, {nullptr, token_out->typed_data()});
+    return B::dispatch(ctx, *st, *rank, Part::kWhole, &send, &recv, {nullptr, token_out->typed_data()});
   }
 
   static Result dispatch_send(Ctx ctx, State* st, TokenArg token, ffi::AnyBuffer x,
@@ -238,7 +242,7 @@ struct Calls {
       err = decode_fresh_send(rank->window, st->config, x, topk_idx, topk_weights, send_pos,
                               num_invalid, &send);
     if (err.failure()) return B::error(std::move(err));
-    return B::dispatch(ctx, *st, *rank, Phase::kSend, &send, nullptr, {nullptr, ticket->typed_data()});
+    return B::dispatch(ctx, *st, *rank, Part::kSend, &send, nullptr, {nullptr, ticket->typed_data()});
   }
 
   static Result dispatch_recv(Ctx ctx, State* st, TokenArg token, TokenArg ticket,
@@ -260,7 +264,7 @@ struct Calls {
       err = decode_fresh_recv(w, st->config, *x_out, *scales_out, topk_out, weights_out,
                               recv_counts, tokens_per_expert, num_recv, num_dropped, &recv);
     if (err.failure()) return B::error(std::move(err));
-    return B::dispatch(ctx, *st, *rank, Phase::kRecv, nullptr, &recv,
+    return B::dispatch(ctx, *st, *rank, Part::kRecv, nullptr, &recv,
                        {ticket.typed_data(), token_out->typed_data()});
   }
 
@@ -277,8 +281,9 @@ struct Calls {
     ffi::Error err = check_tokens(token, token_out);
     if (err.success()) err = decode_cached_send(w, st->config, x, send_pos, &send);
     if (err.success()) err = decode_recv(w, st->config, *x_out, *scales_out, &recv);
+    if (err.success()) err = check_whole(send, recv);
     if (err.failure()) return B::error(std::move(err));
-    return B::dispatch(ctx, *st, *rank, Phase::kWhole, &send, &recv, {nullptr, token_out->typed_data()});
+    return B::dispatch(ctx, *st, *rank, Part::kWhole, &send, &recv, {nullptr, token_out->typed_data()});
   }
 
   static Result dispatch_cached_send(Ctx ctx, State* st, TokenArg token, ffi::AnyBuffer x,
@@ -289,7 +294,7 @@ struct Calls {
     ffi::Error err = check_tokens(token, ticket);
     if (err.success()) err = decode_cached_send(rank->window, st->config, x, send_pos, &send);
     if (err.failure()) return B::error(std::move(err));
-    return B::dispatch(ctx, *st, *rank, Phase::kSend, &send, nullptr, {nullptr, ticket->typed_data()});
+    return B::dispatch(ctx, *st, *rank, Part::kSend, &send, nullptr, {nullptr, ticket->typed_data()});
   }
 
   static Result dispatch_cached_recv(Ctx ctx, State* st, TokenArg token, TokenArg ticket,
@@ -302,7 +307,7 @@ struct Calls {
     if (err.success()) err = check_tokens(ticket, token_out);
     if (err.success()) err = decode_recv(rank->window, st->config, *x_out, *scales_out, &recv);
     if (err.failure()) return B::error(std::move(err));
-    return B::dispatch(ctx, *st, *rank, Phase::kRecv, nullptr, &recv,
+    return B::dispatch(ctx, *st, *rank, Part::kRecv, nullptr, &recv,
                        {ticket.typed_data(), token_out->typed_data()});
   }
 
@@ -322,7 +327,7 @@ struct Calls {
     if (err.success()) err = decode_bias(bias, &recv);
     if (err.success() && recv.width != send.width) err = invalid("combine: rows and output widths differ");
     if (err.failure()) return B::error(std::move(err));
-    return B::combine(ctx, *st, *rank, Phase::kWhole, &send, &recv, {nullptr, token_out->typed_data()});
+    return B::combine(ctx, *st, *rank, Part::kWhole, &send, &recv, {nullptr, token_out->typed_data()});
   }
 
   static Result combine_send(Ctx ctx, State* st, TokenArg token, ffi::AnyBuffer rows,
@@ -336,7 +341,7 @@ struct Calls {
     if (err.success() && int32_t(send.rows_dtype) != st->config.rows_dtype)
       err = invalid("combine: rows of another type than the call was built for");
     if (err.failure()) return B::error(std::move(err));
-    return B::combine(ctx, *st, *rank, Phase::kSend, &send, nullptr, {nullptr, ticket->typed_data()});
+    return B::combine(ctx, *st, *rank, Part::kSend, &send, nullptr, {nullptr, ticket->typed_data()});
   }
 
   static Result combine_recv(Ctx ctx, State* st, TokenArg token, TokenArg ticket,
@@ -352,7 +357,7 @@ struct Calls {
                                 &recv);
     if (err.success()) err = decode_bias(bias, &recv);
     if (err.failure()) return B::error(std::move(err));
-    return B::combine(ctx, *st, *rank, Phase::kRecv, nullptr, &recv,
+    return B::combine(ctx, *st, *rank, Part::kRecv, nullptr, &recv,
                       {ticket.typed_data(), token_out->typed_data()});
   }
 
@@ -374,6 +379,8 @@ struct Calls {
     if (err.success()) err = decode_combine_send(w, ct_rows, recv_counts, num_rows, &send);
     if (err.success())
       err = decode_combine_recv(w, send.rows_dtype, send_pos, *ct_x, &recv);
+    if (err.success() && recv.width != send.width)
+      err = invalid("dispatch adjoint: the rows' and x's cotangents differ in width");
     const int64_t cols = ct_weights.dimensions()[1];
     if (err.success() && (ct_weights.dimensions()[0] != send.rows || 4 * cols > w.meta_bytes() ||
                           ct_w->dimensions()[0] != recv.num_tokens || ct_w->dimensions()[1] != cols))
@@ -382,7 +389,7 @@ struct Calls {
     send.extra = ct_weights.typed_data();
     send.extra_cols = recv.extra_cols = int(cols);
     recv.extra_out = ct_w->typed_data();
-    return B::combine(ctx, *st, *rank, Phase::kWhole, &send, &recv, {nullptr, token_out->typed_data()});
+    return B::combine(ctx, *st, *rank, Part::kWhole, &send, &recv, {nullptr, token_out->typed_data()});
   }
 
  private:
@@ -408,6 +415,18 @@ struct Calls {
                        send_pos.dimensions()[1], nullptr, a);
   }
 };
+
+// The targets that run on a Buffer, listed once: each is Calls<B>::name bound by name_binding<B>.
+#define JAX_EP_BUFFER_CALLS(X)                                                             \
+  X(dispatch) X(dispatch_send) X(dispatch_recv) X(dispatch_cached) X(dispatch_cached_send) \
+  X(dispatch_cached_recv) X(combine) X(combine_send) X(combine_recv) X(dispatch_adjoint)
+
+// The type information XLA keeps for a backend's call state.
+template <class State>
+const XLA_FFI_TypeInfo* state_type_info() {
+  static const XLA_FFI_TypeInfo info = ffi::MakeTypeInfo<State>();
+  return &info;
+}
 
 // The one instantiate handler of every target (the same attributes on each).
 template <class B>

@@ -8,6 +8,16 @@
 
 namespace jax_ep {
 
+// Which halves of an op a call runs.
+enum class Part : int { kSend = 1, kRecv = 2, kWhole = 3 };
+JAX_EP_HD bool sends(Part p) { return int(p) & int(Part::kSend); }
+JAX_EP_HD bool receives(Part p) { return int(p) & int(Part::kRecv); }
+
+// The payload bytes of a dispatched row: one e4m3 byte per element with fp8.
+JAX_EP_HD int64_t dispatch_row_bytes(bool fp8, int hidden, Dtype x_dtype) {
+  return fp8 ? hidden : int64_t(hidden) * dtype_size(x_dtype);
+}
+
 // Dispatch, send half: every token goes once to each rank holding one of its experts and lands
 // in row j of this rank's block there (j: its index among the tokens this rank sends there).
 struct DispatchSend {
@@ -20,8 +30,7 @@ struct DispatchSend {
   int32_t* send_pos;             // [T, R] j per destination or -1: written when fresh, read when cached
   int32_t* num_invalid;          // []: this rank's expert ids outside [-1, E) (fresh)
   JAX_EP_HD bool fresh() const { return topk_idx != nullptr; }
-  JAX_EP_HD int experts_per_rank(int num_ranks) const { return num_experts / num_ranks; }
-  JAX_EP_HD int64_t wire_row_bytes() const { return fp8 ? hidden : int64_t(hidden) * dtype_size(x_dtype); }
+  JAX_EP_HD int64_t wire_row_bytes() const { return dispatch_row_bytes(fp8, hidden, x_dtype); }
 };
 
 // Dispatch, recv half: rows in (source rank, j) order; those past out_rows are dropped.
@@ -39,7 +48,7 @@ struct DispatchRecv {
   int32_t* num_recv;             // [] rows present
   int32_t* num_dropped;          // [] rows beyond out_rows
   JAX_EP_HD bool fresh() const { return topk_out != nullptr; }
-  JAX_EP_HD int64_t wire_row_bytes() const { return fp8 ? hidden : int64_t(hidden) * dtype_size(x_dtype); }
+  JAX_EP_HD int64_t wire_row_bytes() const { return dispatch_row_bytes(fp8, hidden, x_dtype); }
 };
 
 // Combine, send half: each rank-level row this rank received goes back into row j of its

@@ -3,7 +3,8 @@
 // place that computes an offset into one. See docs/ARCHITECTURE.md for who writes what, when.
 //
 //   control   words the owner keeps (op counter, received ops, scratch) and words peers write
-//             into it (released ops, row counts, rows per expert), all 8 bytes, tagged with the op
+//             into it (released ops: op numbers; row counts and rows per expert: tagged with
+//             their op)
 //   rows      [2 slots][R sources][N rows] of row_bytes: what source s sends this rank in op n
 //             lands in slot n % 2, block s, at row j = the token's index among those s sends here
 //
@@ -11,14 +12,13 @@
 // and weights (in a combine: extra float32 columns), one flag per part of kPartElems payload
 // elements (GPUs: raised to the op number once the part is written).
 #pragma once
-#include "kernels/dtype.h"
+#include "kernels/fp8.h"
 #include "kernels/limits.h"
 
 namespace jax_ep {
 
 constexpr int kSlots = 2;          // ops a rank can have sent and not yet received: slot = op % 2
 constexpr int kPartElems = 1024;   // payload elements under one flag
-constexpr int kFp8BlockElems = 128;
 
 enum class OpKind : uint32_t { kDispatch = 1, kCombine = 2 };
 
@@ -40,7 +40,7 @@ struct Window {
 
   // ---- a row
   JAX_EP_HD int64_t payload_bytes() const { return align_bytes(int64_t(hidden) * element_bytes, 16); }
-  JAX_EP_HD int num_scales() const { return hidden / kFp8BlockElems; }
+  JAX_EP_HD int num_scales() const { return hidden / kFp8Block; }
   JAX_EP_HD int64_t scales_at() const { return payload_bytes(); }
   JAX_EP_HD int64_t meta_at() const { return scales_at() + align_bytes(4 * num_scales(), 16); }
   JAX_EP_HD int64_t meta_bytes() const { return align_bytes(8 * int64_t(num_topk), 16); }

@@ -24,7 +24,6 @@ class Segment {
   static std::string open(const std::string& name, size_t bytes, Segment* out);
 
   uint8_t* data() const { return data_; }
-  const std::string& name() const { return name_; }
   void unlink();  // removes the name; the mapping stays
 
  private:

@@ -11,11 +11,7 @@ namespace jax_ep::cpu {
 std::string combine_send(Rank& r, uint64_t op, const CombineSend& a) {
   const Window& w = r.window;
   const int R = w.num_ranks, me = r.rank, slot = int(op % kSlots);
-  for (int d = 0; d < R; ++d)
-    if (op > kSlots)
-      if (auto err = r.wait_value(w.released_at(slot, d), op - kSlots, d, "to release its rows");
-          !err.empty())
-        return err;
+  if (auto err = wait_slot_free(r, op); !err.empty()) return err;
   const int64_t row_bytes = int64_t(a.width) * dtype_size(a.rows_dtype);
   const int present = *a.num_rows;
   for (int s = 0, first = 0; s < R; first += a.recv_counts[s], ++s) {

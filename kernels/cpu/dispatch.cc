@@ -36,12 +36,8 @@ void encode_row(const DispatchSend& a, int t, uint8_t* payload, float* scales) {
 std::string dispatch_send(Rank& r, uint64_t op, const DispatchSend& a) {
   const Window& w = r.window;
   const int R = w.num_ranks, me = r.rank, slot = int(op % kSlots), K = a.num_topk;
-  const int El = a.experts_per_rank(R);
-  for (int d = 0; d < R; ++d)  // d has read what this rank sent it two ops ago
-    if (op > kSlots)
-      if (auto err = r.wait_value(w.released_at(slot, d), op - kSlots, d, "to release its rows");
-          !err.empty())
-        return err;
+  const int El = w.experts_per_rank;
+  if (auto err = wait_slot_free(r, op); !err.empty()) return err;
 
   std::vector<int32_t> rows(R, 0);
   if (a.fresh()) {
@@ -84,6 +80,17 @@ std::string dispatch_send(Rank& r, uint64_t op, const DispatchSend& a) {
   for (int d = 0; d < R; ++d)
     store_release(r.word(d, w.counts_at(slot, me)),
                   tagged(op, count_value(OpKind::kDispatch, rows[d])));
+  return {};
+}
+
+std::string wait_slot_free(Rank& r, uint64_t op) {
+  const Window& w = r.window;
+  if (op <= kSlots) return {};
+  for (int d = 0; d < w.num_ranks; ++d)  // d has read what this rank sent it kSlots ops ago
+    if (auto err = r.wait_value(w.released_at(int(op % kSlots), d), op - kSlots, d,
+                                "to release its rows");
+        !err.empty())
+      return err;
   return {};
 }
 

@@ -4,9 +4,6 @@
 
 namespace jax_ep::cpu {
 
-uint64_t load_acquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
-
 Rank::Rank(const Window& window, int group, int rank, std::vector<uint8_t*> windows,
            std::shared_ptr<void> keep, double timeout_s)
     : window(window), group(group), rank(rank), windows_(std::move(windows)),

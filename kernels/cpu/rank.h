@@ -81,12 +81,14 @@ class Rank {
   std::thread worker_, completer_;
 };
 
-uint64_t load_acquire(const uint64_t* p);
-void store_release(uint64_t* p, uint64_t v);
+inline uint64_t load_acquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
-// The protocol steps both kinds of op share: the rows each source sent this rank in op `op`
-// (first[s]: the first row of source s in (source, j) order, first[R]: all), once every count
-// word of the op has come; and telling every source this rank has read them.
+// The protocol steps both kinds of op share: before sending op `op`, that every destination has
+// read what this rank sent it in the op of the same slot; the rows each source sent this rank in
+// op `op` (first[s]: the first row of source s in (source, j) order, first[R]: all), once every
+// count word of the op has come; and telling every source this rank has read them.
+std::string wait_slot_free(Rank& r, uint64_t op);
 std::string received_rows(Rank& r, uint64_t op, OpKind kind, std::vector<int>* first);
 void release(Rank& r, uint64_t op);
 

@@ -54,8 +54,10 @@ struct SendScan {
 
 // A warp per chunk of 32 tokens ballots their destinations; bad[warp] counts the invalid ids
 // its chunks hold. Needs no op number, so it runs while the op starts.
-__device__ void ballot_tokens(const DispatchSend& a, int R, SendScan& scan, int32_t* bad) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, El = a.experts_per_rank(R);
+__device__ void ballot_tokens(const DispatchSend& a, const Window& w, SendScan& scan,
+                              int32_t* bad) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, El = w.experts_per_rank;
+  const int R = w.num_ranks;
   int invalid = 0;
   for (int c = warp; c < (a.num_tokens + 31) / 32; c += kWarps) {
     const int t = c * 32 + lane;
@@ -251,7 +253,7 @@ __device__ void send_tokens(const Params& P, uint64_t op, const SendScan& scan, 
   const DispatchSend& a = P.s;
   const DispatchRecv& v = P.v;
   const int R = w.num_ranks, me = p.rank, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int K = a.num_topk, slot = int(op % kSlots), El = a.experts_per_rank(R);
+  const int K = a.num_topk, slot = int(op % kSlots), El = w.experts_per_rank;
   const bool fresh = a.fresh();
   __shared__ uint8_t* x_dst[kWarps][kMaxGpuRanks];  // the warp's token's row on each rank
   __shared__ float* scale_dst[kWarps][kMaxGpuRanks];
@@ -427,7 +429,7 @@ __device__ void receive_tokens(const Params& P, uint64_t op, int32_t* tally) {
                e1 * x_elem);
     if (num_scales)
       copy_bytes(v.scales_out + int64_t(i) * num_scales, row ? row + w.scales_at() : nullptr,
-                 e0 / kFp8BlockElems * 4, e1 / kFp8BlockElems * 4);
+                 e0 / kFp8Block * 4, e1 / kFp8Block * 4);
     if (!fresh || piece != 0) continue;
     const int32_t* ids = row ? reinterpret_cast<const int32_t*>(row + w.meta_at()) : nullptr;
     for (int k = lane; k < K; k += 32) {
@@ -480,7 +482,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) dispatch_kernel(Params P, bool
   const bool counts_here = blockIdx.x == 0 && sending && P.routing != Routing::kRouted;
   if (counts_here && in_block)
     for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) tally[e] = 0;
-  if (in_block) ballot_tokens(a, R, scan, bad);
+  if (in_block) ballot_tokens(a, w, scan, bad);
   __syncthreads();  // the op's number, the ballots, the zeroed tally
   if (blockIdx.x == 0 && threadIdx.x == 0 && P.token_out) *P.token_out = int32_t(op);
   if (sending) {
@@ -528,8 +530,9 @@ std::string dispatch(const Rank& r, cudaStream_t stream, Part part, const Dispat
   if (auto err = r.failed(); !err.empty()) return err;
   Params P{r.peers(), send ? *send : DispatchSend{}, recv ? *recv : DispatchRecv{}, part,
            Routing::kCached, ticket, token_out};
-  if (send && send->fp8 && send->hidden / kFp8BlockElems > kMaxScalesPerRow)
-    return "jax_ep: fp8 dispatch supports hidden <= " + std::to_string(kMaxScalesPerRow * 128);
+  if (send && send->fp8 && r.window.num_scales() > kMaxScalesPerRow)  // the kernel's shared memory
+    return "jax_ep: fp8 dispatch on GPUs supports hidden <= " +
+           std::to_string(kMaxScalesPerRow * kFp8Block);
   if (send && send->fresh()) {
     const bool in_block = low_latency && send->num_tokens <= kMaxInBlockTokens;
     P.routing = in_block ? Routing::kInBlock : Routing::kRouted;

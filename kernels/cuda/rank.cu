@@ -32,11 +32,13 @@ const char* what_failed(int32_t code) {
 std::string Rank::failed() const {
   const volatile Failure& f = *failure;
   if (f.code == 0) return {};
+  const bool timed_out = f.code != kKindMismatch;
   return "jax_ep: rank " + std::to_string(f.rank) + " of EP group " + std::to_string(group) +
          " (GPU " + std::to_string(device) + ") " + what_failed(f.code) + " from rank " +
-         std::to_string(f.peer) + " at op " + std::to_string(uint64_t(f.op)) + " (timeout_s=" +
-         std::to_string(timeout_s) + "): every rank must run the same jax_ep ops; did a process "
-         "stop? The op's results were not usable; this Buffer stopped (create a new one)";
+         std::to_string(f.peer) + " at op " + std::to_string(uint64_t(f.op)) +
+         (timed_out ? " (timeout_s=" + std::to_string(timeout_s) + ")" : std::string()) +
+         ": every rank must run the same jax_ep ops" + (timed_out ? "; did a process stop?" : "") +
+         " The op's results were not usable; this Buffer stopped (create a new one)";
 }
 
 cudaError_t static_shared_bytes(const void* kernel, size_t* bytes) {

@@ -65,7 +65,6 @@ struct Rank {
 
 // Each returns "" once its kernels are enqueued on `stream`, else the error. `ticket` (recv
 // halves) is the device word holding the op's number; `token_out` gets it.
-enum class Part : int { kSend = 1, kRecv = 2, kWhole = 3 };
 std::string dispatch(const Rank& r, cudaStream_t stream, Part part, const DispatchSend* send,
                      const DispatchRecv* recv, bool low_latency, const int32_t* ticket,
                      int32_t* token_out);

@@ -31,10 +31,6 @@ __device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
 // observer in the system: with a relaxed flag store after it, a release.
 __device__ __forceinline__ void fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 __device__ __forceinline__ uint64_t global_time_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
