@@ -102,6 +102,12 @@ def assert_bitwise_equal(a, b, what=""):
         np.testing.assert_array_equal(bits(u), bits(v), err_msg=f"{what} leaf {i}")
 
 
+def relative_error(got, want):
+    """|got - want| / |want| in float64 (Frobenius norms)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
 def calc_diff(x, y):
     """DeepEP's similarity measure: 0 for identical tensors."""
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)

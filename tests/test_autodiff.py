@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ep
-from helpers import layer_gradients, make_mesh, put, random_inputs
+from helpers import layer_gradients, make_mesh, put, random_inputs, relative_error
 
 T, H, E, K = 8, 128, 16, 4
 
@@ -17,11 +17,6 @@ def dense_moe(x, idx, w, experts, bias):
     h = jnp.tanh(jnp.einsum("nh,ehf->nef", x, experts))
     mix = (jax.nn.one_hot(idx, experts.shape[0]) * w[..., None]).sum(axis=1)  # -1 -> no row
     return bias + jnp.einsum("nef,ne->nf", h, mix)
-
-
-def relative_error(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
 
 
 def ep_moe(buf, layout):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import make_mesh
+from helpers import make_mesh, relative_error
 from jax_ep.nn import grouped
 
 pytestmark = pytest.mark.gpu
@@ -26,11 +26,6 @@ SIZES = {  # 8 groups of at most 1024 rows
     "unaligned": [100, 3, 0, 421, 77, 0, 150, 50],
     "no_rows": [0] * 8,
 }
-
-
-def relative_error(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
 
 
 def operands(m, k, n, groups, seed=0):

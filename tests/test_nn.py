@@ -10,16 +10,11 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from helpers import make_mesh
+from helpers import make_mesh, relative_error
 from jax_ep import nn
 
 H, F, E, K = 64, 32, 16, 4
 TOKENS = 16  # per rank
-
-
-def relative_error(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
 
 
 def assert_close_trees(got, want, tol, what):
