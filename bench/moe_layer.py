@@ -47,6 +47,7 @@ from bench.ep import common_arguments, loop_seconds, save_record
 from bench.grouped_matmul import forward_rates
 from jax_ep import layout
 from jax_ep.nn import moe
+from jax_ep.primitives import varying_like
 
 IMPLS = ("jax_ep", "maxtext", "lax_all_to_all")
 PARTS = ("routing", "dispatch", "matmuls", "combine")
@@ -108,8 +109,9 @@ class MaxTextLayer:
         everyone = jax.lax.all_gather(counts, AXIS)                        # [src, E]
         me = jax.lax.axis_index(AXIS)
         by_rank = everyone.reshape(r, r, self.local).sum(-1)               # [src, dst]
+        # The output operand varies like the rows (its type is the result's inside shard_map).
         received = jax.lax.ragged_all_to_all(
-            rows, jnp.zeros((r * rows.shape[0], rows.shape[1]), rows.dtype),
+            rows, varying_like(jnp.zeros((r * rows.shape[0], rows.shape[1]), rows.dtype), rows),
             layout.exclusive_cumsum(by_rank[me]), by_rank[me],
             layout.exclusive_cumsum(by_rank, axis=0)[me], by_rank[:, me], axis_name=AXIS)
         # Received rows come by (source rank, local expert): sort them by local expert.
@@ -135,7 +137,8 @@ class MaxTextLayer:
         me = jax.lax.axis_index(AXIS)
         unsorted = jnp.zeros_like(rows).at[local_order].set(rows)
         back = jax.lax.ragged_all_to_all(
-            unsorted, jnp.zeros((x.shape[0] * self.cfg.num_topk, x.shape[1]), rows.dtype),
+            unsorted, varying_like(jnp.zeros((x.shape[0] * self.cfg.num_topk, x.shape[1]),
+                                             rows.dtype), unsorted),
             layout.exclusive_cumsum(by_rank[:, me]), by_rank[:, me],
             layout.exclusive_cumsum(by_rank, axis=1)[:, me], by_rank[me], axis_name=AXIS)
         per_slot = jnp.zeros_like(back).at[order].set(back).reshape(x.shape[0], -1, x.shape[1])

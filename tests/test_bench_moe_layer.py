@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from bench import grouped_matmul, moe_layer
+from jax_ep import primitives
 
 TINY_LAYER = ["--hidden", "256", "--experts", "16", "--topk", "4", "--ffn", "128",
               "--shared-ffn", "128", "--tokens", "32", "--alignment", "8",
@@ -47,7 +48,10 @@ def test_moe_layer_benchmark(tmp_path):
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
                                recv_sizes, *, axis_name):
     """jax.lax.ragged_all_to_all's result from all_gathers: rank r's output rows
-    [output_offsets_s[r], + send_sizes_s[r]) are source s's rows from input_offsets_s[r]."""
+    [output_offsets_s[r], + send_sizes_s[r]) are source s's rows from input_offsets_s[r].
+    Like the real collective's, the result has the output operand's type inside shard_map: an
+    output that does not vary over the axis is refused (the timing loops' carries would differ)."""
+    assert axis_name in primitives._varying_axes(output), "output must vary over the axis"
     gathered = [jax.lax.all_gather(a, axis_name)
                 for a in (operand, input_offsets, send_sizes, output_offsets)]
     operands, starts, sizes, destinations = gathered
