@@ -11,10 +11,13 @@ gmm_t, d rhs tgmm) is timed with bench.ep.loop_seconds; TFLOP/s count 2 * rows *
 "dense" is the batched einsum of the same FLOPs ([G, rows/G, K] x [G, K, N]: the grouped
 matmul of uniform groups known in advance); "xla" jax.lax.ragged_dot's product (the forward
 only, and skipped where its dense operand [M, G*K] would exceed 20 GB); "mosaic" the kernels of
-jax_ep.nn.grouped (aligned forward kernels), and "mosaic_unaligned" the forward products with
-group_alignment=1 (jax's ragged_dot_mgpu). The first case sweeps a few block sizes per product
-and the other cases use the best. Prints a table; writes
-bench/results/grouped-matmul-<machine>-<date>.json.
+jax_ep.nn.grouped (its kernels for aligned groups), and "mosaic_unaligned" the products with
+group_alignment=1 (jax's ragged_dot_mgpu and transposed_ragged_dot_mgpu); "mosaic_fp8" the FP8
+forward of the MoE layer (grouped.fp8_grouped_matmul: rows quantized 1 x 128 beforehand, as
+dispatch delivers them, the weights 128 x 128 in the call) and "mosaic_fp8_kernel" the same
+with the weights quantized beforehand (its TFLOP/s against the dense bf16 rate: FP8's peak is
+twice bf16's). The first case sweeps a few block sizes per product and the other cases use the
+best. Prints a table; writes bench/results/grouped-matmul-<machine>-<date>.json.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.ep import common_arguments, loop_seconds, save_record
+from jax_ep import layout
 from jax_ep.nn import grouped
 from jax_ep.nn.grouped import Blocks
 
@@ -74,6 +78,23 @@ def grouped_step(kind, impl, alignment, blocks=grouped.MOSAIC_BLOCKS):
     return step
 
 
+def fp8_step(alignment, prequantized):
+    """grouped.fp8_grouped_matmul's forward as the MoE layer calls it (weights quantized in the
+    call) or with the weights quantized beforehand (the kernel alone). The scales come first:
+    loop_seconds perturbs them, so no call is loop-invariant."""
+    def step(scales, lhs_q, rhs, rhs_q, rhs_scales, sizes):
+        lhs = jnp.zeros(lhs_q.shape, jnp.bfloat16)  # read by the backward only
+        return grouped.fp8_grouped_matmul(
+            lhs, lhs_q, scales, rhs, sizes, impl="mosaic", group_alignment=alignment,
+            rhs_fp8=(rhs_q, rhs_scales) if prequantized else None)
+    return step
+
+
+def fp8_operands(lhs, rhs, sizes):
+    lhs_q, scales = jax.jit(lambda a: layout.quantize_fp8(a, False))(lhs)
+    return (scales, lhs_q, rhs) + jax.jit(grouped.quantize_weights_fp8)(rhs) + (sizes,)
+
+
 def dense_step(kind, groups):
     def step(a, b, sizes):  # sizes unused: every group has rows / groups rows
         split = lambda x: x.reshape((groups, -1) + x.shape[1:])
@@ -100,6 +121,15 @@ def forward_rates(rows, k, n, sizes, impl, alignment, counts=(1, 4)):
     grouped_s = loop_seconds(grouped_step("gmm", impl, alignment), args, counts)
     dense_s = loop_seconds(dense_step("gmm", len(sizes)), args, counts)
     return tflops(int(np.sum(sizes)), k, n, grouped_s), tflops(rows, k, n, dense_s)
+
+
+def fp8_forward_rate(rows, k, n, sizes, alignment, prequantized, counts=(1, 4)):
+    """TFLOP/s of the MoE layer's FP8 forward (the weights quantized in the call, or
+    beforehand) with these group sizes (for bench.moe_layer)."""
+    lhs, rhs, _ = operands(rows, k, n, len(sizes))
+    seconds = loop_seconds(fp8_step(alignment, prequantized),
+                           fp8_operands(lhs, rhs, jnp.asarray(sizes)), counts)
+    return tflops(int(np.sum(sizes)), k, n, seconds)
 
 
 def run_case(case, plan, sweep, counts, results):
@@ -156,7 +186,12 @@ def run_case(case, plan, sweep, counts, results):
                 times.append((seconds, blocks))
         if times:
             best[kind] = min(times)[1]
-        if sweep and kind != "tgmm":  # jax's forward kernels: their grid's extra tiles
+        if kind == "gmm" and not grouped.fp8_misfits((rows, k), (groups, k, n), alignment):
+            fp8_args = fp8_operands(lhs, rhs, args[-1])
+            for prequantized in (True, False):
+                timed(kind, "mosaic_fp8" + ("_kernel" if prequantized else ""),
+                      fp8_step(alignment, prequantized), fp8_args, list(grouped.FP8_TILES))
+        if sweep:  # jax's kernels, for groups of any size
             blocks = best.get(kind, candidates[0])
             timed(kind, "mosaic_unaligned", grouped_step(
                 kind, "mosaic", 1, dataclasses.replace(plan, **{kind: blocks})), args,

@@ -28,11 +28,14 @@ maxtext layer, the slot of every row of the padded one), dispatch, matmuls (expe
 expert), combine. "train" is the value and gradient of sum(y) with respect to the parameters and
 x, of the layer and of each part. tokens/s counts the tokens of every rank. Also the grouped
 matmul's forward rate at the layer's expert shape (balanced groups) against the dense batched
-matmul of the same FLOPs. Writes bench/results/moe-layer-<machine>-<date>.json and a PNG.
+matmul of the same FLOPs, and with --fp8 --fp8-experts call|once on Hopper the FP8 forward's
+rate ("fp8_tflops", the weights quantized as the layer does).
+Writes bench/results/moe-layer-<machine>-<date>[-fp8-<fp8 experts>].json and a PNG.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import math
 import sys
@@ -44,12 +47,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ep
 from bench.ep import common_arguments, loop_seconds, save_record
-from bench.grouped_matmul import forward_rates
+from bench.grouped_matmul import forward_rates, fp8_forward_rate
 from jax_ep import layout
 from jax_ep.nn import moe
 from jax_ep.primitives import varying_like
 
 IMPLS = ("jax_ep", "maxtext", "lax_all_to_all")
+FP8_WEIGHTS = "fp8_weights"  # with --fp8-experts once: the params' entry of the FP8 weights
 PARTS = ("routing", "dispatch", "matmuls", "combine")
 AXIS = "ep"
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -72,7 +76,11 @@ class JaxEpLayer:
 
     def matmuls(self, d, x, weights):
         rows = self.buffer.dequantize(d, x) if self.cfg.fp8 else d.x
-        return (moe.expert_ffn(weights, rows, d.group_sizes, self.cfg),
+        fp8_weights = weights.get(FP8_WEIGHTS)
+        fp8 = self.cfg.fp8 and (self.cfg.fp8_experts or fp8_weights is not None)
+        return (moe.expert_ffn(weights, rows, d.group_sizes, self.cfg,
+                               fp8_rows=(d.x, d.scales) if fp8 else None,
+                               fp8_weights=fp8_weights),
                 moe.shared_expert(weights, x).astype(x.dtype))
 
     def for_combine(self, d):
@@ -85,7 +93,8 @@ class JaxEpLayer:
                                    partial_dtype=self.cfg.combine_partial_dtype)
 
     def total(self, x, params):
-        return moe.moe_block(self.buffer, params, x, self.cfg, (AXIS,))[0]
+        return moe.moe_block(self.buffer, params, x, self.cfg, (AXIS,),
+                             fp8_weights=params.get(FP8_WEIGHTS))[0]
 
 
 class MaxTextLayer:
@@ -271,8 +280,16 @@ def build(impl, mesh, cfg, tokens, capacity_factor, buffer_impl):
     return PaddedAllToAllLayer(cfg, r, tokens, capacity_factor)
 
 
+def layer_specs(params):
+    """(x, params) specs: tokens and experts split over the EP axis (the FP8 weights too)."""
+    specs = moe.param_specs(params, AXIS)
+    if FP8_WEIGHTS in params:
+        specs[FP8_WEIGHTS] = jax.tree.map(lambda _: P(AXIS), params[FP8_WEIGHTS])
+    return P(AXIS), specs
+
+
 def bench_layer(impl, layer, mesh, x, params, counts, repeats, phases):
-    specs = (P(AXIS), moe.param_specs(params, AXIS))
+    specs = layer_specs(params)
     args = (x, params)
     tokens = x.shape[0]
     results = []
@@ -293,7 +310,7 @@ def bench_layer(impl, layer, mesh, x, params, counts, repeats, phases):
 
 
 def outputs(layer, mesh, x, params):
-    specs = (P(AXIS), moe.param_specs(params, AXIS))
+    specs = layer_specs(params)
     return np.asarray(jax.jit(jax.shard_map(total(layer), mesh=mesh, in_specs=specs,
                                             out_specs=P(AXIS)))(x, params), np.float32)
 
@@ -346,6 +363,10 @@ def main(argv=None):
     parser.add_argument("--shared-ffn", type=int, default=2048)
     parser.add_argument("--alignment", type=int, default=128, help="jax_ep's expert_alignment")
     parser.add_argument("--fp8", action="store_true", help="jax_ep dispatches FP8 rows")
+    parser.add_argument("--fp8-experts", choices=("off", "call", "once"), default="off",
+                        help="with --fp8: the gate/up projections dequantize the rows (off) or "
+                             "multiply them in FP8, the weights quantized in each call (call) or "
+                             "once beforehand, outside the timed loop (once)")
     parser.add_argument("--capacity-factor", type=float, default=1.0,
                         help="rows per expert of the padded layer, x the balanced count")
     parser.add_argument("--impls", default=",".join(IMPLS))
@@ -362,12 +383,17 @@ def main(argv=None):
     cfg = moe.MoEConfig(num_experts=args.experts, num_topk=args.topk, hidden=args.hidden,
                         ffn_hidden=args.ffn, shared_ffn_hidden=args.shared_ffn,
                         expert_alignment=args.alignment, fp8=args.fp8,
+                        fp8_experts=args.fp8_experts == "call",
                         combine_partial_dtype=jnp.bfloat16)
     params = moe.init_params(jax.random.key(0), cfg, jnp.bfloat16, mesh=mesh, expert_axis=AXIS)
+    jax_ep_params = params
+    if args.fp8 and args.fp8_experts == "once":
+        jax_ep_params = dict(params, **{FP8_WEIGHTS: jax.jit(moe.quantize_expert_weights)(params)})
     x = jax.device_put(jax.random.normal(jax.random.key(1), (num_ranks * args.tokens,
                                                              args.hidden), jnp.bfloat16),
                        NamedSharding(mesh, P(AXIS)))
-    paths = moe.grouped_matmul_path(cfg, num_ranks, args.tokens)
+    paths = moe.grouped_matmul_path(
+        dataclasses.replace(cfg, fp8_experts=args.fp8_experts != "off"), num_ranks, args.tokens)
     print(f"{num_ranks} x {devices[0].device_kind}, jax {jax.__version__}: {args.tokens} "
           f"tokens/rank, H {args.hidden}, {args.experts} experts, top-{args.topk}, ffn "
           f"{args.ffn}; jax_ep grouped matmuls: {paths}", flush=True)
@@ -378,15 +404,16 @@ def main(argv=None):
             print(f"  {impl}: skipped ({skipped[impl]})", flush=True)
             continue
         layer = build(impl, mesh, cfg, args.tokens, args.capacity_factor, args.buffer_impl)
+        layer_params = jax_ep_params if impl == "jax_ep" else params
         try:
-            y = outputs(layer, mesh, x, params)
+            y = outputs(layer, mesh, x, layer_params)
             if reference is None:
                 reference = y
             checks[impl] = float(np.linalg.norm(y - reference)
                                  / max(np.linalg.norm(reference), 1e-30))
             print(f"  {impl}: relative difference of y from {args.impls.split(',')[0]}'s: "
                   f"{checks[impl]:.3g}", flush=True)
-            results += bench_layer(impl, layer, mesh, x, params, counts, args.repeats,
+            results += bench_layer(impl, layer, mesh, x, layer_params, counts, args.repeats,
                                    args.phases.split(","))
         except Exception as e:  # noqa: BLE001  (one layer failing leaves the others' numbers)
             skipped[impl] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
@@ -398,8 +425,15 @@ def main(argv=None):
     rows = int(balanced.sum())
     rate, dense_rate = forward_rates(rows, args.hidden, args.ffn, balanced, "auto",
                                      args.alignment)
-    print(f"grouped matmul ({paths['gate_up']}, {local} groups of {balanced[0]} rows, "
+    matmul = dict(impl=paths["down"], tflops=rate, dense_tflops=dense_rate)
+    print(f"grouped matmul ({paths['down']}, {local} groups of {balanced[0]} rows, "
           f"{args.hidden} x {args.ffn}): {rate:.1f} TFLOP/s, dense batched {dense_rate:.1f}")
+    if paths["gate_up"] == "mosaic_fp8":
+        once = args.fp8_experts == "once"
+        matmul["fp8_tflops"] = fp8_forward_rate(rows, args.hidden, args.ffn, balanced,
+                                                args.alignment, prequantized=once)
+        print(f"  FP8 forward (weights quantized {'beforehand' if once else 'in the call'}): "
+              f"{matmul['fp8_tflops']:.1f} TFLOP/s")
     record = dict(machine=args.machine, date=datetime.date.today().isoformat(),
                   command="python -m bench.moe_layer " + " ".join(
                       sys.argv[1:] if argv is None else argv),
@@ -407,12 +441,13 @@ def main(argv=None):
                   jax_version=jax.__version__, tokens_per_rank=args.tokens, hidden=args.hidden,
                   num_experts=args.experts, num_topk=args.topk, ffn=args.ffn,
                   shared_ffn=args.shared_ffn, expert_alignment=args.alignment, fp8=args.fp8,
+                  fp8_experts=args.fp8_experts if args.fp8 else None,
                   capacity_factor=args.capacity_factor, buffer_impl=args.buffer_impl,
                   combine_partial_dtype=jnp.dtype(cfg.combine_partial_dtype).name,
                   results=results, skipped=skipped, relative_difference_of_y=checks,
-                  grouped_matmul=dict(impl=paths["gate_up"], tflops=rate,
-                                      dense_tflops=dense_rate))
-    stem = save_record(record, args.out, "moe-layer")
+                  grouped_matmul=matmul)
+    stem = save_record(record, args.out, "moe-layer",
+                       f"-fp8-{args.fp8_experts}" if args.fp8 else "")
     if not args.no_plot and results:
         try:
             plot(record, stem + ".png")

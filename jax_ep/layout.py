@@ -82,7 +82,17 @@ def quantize_fp8(x, round_scale):
     """[T, H] -> (e4m3fn [T, H], float32 scales [T, H/128]); straight-through for gradients."""
     t, h = x.shape
     blocks = x.astype(jnp.float32).reshape(t, h // FP8_BLOCK, FP8_BLOCK)
-    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), FP8_MIN_AMAX)
+    q, scale = quantize_blocks(blocks, jnp.max(jnp.abs(blocks), axis=-1, keepdims=True),
+                               round_scale)
+    return _straight_through(x.dtype, x, q.reshape(t, h)), jax.lax.stop_gradient(scale[..., 0])
+
+
+def quantize_blocks(values, amax, round_scale=False):
+    """The FP8 rule, one scale per block: values (float32) and amax, their blocks' absolute
+    maxima shaped to broadcast against them -> (e4m3fn like values, float32 scales like amax).
+    scale = max(amax, 1e-4) / 448 (round_scale: the smallest power of two >= it), q = x * (448 /
+    amax) (or x / scale), each rounded once."""
+    amax = jnp.maximum(amax, FP8_MIN_AMAX)
     scale = amax * np.float32(1 / 448)
     if round_scale:
         # The smallest power of two >= scale, from its bits.
@@ -90,11 +100,10 @@ def quantize_fp8(x, round_scale):
         mantissa, exponent = bits & np.uint32(0x7FFFFF), bits & np.uint32(0xFF800000)
         bits = jnp.where(mantissa != 0, exponent + np.uint32(0x800000), bits)
         scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
-        q = blocks / scale[..., None]
+        q = values / scale
     else:
-        q = blocks * divide_rounded(jnp.full_like(amax, FP8_MAX), amax)[..., None]
-    q = float_to_e4m3(q).reshape(t, h)
-    return _straight_through(x.dtype, x, q), jax.lax.stop_gradient(scale)
+        q = values * divide_rounded(jnp.full_like(amax, FP8_MAX), amax)
+    return float_to_e4m3(q), scale
 
 
 def divide_rounded(a, b):

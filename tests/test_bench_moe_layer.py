@@ -99,3 +99,18 @@ def test_zipf_group_sizes():
     assert sizes.sum() == 32768 and not (sizes % 128).any()
     assert sizes[0] > sizes[1] > 0 and (sizes == 0).sum() > 128
     assert set(grouped_matmul.group_sizes("uniform", 32768, 256, 128)) == {128}
+
+
+def test_moe_layer_benchmark_fp8_weights_once(tmp_path):
+    """--fp8 --fp8-experts once: jax_ep's layer multiplies FP8 rows by FP8 weights made before
+    the timed loops; y stays within FP8's error of the bf16 padded layer's."""
+    moe_layer.main(TINY_LAYER + ["--fp8", "--fp8-experts", "once", "--impls",
+                                 "jax_ep,lax_all_to_all", "--machine", "cpu-test", "--out",
+                                 str(tmp_path)])
+    (path,) = tmp_path.glob("*.json")
+    assert path.name.endswith("-fp8-once.json")
+    record = read_record(tmp_path)
+    assert record["fp8"] and record["fp8_experts"] == "once"
+    assert {(r["impl"], r["phase"]) for r in record["results"]} == {
+        (impl, phase) for impl in ("jax_ep", "lax_all_to_all") for phase in ("forward", "train")}
+    assert 0 < record["relative_difference_of_y"]["lax_all_to_all"] < 0.1

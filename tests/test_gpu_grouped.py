@@ -1,7 +1,9 @@
 """jax_ep.nn.grouped_matmul's Mosaic GPU kernels (Hopper) against its XLA path computing in
 float32 on the same bfloat16 values: the forward and both gradients, uniform, skewed and empty
 groups, rows past sum(group_sizes) zero, both forward kernels (rows aligned to the block or
-not), under shard_map, jax.checkpoint and command buffers. Skipped where JAX sees no GPU."""
+not), under shard_map, jax.checkpoint and command buffers; the FP8 forward kernel against its
+XLA path on the same FP8 values, its bf16 backward, and the FP8 MoE layer on it. Skipped where
+JAX sees no GPU."""
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import make_mesh, relative_error
+from jax_ep import layout
 from jax_ep.nn import grouped
 
 pytestmark = pytest.mark.gpu
@@ -140,3 +143,81 @@ def test_under_command_buffers():
                          text=True, timeout=300, env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert "OK" in out.stdout, out.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- the FP8 forward
+
+def fp8_inputs(m, k, n, groups, seed=3):
+    lhs, rhs, ct = operands(m, k, n, groups, seed)
+    lhs_q, scales = jax.jit(lambda a: layout.quantize_fp8(a, False))(lhs)
+    return layout.dequantize_fp8(lhs_q, scales).astype(jnp.bfloat16), lhs_q, scales, rhs, ct
+
+
+def fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, impl):
+    def objective(lhs, rhs):
+        out = grouped.fp8_grouped_matmul(lhs, lhs_q, scales, rhs, sizes, impl=impl,
+                                         group_alignment=128)
+        return jnp.vdot(out.astype(jnp.float32), ct.astype(jnp.float32)), out
+    (_, out), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(
+        lhs, rhs)
+    return (out,) + grads
+
+
+def assert_fp8_like_xla(m, k, n, sizes):
+    lhs, lhs_q, scales, rhs, ct = fp8_inputs(m, k, n, len(sizes))
+    sizes = jnp.asarray(sizes, jnp.int32)
+    assert grouped.resolve_fp8_impl("auto", (m, k), (len(sizes), k, n), 128) == "mosaic"
+    got = fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, "mosaic")
+    want = fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, "xla")
+    bf16 = forward_and_gradients(lhs, rhs, ct, sizes, impl="mosaic", group_alignment=128)
+    past = int(np.sum(sizes))
+    assert got[0].dtype == jnp.bfloat16 and not np.asarray(got[0])[past:].any()
+    if past:  # the same FP8 values: equal up to float32 summation order and bf16 rounding
+        assert relative_error(got[0], want[0]) < TOLERANCE, relative_error(got[0], want[0])
+        assert relative_error(got[0], bf16[0]) < 0.08  # e4m3 operands against bf16 ones
+    for g, b in zip(got[1:], bf16[1:]):  # the backward is the bf16 kernels'
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("name", ["uniform", "skewed", "empty_first_and_padding_rows",
+                                  "no_rows"])
+def test_fp8_matches_xla(name):
+    assert_fp8_like_xla(1024, 256, 384, SIZES[name])
+
+
+@pytest.mark.parametrize("k,n", [(7168, 2048), (2048, 7168)])
+def test_fp8_v3_expert_shapes(k, n):
+    weights = 1 / np.arange(1, 33)
+    sizes = np.floor(weights / weights.sum() * 4096 / 128).astype(np.int32) * 128
+    sizes[0] += 4096 - sizes.sum()
+    assert_fp8_like_xla(4096, k, n, sizes)
+
+
+def test_fp8_layer_on_the_kernels():
+    """jax_ep.nn's FP8 layer (dispatch's FP8 rows into the FP8 gate/up kernels) under jit and
+    gradients on this machine's GPUs: as its XLA path, and within FP8's error of bf16 rows."""
+    from jax_ep import nn
+    mesh = make_mesh(len(jax.devices("gpu")), devices=jax.devices("gpu"))
+    tokens, hidden = 256, 256
+    x = jax.random.normal(jax.random.key(1), (mesh.size * tokens, hidden), jnp.bfloat16)
+    results = {}
+    for name, fp8, matmul in (("fp8", True, "auto"), ("fp8_xla", True, "xla"),
+                              ("bf16", False, "auto")):
+        cfg = nn.MoEConfig(num_experts=8 * mesh.size, num_topk=4, hidden=hidden,
+                           ffn_hidden=256, expert_alignment=128, fp8=fp8, fp8_experts=fp8,
+                           grouped_matmul=matmul)
+        layer = nn.MoELayer(cfg, mesh, expert_axis="ep", tokens_per_rank=tokens)
+        if name == "fp8":
+            assert layer.grouped_matmul_path() == {"gate_up": "mosaic_fp8", "down": "mosaic"}
+        params = nn.init_params(jax.random.key(0), cfg, jnp.bfloat16, mesh=mesh,
+                                expert_axis="ep")
+        results[name] = jax.jit(jax.value_and_grad(
+            lambda p, x: (jnp.sum(layer(p, x)[0].astype(jnp.float32) ** 2), layer(p, x)[0]),
+            argnums=(0, 1), has_aux=True))(params, x)
+    (_, y), (dp, dx) = results["fp8"]
+    (_, y_xla), (dp_xla, dx_xla) = results["fp8_xla"]
+    (_, y_bf16), _ = results["bf16"]
+    assert relative_error(y, y_xla) < TOLERANCE
+    assert relative_error(dx, dx_xla) < 2 * TOLERANCE
+    assert relative_error(dp["w_gate"], dp_xla["w_gate"]) < 2 * TOLERANCE
+    assert relative_error(y, y_bf16) < 0.08

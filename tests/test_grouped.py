@@ -1,7 +1,8 @@
 """jax_ep.nn.grouped_matmul on its XLA path (the path on CPU): the forward and both gradients
 against jax.lax.ragged_dot and a numpy loop over the groups, gradients of second order, under
-shard_map and jax.checkpoint; and which implementation it takes. (The Mosaic GPU path:
-tests/test_gpu_grouped.py.)"""
+shard_map and jax.checkpoint; and which implementation it takes. The FP8 forward
+(fp8_grouped_matmul): its weight blocks, the dequantized product, its bf16 gradients. (The
+Mosaic GPU kernels: tests/test_gpu_grouped.py.)"""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +10,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.test_util import check_grads
 
-from helpers import make_mesh
+from helpers import make_mesh, relative_error
+from jax_ep import layout
 from jax_ep.nn import grouped
 
 M, K, N = 24, 16, 12
@@ -145,3 +147,90 @@ def test_shape_errors():
         grouped.grouped_matmul(jnp.zeros((4, 3)), jnp.zeros((2, 4, 3)), jnp.zeros(2, jnp.int32))
     with pytest.raises(ValueError, match=r"group_sizes must have shape \(2,\)"):
         grouped.grouped_matmul(jnp.zeros((4, 3)), jnp.zeros((2, 3, 3)), jnp.zeros(3, jnp.int32))
+
+
+# ---------------------------------------------------------------- FP8 forward (block-scaled)
+
+def fp8_operands(seed, m=256, k=256, n=128, groups=3):
+    """lhs quantized 1 x 128 as dispatch(fp8=True) does, its dequantized value, bf16 weights."""
+    lhs, rhs, ct = operands(seed, m, k, n, groups)
+    lhs_q, scales = layout.quantize_fp8(jnp.asarray(lhs, jnp.bfloat16), False)
+    return (layout.dequantize_fp8(lhs_q, scales).astype(jnp.bfloat16), lhs_q, scales,
+            jnp.asarray(rhs / np.sqrt(k), jnp.bfloat16), jnp.asarray(ct, jnp.bfloat16))
+
+
+def test_fp8_weights_are_128_blocks_k_innermost():
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((2, 256, 384)).astype(np.float32)
+    w[1, 128:, :128] *= 1000  # one block far larger: its scale alone changes
+    q, scales = grouped.quantize_weights_fp8(jnp.asarray(w))
+    assert q.shape == (2, 384, 256) and q.dtype == jnp.float8_e4m3fn
+    assert scales.shape == (2, 3, 2)
+    blocks = np.abs(w).reshape(2, 2, 128, 3, 128).max(axis=(2, 4))           # [G, K/128, N/128]
+    np.testing.assert_allclose(scales, blocks.transpose(0, 2, 1) / 448, rtol=1e-6)
+    back = (np.asarray(q, np.float32).reshape(2, 3, 128, 2, 128)
+            * np.asarray(scales)[:, :, None, :, None]).reshape(2, 384, 256)
+    error = np.abs(back - w.transpose(0, 2, 1)) / np.repeat(np.repeat(
+        np.asarray(scales), 128, axis=1), 128, axis=2) / 448
+    assert error.max() <= 2.0 ** -4  # e4m3: 3 mantissa bits, half an ulp of the block's amax
+
+
+@pytest.mark.parametrize("name", ["full", "padding_rows", "no_rows"])
+def test_fp8_forward_is_the_dequantized_product(name):
+    """The FP8 matmul's forward = the float32 grouped product of the dequantized operands (the
+    block scales applied exactly), rows past the groups zero; within FP8's error of bf16's."""
+    sizes = {"full": [64, 128, 64], "padding_rows": [64, 0, 128], "no_rows": [0, 0, 0]}[name]
+    lhs, lhs_q, scales, rhs, _ = fp8_operands(7)
+    out = grouped.fp8_grouped_matmul(lhs, lhs_q, scales, rhs, jnp.asarray(sizes, jnp.int32),
+                                     impl="xla")
+    assert out.dtype == jnp.bfloat16
+    rhs_q, rhs_scales = grouped.quantize_weights_fp8(rhs)
+    weights = (np.asarray(rhs_q, np.float32).reshape(3, 1, 128, 2, 128)
+               * np.asarray(rhs_scales)[:, :, None, :, None]).reshape(3, 128, 256)
+    want = loop_products(np.asarray(layout.dequantize_fp8(lhs_q, scales)),
+                         weights.transpose(0, 2, 1), np.zeros((256, 128)), sizes)[0]
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=1e-2, atol=1e-2)
+    bf16 = grouped.grouped_matmul(lhs, rhs, jnp.asarray(sizes, jnp.int32), impl="xla")
+    if sum(sizes):
+        assert relative_error(out, bf16) < 0.05  # e4m3 weights: ~2^-5 relative per element
+    assert not np.asarray(out)[sum(sizes):].any()
+
+
+def test_fp8_gradients_are_the_bf16_ones():
+    """The backward is grouped_matmul's from lhs and rhs; none reaches the FP8 values."""
+    lhs, lhs_q, scales, rhs, ct = fp8_operands(8)
+    sizes = jnp.asarray([128, 64, 0], jnp.int32)
+
+    def objective(matmul):
+        return lambda a, b: jnp.vdot(matmul(a, b).astype(jnp.float32), ct.astype(jnp.float32))
+
+    fp8 = jax.grad(objective(lambda a, b: grouped.fp8_grouped_matmul(
+        a, lhs_q, scales, b, sizes, impl="xla")), argnums=(0, 1))(lhs, rhs)
+    bf16 = jax.grad(objective(lambda a, b: grouped.grouped_matmul(a, b, sizes, impl="xla")),
+                    argnums=(0, 1))(lhs, rhs)
+    for g, w in zip(fp8, bf16):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    d_q, d_scales = jax.grad(lambda q, s: grouped.fp8_grouped_matmul(
+        lhs, q, s, rhs, sizes, impl="xla").astype(jnp.float32).sum(), argnums=(0, 1))(
+            lhs_q, scales)
+    assert not np.asarray(d_q, np.float32).any() and not np.asarray(d_scales).any()
+
+
+def test_fp8_which_implementation_and_errors():
+    lhs, lhs_q, scales, rhs, _ = fp8_operands(9)
+    sizes = jnp.asarray([128, 64, 64], jnp.int32)
+    problems = grouped.fp8_misfits((200, 256), (3, 256, 96), 32)
+    for expected in ("fp8: M=200 is not a positive multiple of 64",
+                     "fp8: N=96 is not a positive multiple of 128",
+                     "fp8: group_alignment=32 is not a positive multiple of 64"):
+        assert expected in problems, (expected, problems)
+    if jax.devices()[0].platform == "cpu":
+        with pytest.raises(ValueError, match="impl='mosaic' cannot run: the default device"):
+            grouped.fp8_grouped_matmul(lhs, lhs_q, scales, rhs, sizes, impl="mosaic",
+                                       group_alignment=64)
+    with pytest.raises(ValueError, match="lhs_q must be e4m3fn like lhs"):
+        grouped.fp8_grouped_matmul(lhs, lhs, scales, rhs, sizes)
+    with pytest.raises(ValueError, match="lhs_q must be e4m3fn like lhs"):
+        grouped.fp8_grouped_matmul(lhs, lhs_q, scales[:, :1], rhs, sizes)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        grouped.fp8_grouped_matmul(lhs, lhs_q, scales, rhs, sizes, impl="cutlass")

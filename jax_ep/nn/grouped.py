@@ -24,7 +24,9 @@ fit the kernels' blocks (`mosaic_misfits`), "xla" otherwise. The Mosaic kernels:
 - otherwise jax's jax.experimental.pallas.ops.gpu.ragged_dot_mgpu, whose grid also holds
   G - 1 tiles for blocks split between groups and the blocks of rows past sum(group_sizes)
   (computed, not stored: at 128 rows per group half its tiles);
-- tgmm: jax's transposed_ragged_dot_mgpu (each group's row blocks only).
+- tgmm with group_alignment a multiple of block_k: `_aligned_tgmm`, each output tile a
+  pipeline over its group's row blocks (none straddles two groups); otherwise jax's
+  transposed_ragged_dot_mgpu (each group's row blocks only, the first and last masked).
 
 The Mosaic weight gradient multiplies the rows of a group's last block past its end by zero, so
 rows past sum(group_sizes) must be finite (a dispatch's padding rows are zeros).
@@ -38,6 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_ep import layout
 from jax_ep.primitives import all_varying, varying_like
 
 IMPLS = ("auto", "xla", "mosaic")
@@ -206,7 +209,9 @@ def _compute(kind, plan, a, b, group_sizes):
             a, b, group_sizes, jax.lax.RaggedDotDimensionNumbers(dot, ragged, group))
     ragged_dot, transposed_ragged_dot = _mosaic_kernels()
     tiles = getattr(plan.blocks, kind)
-    if kind == "tgmm":  # the kernel reads only the groups' rows; an empty group's block is zero
+    if kind == "tgmm" and plan.group_alignment % tiles.block_k == 0:
+        out = _aligned_tgmm(a, b, group_sizes, tiles)
+    elif kind == "tgmm":  # reads only the groups' rows; an empty group's block is zero
         out = transposed_ragged_dot(a, b, group_sizes=group_sizes, **tiles._asdict())
     elif plan.group_alignment % tiles.block_m == 0:
         out = _aligned_gmm(a, b, group_sizes, tiles, transpose_rhs=kind == "gmm_t")
@@ -222,6 +227,43 @@ def _compute(kind, plan, a, b, group_sizes):
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
 
 
+def _row_blocks(group_sizes, m, bm):
+    """For kernels over row blocks of bm rows in groups whose sizes are multiples of bm: the
+    group of each of the m // bm blocks (the first group whose end is past the block's first
+    row) and [1] the number of blocks the groups fill."""
+    ends = jnp.cumsum(group_sizes)
+    block_group = (ends[None, :] <= jnp.arange(m // bm, dtype=jnp.int32)[:, None] * bm).sum(
+        axis=1, dtype=jnp.int32)
+    return (jnp.minimum(block_group, group_sizes.shape[0] - 1),
+            (ends[-1:] // bm).astype(jnp.int32))
+
+
+def _store_tile(acc, out_ref, mi, ni):
+    """The [bm, bn] float32 tile acc into out_ref's rows mi * bm, columns ni * bn, through
+    shared memory (one bulk copy, waited for before the buffer is reused)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bm, bn = acc.shape
+
+    @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((bm, bn), out_ref.dtype))
+    def store(out_smem):
+        out_smem[...] = acc.astype(out_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _over_tiles(body, out_type, *operands):
+    """A persistent Mosaic GPU kernel: one program per SM, body(*operand refs, out_ref)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.kernel(
+        body, out_type=out_type, grid=(jax.devices()[0].core_count,), grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(*operands)
+
+
 def _aligned_gmm(lhs, rhs, group_sizes, tiles, transpose_rhs):
     """lhs [M, K] @ rhs[g] ([G, K, N], or [G, N, K] transposed) for groups whose sizes are
     multiples of tiles.block_m: the SMs share the output tiles of the row blocks in groups
@@ -232,14 +274,9 @@ def _aligned_gmm(lhs, rhs, group_sizes, tiles, transpose_rhs):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     bm, bn, bk, steps, columns_together = tiles
-    (m, k), num_groups = lhs.shape, rhs.shape[0]
+    m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    ends = jnp.cumsum(group_sizes)
-    # Row block b's group: the first whose end is past the block's first row.
-    block_group = (ends[None, :] <= jnp.arange(m // bm, dtype=jnp.int32)[:, None] * bm).sum(
-        axis=1, dtype=jnp.int32)
-    block_group = jnp.minimum(block_group, num_groups - 1)
-    row_blocks = (ends[-1:] // bm).astype(jnp.int32)
+    block_group, row_blocks = _row_blocks(group_sizes, m, bm)
     column_blocks = n // bn
 
     def body(block_group_ref, row_blocks_ref, lhs_ref, rhs_ref, out_ref):
@@ -269,19 +306,215 @@ def _aligned_gmm(lhs, rhs, group_sizes, tiles, transpose_rhs):
                 )(lhs_ref, weights)
                 return acc_ref[...]
 
-            acc = pl.run_scoped(accumulate, plgpu.ACC((bm, bn)))
+            _store_tile(pl.run_scoped(accumulate, plgpu.ACC((bm, bn))), out_ref, mi, ni)
 
-            @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((bm, bn), out_ref.dtype))
-            def store(out_smem):
-                out_smem[...] = acc.astype(out_smem.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    out_smem, out_ref.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    return _over_tiles(body, jax.ShapeDtypeStruct((m, n), lhs.dtype), block_group, row_blocks,
+                       lhs, rhs)
 
-    kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
-        grid=(jax.devices()[0].core_count,), grid_names=("sm",),
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return kernel(block_group, row_blocks, lhs, rhs)
+
+def _aligned_tgmm(lhs, rhs, group_sizes, tiles):
+    """out[g] = lhs[rows of g]^T @ rhs[rows of g] ([M, K], [M, N] -> [G, K, N]) for groups
+    whose sizes are multiples of tiles.block_k: every block_k rows lie in one group, so each
+    output tile is a pipeline over its group's row blocks alone (none masked; an empty group's
+    tiles have no steps and store zeros). Tiles go group by group, n fastest within
+    grid_block_n columns, so that neighbouring SMs read the same rows."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bm, bn, bk, steps, columns_together = tiles
+    (_, k), n, num_groups = lhs.shape, rhs.shape[1], group_sizes.shape[0]
+    first_block = (jnp.cumsum(group_sizes) - group_sizes) // bk
+    num_blocks = group_sizes // bk
+    row_tiles, column_tiles = k // bm, n // bn
+
+    def body(first_block_ref, num_blocks_ref, lhs_ref, rhs_ref, out_ref):
+        @plgpu.nd_loop((num_groups * row_tiles * column_tiles,), collective_axes="sm")
+        def tile(loop):
+            group = loop.index[0] // (row_tiles * column_tiles)
+            mi, ni = plgpu.planar_snake(loop.index[0] % (row_tiles * column_tiles),
+                                        (row_tiles, column_tiles), 1, columns_together)
+            first = first_block_ref[group]
+
+            def multiply(_, lhs_smem, rhs_smem, acc_ref):
+                plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
+
+            def accumulate(acc_ref):
+                @pl.when(num_blocks_ref[group] > 0)  # an empty group: no pipeline, zeros
+                def _():
+                    plgpu.emit_pipeline(
+                        functools.partial(multiply, acc_ref=acc_ref),
+                        grid=(num_blocks_ref[group],),
+                        in_specs=[
+                            plgpu.BlockSpec((bk, bm), lambda ki: (first + ki, mi),
+                                            delay_release=1),
+                            plgpu.BlockSpec((bk, bn), lambda ki: (first + ki, ni),
+                                            delay_release=1),
+                        ],
+                        max_concurrent_steps=steps,
+                    )(lhs_ref, rhs_ref)
+                return acc_ref[...]
+
+            _store_tile(pl.run_scoped(accumulate, plgpu.ACC((bm, bn))), out_ref.at[group],
+                        mi, ni)
+
+    return _over_tiles(body, jax.ShapeDtypeStruct((num_groups, k, n), lhs.dtype),
+                       first_block.astype(jnp.int32), num_blocks.astype(jnp.int32), lhs, rhs)
+
+
+# ---------------------------------------------------------------- FP8 (block-scaled) forward
+
+FP8_TILES = Blocks(64, 128, layout.FP8_BLOCK, 4, 8)
+"""The FP8 kernel's tiling: block_k is the FP8 block (one scale per row and per weight block
+each step); 64 rows, as the step's product and the running sum (two float32 tiles) must fit in
+one warpgroup's registers."""
+
+
+def quantize_weights_fp8(w):
+    """Expert weights [G, K, N] -> (e4m3fn [G, N, K], float32 scales [G, N/128, K/128]): the FP8
+    rule (jax_ep.layout.quantize_blocks) on 128 x 128 blocks, DeepSeek-V3's weight recipe; K
+    innermost, as Hopper's FP8 tensor-core instructions read both operands. The blocks' maxima
+    and the quantization run in w's own layout (reads in order); only the FP8 result, half the
+    bytes, is transposed."""
+    g, k, n = w.shape
+    b = layout.FP8_BLOCK
+    if k % b or n % b:
+        raise ValueError(f"jax_ep.nn.quantize_weights_fp8: weights [G, K, N] need K and N "
+                         f"multiples of {b}, got {w.shape}")
+    blocks = w.astype(jnp.float32).reshape(g, k // b, b, n // b, b)
+    q, scales = layout.quantize_blocks(
+        blocks, jnp.max(jnp.abs(blocks), axis=(2, 4), keepdims=True))    # scales [G,K/b,1,N/b,1]
+    return jnp.swapaxes(q.reshape(g, k, n), 1, 2), jnp.swapaxes(scales[:, :, 0, :, 0], 1, 2)
+
+
+def fp8_misfits(lhs_shape, rhs_shape, group_alignment):
+    """Why the Mosaic FP8 kernel cannot compute this product (empty when it can): lhs [M, K],
+    rhs [G, K, N], every group size a multiple of group_alignment."""
+    problems = list(_platform_misfits())
+    (m, k), (_, _, n) = lhs_shape, rhs_shape
+    bm, bn, bk = FP8_TILES[:3]
+    for name, size, multiple in (("M", m, bm), ("K", k, bk), ("N", n, bn),
+                                 ("group_alignment", group_alignment, bm)):
+        if size == 0 or size % multiple:
+            problems.append(f"fp8: {name}={size} is not a positive multiple of {multiple}")
+    return problems
+
+
+def resolve_fp8_impl(impl, lhs_shape, rhs_shape, group_alignment):
+    """The implementation fp8_grouped_matmul takes for these operands: "xla" or "mosaic"."""
+    if impl not in IMPLS:
+        raise ValueError(f"jax_ep.nn.fp8_grouped_matmul: impl must be one of {IMPLS}, got "
+                         f"{impl!r}")
+    if impl == "xla":
+        return impl
+    problems = fp8_misfits(lhs_shape, rhs_shape, group_alignment)
+    if problems and impl == "mosaic":
+        raise ValueError("jax_ep.nn.fp8_grouped_matmul: impl='mosaic' cannot run: "
+                         + "; ".join(problems))
+    return "xla" if problems else "mosaic"
+
+
+def fp8_grouped_matmul(lhs, lhs_q, lhs_scales, rhs, group_sizes, *, rhs_fp8=None, impl="auto",
+                       group_alignment=1, blocks=MOSAIC_BLOCKS):
+    """grouped_matmul(lhs, rhs, group_sizes) with an FP8 forward: lhs_q [M, K] e4m3fn and its
+    1 x 128 scales lhs_scales [M, K/128] (what dispatch(fp8=True) delivers; lhs [M, K] their
+    value in the compute dtype, e.g. Buffer.dequantize's, which only the backward reads), rhs
+    [G, K, N] in 128 x 128 blocks (rhs_fp8: quantize_weights_fp8(rhs) made beforehand, e.g.
+    once per optimizer step for several micro-batches; default: quantized here). Each 128 of K
+    is one FP8 product, scaled by its row's and its weight block's scales and summed in float32;
+    the result is in lhs.dtype. The backward is grouped_matmul's, in lhs.dtype, from lhs and rhs
+    (no gradient reaches the FP8 values or their scales). impl: "auto" ("mosaic" on Hopper when
+    the shapes fit FP8_TILES and group_alignment is a multiple of its 64 rows, else "xla":
+    dequantized, float32 ragged_dot), "xla" or "mosaic"."""
+    if lhs_q.dtype != jnp.float8_e4m3fn or lhs_q.shape != lhs.shape or lhs_scales.shape != (
+            lhs.shape[0], lhs.shape[1] // layout.FP8_BLOCK) or lhs.shape[1] % layout.FP8_BLOCK:
+        raise ValueError(f"jax_ep.nn.fp8_grouped_matmul: lhs_q must be e4m3fn like lhs "
+                         f"{lhs.shape} (K a multiple of {layout.FP8_BLOCK}) and lhs_scales "
+                         f"[M, K/{layout.FP8_BLOCK}], got {lhs_q.dtype}{lhs_q.shape} and "
+                         f"{lhs_scales.shape}")
+    fp8_impl = resolve_fp8_impl(impl, lhs.shape, rhs.shape, group_alignment)
+    backward = _Plan(resolve_impl(impl if impl == "xla" else "auto", lhs.shape, rhs.shape,
+                                  lhs.dtype, blocks), group_alignment, blocks)
+    lhs, rhs, group_sizes = all_varying(lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32))
+    fp8 = (lhs_q, lhs_scales) + tuple(quantize_weights_fp8(rhs) if rhs_fp8 is None else rhs_fp8)
+    fp8 = [jax.lax.stop_gradient(a) for a in varying_like(fp8, lhs, rhs)]
+    return _fp8_gmm(fp8_impl, backward, lhs, rhs, group_sizes, *fp8)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fp8_gmm(fp8_impl, backward, lhs, rhs, group_sizes, lhs_q, lhs_scales, rhs_q, rhs_scales):
+    if fp8_impl == "xla":
+        b = layout.FP8_BLOCK
+        g, n, k = rhs_q.shape
+        weights = (rhs_q.astype(jnp.float32).reshape(g, n // b, b, k // b, b)
+                   * rhs_scales[:, :, None, :, None]).reshape(g, n, k)
+        out = jax.lax.ragged_dot_general(
+            layout.dequantize_fp8(lhs_q, lhs_scales), weights, group_sizes,
+            jax.lax.RaggedDotDimensionNumbers(_XLA_DIMENSIONS["gmm_t"][0], [0], [0]),
+            precision=jax.lax.Precision.HIGHEST)
+    else:
+        out = varying_like(_aligned_gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes,
+                                            FP8_TILES, lhs.dtype), lhs)
+    valid = jnp.arange(out.shape[0]) < group_sizes.sum()
+    return jnp.where(valid[:, None], out, 0).astype(lhs.dtype)
+
+
+def _fp8_gmm_fwd(fp8_impl, backward, lhs, rhs, group_sizes, *fp8):
+    return _fp8_gmm(fp8_impl, backward, lhs, rhs, group_sizes, *fp8), (lhs, rhs, group_sizes, fp8)
+
+
+def _fp8_gmm_bwd(fp8_impl, backward, residuals, ct):
+    lhs, rhs, group_sizes, fp8 = residuals
+    d_lhs, d_rhs, _ = _product_bwd("gmm", backward, (lhs, rhs, group_sizes), ct)
+    return (d_lhs, d_rhs, None) + tuple(jnp.zeros_like(a) for a in fp8)
+
+
+_fp8_gmm.defvjp(_fp8_gmm_fwd, _fp8_gmm_bwd)
+
+
+def _aligned_gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, tiles, out_dtype):
+    """_aligned_gmm's tiles from FP8 operands -> [M, N] out_dtype: lhs_q [M, K] with scales
+    [M, K/128], rhs_q [G, N, K] with scales [G, N/128, K/128], group sizes multiples of
+    tiles.block_m. Each block_k (= 128) step's product is a fresh tensor-core sum, scaled by its
+    rows' scales times the weight block's scale and added to the tile's float32 running sum
+    (carried through the pipeline): the block scales apply at full precision."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bm, bn, bk, steps, columns_together = tiles
+    (m, k), n = lhs_q.shape, rhs_q.shape[1]
+    block_group, row_blocks = _row_blocks(group_sizes, m, bm)
+    column_blocks = n // bn
+    scales_by_step = lhs_scales.T  # [K/128, M]: one step's scales of a row block side by side
+
+    def body(block_group_ref, row_blocks_ref, lhs_ref, scales_ref, rhs_ref, rhs_scales_ref,
+             out_ref):
+        used_row_blocks = row_blocks_ref[0]
+
+        @plgpu.nd_loop((used_row_blocks * column_blocks,), collective_axes="sm")
+        def tile(loop):
+            mi, ni = plgpu.planar_snake(loop.index[0], (used_row_blocks, column_blocks), 1,
+                                        columns_together)
+            group = block_group_ref[mi]
+
+            def step(indices, lhs_smem, rhs_smem, scale_smem, acc):
+                def product(part_ref):
+                    plgpu.wgmma(part_ref, lhs_smem, rhs_smem.transpose((1, 0)))
+                    return part_ref[...]
+
+                part = pl.run_scoped(product, plgpu.ACC((bm, bn)))
+                row_scale = scale_smem[...] * rhs_scales_ref[group, ni, indices[0]]
+                return acc + part * jax.lax.broadcast_in_dim(row_scale, (bm, bn), [0])
+
+            acc = plgpu.emit_pipeline(
+                step,
+                grid=(k // bk,),
+                in_specs=[plgpu.BlockSpec((bm, bk), lambda ki: (mi, ki)),
+                          plgpu.BlockSpec((bn, bk), lambda ki: (ni, ki)),
+                          plgpu.BlockSpec((None, bm), lambda ki: (ki, mi))],
+                max_concurrent_steps=steps,
+                init_carry=jnp.zeros((bm, bn), jnp.float32),
+            )(lhs_ref, rhs_ref.at[group], scales_ref)
+            _store_tile(acc, out_ref, mi, ni)
+
+    return _over_tiles(body, jax.ShapeDtypeStruct((m, n), out_dtype), block_group,
+                       row_blocks, lhs_q, scales_by_step, rhs_q, rhs_scales)

@@ -46,6 +46,11 @@ class MoEConfig:
     expert_alignment: int = 1         # rows per expert block rounded up to this (grouped GEMMs;
     #                                   128 lets the Mosaic kernels take one block per tile)
     fp8: bool = False                 # FP8 dispatch (activations into the experts)
+    fp8_experts: bool = False         # with fp8: the gate and up projections multiply the FP8
+    #                                   rows as they come (grouped.fp8_grouped_matmul, weights
+    #                                   quantized 128 x 128 in the call; the layer's fp8_weights
+    #                                   argument gives them quantized once); False: the rows are
+    #                                   dequantized to the compute dtype first
     # Rows each rank receives, as a multiple of the balanced count (T * K per rank, split evenly
     # over its experts, each block aligned); None: room for every row (nothing is dropped).
     # Rows past it drop in the expert layout's row order (the rank's last experts first) and
@@ -68,6 +73,11 @@ class MoEConfig:
         if jnp.dtype(self.combine_partial_dtype) not in FLOAT_ROWS:
             raise ValueError(f"jax_ep.nn: combine_partial_dtype must be float32 or bfloat16, got "
                              f"{self.combine_partial_dtype!r}")
+        if self.fp8 and self.fp8_experts and self.ffn_hidden % layout.FP8_BLOCK:
+            raise ValueError(f"jax_ep.nn: fp8_experts multiplies FP8 weights in "
+                             f"{layout.FP8_BLOCK} x {layout.FP8_BLOCK} blocks: ffn_hidden must be "
+                             f"a multiple of {layout.FP8_BLOCK}, got {self.ffn_hidden} (or set "
+                             f"fp8_experts=False)")
         if self.grouped_matmul not in grouped.IMPLS:
             raise ValueError(f"jax_ep.nn: grouped_matmul must be one of {grouped.IMPLS}, got "
                              f"{self.grouped_matmul!r}")
@@ -180,38 +190,70 @@ def expert_capacity(cfg: MoEConfig, tokens_per_rank, num_ranks):
                                              experts_per_rank, cfg.expert_alignment))
 
 
+def _glu(gate, up):
+    return jax.nn.silu(gate) * up
+
+
 def _swiglu(x, gate, up, down, matmul):
-    return matmul(jax.nn.silu(matmul(x, gate)) * matmul(x, up), down)
+    return matmul(_glu(matmul(x, gate), matmul(x, up)), down)
 
 
 def shared_expert(params, x):
     return _swiglu(x, params["s_gate"], params["s_up"], params["s_down"], jnp.matmul)
 
 
-def expert_ffn(params, rows, group_sizes, cfg: MoEConfig, group_alignment=None):
+FP8_WEIGHTS = ("w_gate", "w_up")  # the projections that can read the dispatch's FP8 rows
+
+
+def quantize_expert_weights(params):
+    """{name: grouped.quantize_weights_fp8(params[name])} for the gate and up projections: the
+    FP8 weights of an fp8 layer, for its fp8_weights argument. Made once (e.g. per optimizer
+    step, under jit, outside the gradient: they are sharded like the experts), they serve every
+    call until the weights change, such as a step's micro-batches."""
+    return {name: grouped.quantize_weights_fp8(params[name]) for name in FP8_WEIGHTS}
+
+
+def expert_ffn(params, rows, group_sizes, cfg: MoEConfig, group_alignment=None,
+               fp8_rows=None, fp8_weights=None):
     """The local experts' SwiGLU on rows in groups ([M, H] -> [M, H]): grouped matmuls
     (cfg.grouped_matmul), rows promised aligned to group_alignment (default
-    cfg.expert_alignment)."""
-    alignment = cfg.expert_alignment if group_alignment is None else group_alignment
+    cfg.expert_alignment). fp8_rows: (e4m3fn [M, H], scales [M, H/128]) whose value rows is:
+    the gate and up projections then multiply them (grouped.fp8_grouped_matmul), with
+    fp8_weights (quantize_expert_weights) or weights quantized here."""
+    options = dict(impl=cfg.grouped_matmul, group_alignment=(
+        cfg.expert_alignment if group_alignment is None else group_alignment))
 
-    def matmul(lhs, rhs):
-        return grouped.grouped_matmul(lhs, rhs, group_sizes, impl=cfg.grouped_matmul,
-                                      group_alignment=alignment)
+    def project(name):
+        if fp8_rows is None:
+            return grouped.grouped_matmul(rows, params[name], group_sizes, **options)
+        return grouped.fp8_grouped_matmul(
+            rows, *fp8_rows, params[name], group_sizes,
+            rhs_fp8=None if fp8_weights is None else fp8_weights[name], **options)
 
-    return _swiglu(rows, params["w_gate"], params["w_up"], params["w_down"], matmul)
+    return grouped.grouped_matmul(_glu(project("w_gate"), project("w_up")), params["w_down"],
+                                  group_sizes, **options)
 
 
-def moe_block(buffer: Buffer, params, x, cfg: MoEConfig, token_axes=(), routing_bias=None):
+def moe_block(buffer: Buffer, params, x, cfg: MoEConfig, token_axes=(), routing_bias=None,
+              fp8_weights=None):
     """Inside shard_map: x [T, H] this rank's tokens, params with this rank's experts ([E_l, ...])
     -> (y [T, H], MoEAux over every token of token_axes). routing_bias [E]: with
-    cfg.routing_bias."""
+    cfg.routing_bias. fp8_weights: quantize_expert_weights(params) of this rank's experts, with
+    cfg.fp8 (the gate and up projections then read them, whatever cfg.fp8_experts says)."""
     _check_routing_bias(cfg, routing_bias)
+    if fp8_weights is not None and not cfg.fp8:
+        raise ValueError("jax_ep.nn: fp8_weights given but cfg.fp8 is False (the FP8 weights "
+                         "multiply the dispatch's FP8 rows)")
     topk_idx, topk_weights, scores = route(x, params["router"], cfg, routing_bias)
     capacity = expert_capacity(cfg, x.shape[0], buffer.num_ranks)
     d = buffer.dispatch(x, topk_idx, topk_weights, layout="expert",
                         expert_alignment=cfg.expert_alignment, fp8=cfg.fp8, capacity=capacity)
+    # With FP8 rows, their dequantized value carries the gradient to x (and is all that the
+    # backward reads when the projections take the FP8 rows themselves).
     rows = buffer.dequantize(d, x) if cfg.fp8 else d.x
-    out = expert_ffn(params, rows, d.group_sizes, cfg)
+    fp8_experts = cfg.fp8 and (cfg.fp8_experts or fp8_weights is not None)
+    out = expert_ffn(params, rows, d.group_sizes, cfg,
+                     fp8_rows=(d.x, d.scales) if fp8_experts else None, fp8_weights=fp8_weights)
     bias = shared_expert(params, x).astype(x.dtype) if cfg.shared_ffn_hidden else None
     y = buffer.combine(out.astype(x.dtype), d.handle, topk_weights=d.topk_weights, bias=bias,
                        partial_dtype=cfg.combine_partial_dtype)
@@ -221,14 +263,19 @@ def moe_block(buffer: Buffer, params, x, cfg: MoEConfig, token_axes=(), routing_
 
 
 def grouped_matmul_path(cfg: MoEConfig, num_ranks, tokens_per_rank, dtype=jnp.bfloat16):
-    """The grouped-matmul implementations moe_block's experts take ("mosaic" or "xla", for the
-    gate/up and the down projection) with tokens_per_rank tokens of `dtype` per rank."""
+    """The grouped-matmul implementations moe_block's experts take ("mosaic" or "xla", with
+    "_fp8" where the FP8 rows are multiplied as they come, for the gate/up and the down
+    projection) with tokens_per_rank tokens of `dtype` per rank."""
     rows = expert_capacity(cfg, tokens_per_rank, num_ranks) or layout.default_capacity(
         "expert", num_ranks, tokens_per_rank, cfg.num_topk, cfg.num_experts // num_ranks,
         cfg.expert_alignment)
     groups, h, f = cfg.num_experts // num_ranks, cfg.hidden, cfg.ffn_hidden
-    return {name: grouped.resolve_impl(cfg.grouped_matmul, (rows, k), (groups, k, n), dtype)
-            for name, (k, n) in (("gate_up", (h, f)), ("down", (f, h)))}
+    paths = {name: grouped.resolve_impl(cfg.grouped_matmul, (rows, k), (groups, k, n), dtype)
+             for name, (k, n) in (("gate_up", (h, f)), ("down", (f, h)))}
+    if cfg.fp8 and cfg.fp8_experts:
+        paths["gate_up"] = grouped.resolve_fp8_impl(cfg.grouped_matmul, (rows, h),
+                                                    (groups, h, f), cfg.expert_alignment) + "_fp8"
+    return paths
 
 
 def _check_routing_bias(cfg, routing_bias):
@@ -314,14 +361,17 @@ class MoELayer:
         return grouped_matmul_path(self.cfg, self.buffer.num_ranks,
                                    self.buffer.max_tokens_per_rank, dtype)
 
-    def __call__(self, params, x, routing_bias=None):
+    def __call__(self, params, x, routing_bias=None, fp8_weights=None):
         """x [..., H] -> (y [..., H], MoEAux). routing_bias [E] float32: with cfg.routing_bias
-        (e.g. kept as optimizer-free state, stepped by update_routing_bias)."""
+        (e.g. kept as optimizer-free state, stepped by update_routing_bias). fp8_weights: with
+        cfg.fp8, quantize_expert_weights(params) made beforehand (see there)."""
         tokens = P(self.token_axes)
-        specs = (self.param_specs(params), tokens, P())
-        args = self._resharded((params, x.reshape(-1, x.shape[-1]), routing_bias), specs)
+        specs = (self.param_specs(params), tokens, P(),
+                 jax.tree.map(lambda _: P(self.expert_axis), fp8_weights))
+        args = self._resharded((params, x.reshape(-1, x.shape[-1]), routing_bias, fp8_weights),
+                               specs)
         fn = jax.shard_map(
-            lambda p, t, b: moe_block(self.buffer, p, t, self.cfg, self.token_axes, b),
+            lambda p, t, b, w: moe_block(self.buffer, p, t, self.cfg, self.token_axes, b, w),
             mesh=self.mesh, in_specs=specs, out_specs=(tokens, P()))
         y, aux = fn(*args)
         return y.reshape(x.shape), aux
