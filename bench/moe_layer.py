@@ -77,9 +77,8 @@ class JaxEpLayer:
     def matmuls(self, d, x, weights):
         rows = self.buffer.dequantize(d, x) if self.cfg.fp8 else d.x
         fp8_weights = weights.get(FP8_WEIGHTS)
-        fp8 = self.cfg.fp8 and (self.cfg.fp8_experts or fp8_weights is not None)
         return (moe.expert_ffn(weights, rows, d.group_sizes, self.cfg,
-                               fp8_rows=(d.x, d.scales) if fp8 else None,
+                               fp8_rows=moe.fp8_rows(d, self.cfg, fp8_weights),
                                fp8_weights=fp8_weights),
                 moe.shared_expert(weights, x).astype(x.dtype))
 

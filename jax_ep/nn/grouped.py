@@ -222,7 +222,11 @@ def _compute(kind, plan, a, b, group_sizes):
     out = varying_like(out, a, b, group_sizes)
     if kind == "tgmm":
         return out
-    # The kernel leaves rows past sum(group_sizes) unwritten.
+    return _zero_past_groups(out, group_sizes)  # the kernels leave those rows unwritten
+
+
+def _zero_past_groups(out, group_sizes):
+    """out [M, N] with its rows past sum(group_sizes) zero."""
     valid = jnp.arange(out.shape[0]) < group_sizes.sum()
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
 
@@ -454,8 +458,7 @@ def _fp8_gmm(fp8_impl, backward, lhs, rhs, group_sizes, lhs_q, lhs_scales, rhs_q
     else:
         out = varying_like(_aligned_gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes,
                                             FP8_TILES, lhs.dtype), lhs)
-    valid = jnp.arange(out.shape[0]) < group_sizes.sum()
-    return jnp.where(valid[:, None], out, 0).astype(lhs.dtype)
+    return _zero_past_groups(out.astype(lhs.dtype), group_sizes)
 
 
 def _fp8_gmm_fwd(fp8_impl, backward, lhs, rhs, group_sizes, *fp8):

@@ -234,6 +234,12 @@ def expert_ffn(params, rows, group_sizes, cfg: MoEConfig, group_alignment=None,
                                   group_sizes, **options)
 
 
+def fp8_rows(d, cfg: MoEConfig, fp8_weights=None):
+    """The dispatch's FP8 rows (d.x, d.scales) when the gate and up projections multiply them
+    (cfg.fp8 with cfg.fp8_experts or FP8 weights given), else None."""
+    return (d.x, d.scales) if cfg.fp8 and (cfg.fp8_experts or fp8_weights is not None) else None
+
+
 def moe_block(buffer: Buffer, params, x, cfg: MoEConfig, token_axes=(), routing_bias=None,
               fp8_weights=None):
     """Inside shard_map: x [T, H] this rank's tokens, params with this rank's experts ([E_l, ...])
@@ -251,9 +257,8 @@ def moe_block(buffer: Buffer, params, x, cfg: MoEConfig, token_axes=(), routing_
     # With FP8 rows, their dequantized value carries the gradient to x (and is all that the
     # backward reads when the projections take the FP8 rows themselves).
     rows = buffer.dequantize(d, x) if cfg.fp8 else d.x
-    fp8_experts = cfg.fp8 and (cfg.fp8_experts or fp8_weights is not None)
-    out = expert_ffn(params, rows, d.group_sizes, cfg,
-                     fp8_rows=(d.x, d.scales) if fp8_experts else None, fp8_weights=fp8_weights)
+    out = expert_ffn(params, rows, d.group_sizes, cfg, fp8_rows=fp8_rows(d, cfg, fp8_weights),
+                     fp8_weights=fp8_weights)
     bias = shared_expert(params, x).astype(x.dtype) if cfg.shared_ffn_hidden else None
     y = buffer.combine(out.astype(x.dtype), d.handle, topk_weights=d.topk_weights, bias=bias,
                        partial_dtype=cfg.combine_partial_dtype)
