@@ -25,8 +25,13 @@ fit the kernels' blocks (`mosaic_misfits`), "xla" otherwise. The Mosaic kernels:
   G - 1 tiles for blocks split between groups and the blocks of rows past sum(group_sizes)
   (computed, not stored: at 128 rows per group half its tiles);
 - tgmm with group_alignment a multiple of block_k: `_aligned_tgmm`, each output tile a
-  pipeline over its group's row blocks (none straddles two groups); otherwise jax's
-  transposed_ragged_dot_mgpu (each group's row blocks only, the first and last masked).
+  pipeline over its group's row blocks (none straddles two groups), two programs per SM so
+  that one's loads overlap the other's products (a tile of a 128-row group is two steps);
+  otherwise jax's transposed_ragged_dot_mgpu (each group's row blocks only, the first and
+  last masked).
+
+Each program of jax_ep's kernels stores a finished tile through shared memory with a bulk copy
+it does not wait for: the copy overlaps the next tile, and the buffer is reused once it is read.
 
 The Mosaic weight gradient multiplies the rows of a group's last block past its end by zero, so
 rows past sum(group_sizes) must be finite (a dispatch's padding rows are zeros).
@@ -50,12 +55,20 @@ MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 class Blocks(NamedTuple):
     """Tiling of one Mosaic GPU kernel: output tiles of block_m x block_n, block_k deep, with
-    max_concurrent_steps loads in flight; grid_block_n output tiles side by side per SM sweep."""
+    max_concurrent_steps loads in flight; grid_block_n output tiles side by side per SM sweep;
+    programs_per_sm programs share each SM (jax_ep's kernels only), so that one's loads overlap
+    another's products where a tile's pipeline is a few steps long."""
     block_m: int
     block_n: int
     block_k: int
     max_concurrent_steps: int
     grid_block_n: int
+    programs_per_sm: int = 1
+
+    def jax_kernel_args(self):
+        """The keyword arguments of jax's ragged_dot_mgpu kernels (one program per SM)."""
+        return {name: value for name, value in self._asdict().items()
+                if name != "programs_per_sm"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +77,7 @@ class MosaicBlocks:
     H200 at DeepSeek-V3's expert shapes (bench/results/grouped-matmul-nvidia-h200-*.json)."""
     gmm: Blocks = Blocks(128, 128, 128, 3, 8)
     gmm_t: Blocks = Blocks(128, 128, 128, 3, 8)
-    tgmm: Blocks = Blocks(128, 128, 64, 4, 8)
+    tgmm: Blocks = Blocks(128, 128, 64, 2, 8, 2)
 
 
 MOSAIC_BLOCKS = MosaicBlocks()
@@ -212,12 +225,12 @@ def _compute(kind, plan, a, b, group_sizes):
     if kind == "tgmm" and plan.group_alignment % tiles.block_k == 0:
         out = _aligned_tgmm(a, b, group_sizes, tiles)
     elif kind == "tgmm":  # reads only the groups' rows; an empty group's block is zero
-        out = transposed_ragged_dot(a, b, group_sizes=group_sizes, **tiles._asdict())
+        out = transposed_ragged_dot(a, b, group_sizes=group_sizes, **tiles.jax_kernel_args())
     elif plan.group_alignment % tiles.block_m == 0:
         out = _aligned_gmm(a, b, group_sizes, tiles, transpose_rhs=kind == "gmm_t")
     else:
         out = ragged_dot(a, b, group_sizes=group_sizes, transpose_rhs=kind == "gmm_t",
-                         **tiles._asdict())
+                         **tiles.jax_kernel_args())
     # A custom call's outputs look replicated to shard_map: they vary like the operands.
     out = varying_like(out, a, b, group_sizes)
     if kind == "tgmm":
@@ -242,28 +255,32 @@ def _row_blocks(group_sizes, m, bm):
             (ends[-1:] // bm).astype(jnp.int32))
 
 
-def _store_tile(acc, out_ref, mi, ni):
-    """The [bm, bn] float32 tile acc into out_ref's rows mi * bm, columns ni * bn, through
-    shared memory (one bulk copy, waited for before the buffer is reused)."""
+def _over_tiles(body, out_type, tiles, *operands):
+    """A persistent Mosaic GPU kernel: tiles.programs_per_sm programs per SM, each running
+    body(*operand refs, out_ref, store). store(acc, dst, mi, ni) writes the [bm, bn] float32
+    tile acc into dst's rows mi * bm, columns ni * bn through one shared-memory buffer and one
+    bulk copy that runs on while the program goes on to its next tile (the buffer is reused once
+    the copy has read it; the program waits for its copies at the end)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    bm, bn = acc.shape
+    bm, bn = tiles.block_m, tiles.block_n
 
-    @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((bm, bn), out_ref.dtype))
-    def store(out_smem):
-        out_smem[...] = acc.astype(out_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    def kernel(*refs):
+        *operand_refs, out_ref, out_smem = refs
 
+        def store(acc, dst, mi, ni):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's copy read it
+            out_smem[...] = acc.astype(out_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, dst.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
 
-def _over_tiles(body, out_type, *operands):
-    """A persistent Mosaic GPU kernel: one program per SM, body(*operand refs, out_ref)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+        body(*operand_refs, out_ref, store)
+        plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
-        body, out_type=out_type, grid=(jax.devices()[0].core_count,), grid_names=("sm",),
+        kernel, out_type=out_type, scratch_types=[plgpu.SMEM((bm, bn), out_type.dtype)],
+        grid=(tiles.programs_per_sm * jax.devices()[0].core_count,), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(*operands)
 
@@ -277,13 +294,13 @@ def _aligned_gmm(lhs, rhs, group_sizes, tiles, transpose_rhs):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    bm, bn, bk, steps, columns_together = tiles
+    bm, bn, bk, steps, columns_together = tiles[:5]
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     block_group, row_blocks = _row_blocks(group_sizes, m, bm)
     column_blocks = n // bn
 
-    def body(block_group_ref, row_blocks_ref, lhs_ref, rhs_ref, out_ref):
+    def body(block_group_ref, row_blocks_ref, lhs_ref, rhs_ref, out_ref, store):
         used_row_blocks = row_blocks_ref[0]
 
         @plgpu.nd_loop((used_row_blocks * column_blocks,), collective_axes="sm")
@@ -310,10 +327,10 @@ def _aligned_gmm(lhs, rhs, group_sizes, tiles, transpose_rhs):
                 )(lhs_ref, weights)
                 return acc_ref[...]
 
-            _store_tile(pl.run_scoped(accumulate, plgpu.ACC((bm, bn))), out_ref, mi, ni)
+            store(pl.run_scoped(accumulate, plgpu.ACC((bm, bn))), out_ref, mi, ni)
 
-    return _over_tiles(body, jax.ShapeDtypeStruct((m, n), lhs.dtype), block_group, row_blocks,
-                       lhs, rhs)
+    return _over_tiles(body, jax.ShapeDtypeStruct((m, n), lhs.dtype), tiles, block_group,
+                       row_blocks, lhs, rhs)
 
 
 def _aligned_tgmm(lhs, rhs, group_sizes, tiles):
@@ -325,13 +342,13 @@ def _aligned_tgmm(lhs, rhs, group_sizes, tiles):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    bm, bn, bk, steps, columns_together = tiles
+    bm, bn, bk, steps, columns_together = tiles[:5]
     (_, k), n, num_groups = lhs.shape, rhs.shape[1], group_sizes.shape[0]
     first_block = (jnp.cumsum(group_sizes) - group_sizes) // bk
     num_blocks = group_sizes // bk
     row_tiles, column_tiles = k // bm, n // bn
 
-    def body(first_block_ref, num_blocks_ref, lhs_ref, rhs_ref, out_ref):
+    def body(first_block_ref, num_blocks_ref, lhs_ref, rhs_ref, out_ref, store):
         @plgpu.nd_loop((num_groups * row_tiles * column_tiles,), collective_axes="sm")
         def tile(loop):
             group = loop.index[0] // (row_tiles * column_tiles)
@@ -358,10 +375,9 @@ def _aligned_tgmm(lhs, rhs, group_sizes, tiles):
                     )(lhs_ref, rhs_ref)
                 return acc_ref[...]
 
-            _store_tile(pl.run_scoped(accumulate, plgpu.ACC((bm, bn))), out_ref.at[group],
-                        mi, ni)
+            store(pl.run_scoped(accumulate, plgpu.ACC((bm, bn))), out_ref.at[group], mi, ni)
 
-    return _over_tiles(body, jax.ShapeDtypeStruct((num_groups, k, n), lhs.dtype),
+    return _over_tiles(body, jax.ShapeDtypeStruct((num_groups, k, n), lhs.dtype), tiles,
                        first_block.astype(jnp.int32), num_blocks.astype(jnp.int32), lhs, rhs)
 
 
@@ -483,14 +499,14 @@ def _aligned_gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, tiles, o
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    bm, bn, bk, steps, columns_together = tiles
+    bm, bn, bk, steps, columns_together = tiles[:5]
     (m, k), n = lhs_q.shape, rhs_q.shape[1]
     block_group, row_blocks = _row_blocks(group_sizes, m, bm)
     column_blocks = n // bn
     scales_by_step = lhs_scales.T  # [K/128, M]: one step's scales of a row block side by side
 
     def body(block_group_ref, row_blocks_ref, lhs_ref, scales_ref, rhs_ref, rhs_scales_ref,
-             out_ref):
+             out_ref, store):
         used_row_blocks = row_blocks_ref[0]
 
         @plgpu.nd_loop((used_row_blocks * column_blocks,), collective_axes="sm")
@@ -517,7 +533,7 @@ def _aligned_gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, tiles, o
                 max_concurrent_steps=steps,
                 init_carry=jnp.zeros((bm, bn), jnp.float32),
             )(lhs_ref, rhs_ref.at[group], scales_ref)
-            _store_tile(acc, out_ref, mi, ni)
+            store(acc, out_ref, mi, ni)
 
-    return _over_tiles(body, jax.ShapeDtypeStruct((m, n), out_dtype), block_group,
+    return _over_tiles(body, jax.ShapeDtypeStruct((m, n), out_dtype), tiles, block_group,
                        row_blocks, lhs_q, scales_by_step, rhs_q, rhs_scales)
