@@ -39,7 +39,7 @@ EINSUMS = {"gmm": "gmk,gkn->gmn", "gmm_t": "gmn,gkn->gmk", "tgmm": "gmk,gmn->gkn
 SWEEP = {  # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n, programs_per_sm)
     "gmm": [Blocks(128, 128, 64, 4, 8), Blocks(128, 128, 128, 3, 8), Blocks(128, 128, 64, 2, 8, 2)],
     "tgmm": [Blocks(128, 128, 64, 4, 8), Blocks(128, 128, 64, 2, 8, 2),
-             Blocks(128, 128, 128, 1, 8, 2), Blocks(64, 128, 64, 3, 8, 2)],
+             Blocks(64, 128, 64, 3, 8, 2)],
 }
 SWEEP["gmm_t"] = SWEEP["gmm"]
 XLA_MEMORY_LIMIT = 20e9
