@@ -19,8 +19,13 @@
 namespace jax_ep {
 namespace ffi = xla::ffi;
 
-// Every cross-rank call takes the Buffer's ordering token and returns the next one (the op's
-// number, its low 32 bits); a recv half also takes its send half's token, the ticket naming its op.
+// Every cross-rank call takes the Buffer's XLA token and returns the next one (jax_ep/_jax.py
+// threads it through the program as an ordered effect), so XLA runs a Buffer's calls in program
+// order; no kernel reads it. Every call also returns its op's number (low 32 bits): a send
+// half's ticket, which its recv half takes to name its op.
+using OrderArg = ffi::Token;
+using OrderRet = ffi::Result<ffi::Token>;
+
 struct Tokens {
   const int32_t* ticket;  // recv halves
   int32_t* out;
@@ -43,9 +48,14 @@ inline bool to_dtype(ffi::DataType t, Dtype* out) {
   return false;
 }
 
-inline ffi::Error check_tokens(TokenArg token, TokenRet token_out) {
-  if (token.element_count() != 1 || token_out->element_count() != 1)
-    return invalid("an ordering token must hold one int32");
+inline ffi::Error check_tokens(TokenArg ticket, TokenRet token_out) {
+  if (ticket.element_count() != 1 || token_out->element_count() != 1)
+    return invalid("an op's ticket must hold one int32");
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_tokens(TokenRet token_out) {
+  if (token_out->element_count() != 1) return invalid("an op's ticket must hold one int32");
   return ffi::Error::Success();
 }
 
@@ -201,9 +211,9 @@ struct Calls {
   }
 
   // A fresh dispatch, whole.
-  static Result dispatch(Ctx ctx, State* st, TokenArg token, ffi::AnyBuffer x,
+  static Result dispatch(Ctx ctx, State* st, OrderArg, ffi::AnyBuffer x,
                          ffi::Buffer<ffi::S32, 2> topk_idx, ffi::Buffer<ffi::F32, 2> topk_weights,
-                         TokenRet token_out, ffi::Result<ffi::AnyBuffer> x_out,
+                         OrderRet, TokenRet token_out, ffi::Result<ffi::AnyBuffer> x_out,
                          ffi::Result<ffi::AnyBuffer> scales_out,
                          ffi::ResultBuffer<ffi::S32, 2> topk_out,
                          ffi::ResultBuffer<ffi::F32, 2> weights_out,
@@ -218,7 +228,7 @@ struct Calls {
     const Window& w = rank->window;
     DispatchSend send;
     DispatchRecv recv;
-    ffi::Error err = check_tokens(token, token_out);
+    ffi::Error err = check_tokens(token_out);
     if (err.success())
       err = decode_fresh_send(w, st->config, x, topk_idx, topk_weights, send_pos, num_invalid, &send);
     if (err.success())
@@ -229,15 +239,16 @@ struct Calls {
     return B::dispatch(ctx, *st, *rank, Part::kWhole, &send, &recv, {nullptr, token_out->typed_data()});
   }
 
-  static Result dispatch_send(Ctx ctx, State* st, TokenArg token, ffi::AnyBuffer x,
+  static Result dispatch_send(Ctx ctx, State* st, OrderArg, ffi::AnyBuffer x,
                               ffi::Buffer<ffi::S32, 2> topk_idx,
-                              ffi::Buffer<ffi::F32, 2> topk_weights, TokenRet ticket,
+                              ffi::Buffer<ffi::F32, 2> topk_weights, OrderRet,
+                              TokenRet ticket,
                               ffi::ResultBuffer<ffi::S32, 2> send_pos,
                               ffi::ResultBuffer<ffi::S32, 0> num_invalid) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
     DispatchSend send;
-    ffi::Error err = check_tokens(token, ticket);
+    ffi::Error err = check_tokens(ticket);
     if (err.success())
       err = decode_fresh_send(rank->window, st->config, x, topk_idx, topk_weights, send_pos,
                               num_invalid, &send);
@@ -245,8 +256,8 @@ struct Calls {
     return B::dispatch(ctx, *st, *rank, Part::kSend, &send, nullptr, {nullptr, ticket->typed_data()});
   }
 
-  static Result dispatch_recv(Ctx ctx, State* st, TokenArg token, TokenArg ticket,
-                              TokenRet token_out, ffi::Result<ffi::AnyBuffer> x_out,
+  static Result dispatch_recv(Ctx ctx, State* st, OrderArg, TokenArg ticket,
+                              OrderRet, TokenRet token_out, ffi::Result<ffi::AnyBuffer> x_out,
                               ffi::Result<ffi::AnyBuffer> scales_out,
                               ffi::ResultBuffer<ffi::S32, 2> topk_out,
                               ffi::ResultBuffer<ffi::F32, 2> weights_out,
@@ -258,7 +269,7 @@ struct Calls {
     if (!rank) return no_rank(ctx);
     const Window& w = rank->window;
     DispatchRecv recv;
-    ffi::Error err = check_tokens(token, token_out);
+    ffi::Error err = check_tokens(token_out);
     if (err.success()) err = check_tokens(ticket, token_out);
     if (err.success())
       err = decode_fresh_recv(w, st->config, *x_out, *scales_out, topk_out, weights_out,
@@ -269,16 +280,16 @@ struct Calls {
   }
 
   // A dispatch along a handle's routes, whole: only x moves.
-  static Result dispatch_cached(Ctx ctx, State* st, TokenArg token, ffi::AnyBuffer x,
-                                ffi::Buffer<ffi::S32, 2> send_pos, TokenRet token_out,
-                                ffi::Result<ffi::AnyBuffer> x_out,
+  static Result dispatch_cached(Ctx ctx, State* st, OrderArg, ffi::AnyBuffer x,
+                                ffi::Buffer<ffi::S32, 2> send_pos, OrderRet,
+                                TokenRet token_out, ffi::Result<ffi::AnyBuffer> x_out,
                                 ffi::Result<ffi::AnyBuffer> scales_out) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
     const Window& w = rank->window;
     DispatchSend send;
     DispatchRecv recv;
-    ffi::Error err = check_tokens(token, token_out);
+    ffi::Error err = check_tokens(token_out);
     if (err.success()) err = decode_cached_send(w, st->config, x, send_pos, &send);
     if (err.success()) err = decode_recv(w, st->config, *x_out, *scales_out, &recv);
     if (err.success()) err = check_whole(send, recv);
@@ -286,24 +297,25 @@ struct Calls {
     return B::dispatch(ctx, *st, *rank, Part::kWhole, &send, &recv, {nullptr, token_out->typed_data()});
   }
 
-  static Result dispatch_cached_send(Ctx ctx, State* st, TokenArg token, ffi::AnyBuffer x,
-                                     ffi::Buffer<ffi::S32, 2> send_pos, TokenRet ticket) {
+  static Result dispatch_cached_send(Ctx ctx, State* st, OrderArg, ffi::AnyBuffer x,
+                                     ffi::Buffer<ffi::S32, 2> send_pos, OrderRet,
+                                     TokenRet ticket) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
     DispatchSend send;
-    ffi::Error err = check_tokens(token, ticket);
+    ffi::Error err = check_tokens(ticket);
     if (err.success()) err = decode_cached_send(rank->window, st->config, x, send_pos, &send);
     if (err.failure()) return B::error(std::move(err));
     return B::dispatch(ctx, *st, *rank, Part::kSend, &send, nullptr, {nullptr, ticket->typed_data()});
   }
 
-  static Result dispatch_cached_recv(Ctx ctx, State* st, TokenArg token, TokenArg ticket,
-                                     TokenRet token_out, ffi::Result<ffi::AnyBuffer> x_out,
+  static Result dispatch_cached_recv(Ctx ctx, State* st, OrderArg, TokenArg ticket,
+                                     OrderRet, TokenRet token_out, ffi::Result<ffi::AnyBuffer> x_out,
                                      ffi::Result<ffi::AnyBuffer> scales_out) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
     DispatchRecv recv;
-    ffi::Error err = check_tokens(token, token_out);
+    ffi::Error err = check_tokens(token_out);
     if (err.success()) err = check_tokens(ticket, token_out);
     if (err.success()) err = decode_recv(rank->window, st->config, *x_out, *scales_out, &recv);
     if (err.failure()) return B::error(std::move(err));
@@ -312,16 +324,16 @@ struct Calls {
   }
 
   // A combine, whole: out = bias + the rows each token sent, summed in rank order.
-  static Result combine(Ctx ctx, State* st, TokenArg token, ffi::AnyBuffer rows,
+  static Result combine(Ctx ctx, State* st, OrderArg, ffi::AnyBuffer rows,
                         ffi::Buffer<ffi::S32, 2> send_pos, ffi::Buffer<ffi::S32, 1> recv_counts,
                         ffi::Buffer<ffi::S32, 0> num_rows, ffi::RemainingArgs bias,
-                        TokenRet token_out, ffi::Result<ffi::AnyBuffer> out) {
+                        OrderRet, TokenRet token_out, ffi::Result<ffi::AnyBuffer> out) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
     const Window& w = rank->window;
     CombineSend send;
     CombineRecv recv;
-    ffi::Error err = check_tokens(token, token_out);
+    ffi::Error err = check_tokens(token_out);
     if (err.success()) err = decode_combine_send(w, rows, recv_counts, num_rows, &send);
     if (err.success()) err = decode_combine_recv(w, send.rows_dtype, send_pos, *out, &recv);
     if (err.success()) err = decode_bias(bias, &recv);
@@ -330,13 +342,14 @@ struct Calls {
     return B::combine(ctx, *st, *rank, Part::kWhole, &send, &recv, {nullptr, token_out->typed_data()});
   }
 
-  static Result combine_send(Ctx ctx, State* st, TokenArg token, ffi::AnyBuffer rows,
+  static Result combine_send(Ctx ctx, State* st, OrderArg, ffi::AnyBuffer rows,
                              ffi::Buffer<ffi::S32, 1> recv_counts,
-                             ffi::Buffer<ffi::S32, 0> num_rows, TokenRet ticket) {
+                             ffi::Buffer<ffi::S32, 0> num_rows, OrderRet,
+                             TokenRet ticket) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
     CombineSend send;
-    ffi::Error err = check_tokens(token, ticket);
+    ffi::Error err = check_tokens(ticket);
     if (err.success()) err = decode_combine_send(rank->window, rows, recv_counts, num_rows, &send);
     if (err.success() && int32_t(send.rows_dtype) != st->config.rows_dtype)
       err = invalid("combine: rows of another type than the call was built for");
@@ -344,13 +357,13 @@ struct Calls {
     return B::combine(ctx, *st, *rank, Part::kSend, &send, nullptr, {nullptr, ticket->typed_data()});
   }
 
-  static Result combine_recv(Ctx ctx, State* st, TokenArg token, TokenArg ticket,
+  static Result combine_recv(Ctx ctx, State* st, OrderArg, TokenArg ticket,
                              ffi::Buffer<ffi::S32, 2> send_pos, ffi::RemainingArgs bias,
-                             TokenRet token_out, ffi::Result<ffi::AnyBuffer> out) {
+                             OrderRet, TokenRet token_out, ffi::Result<ffi::AnyBuffer> out) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
     CombineRecv recv;
-    ffi::Error err = check_tokens(token, token_out);
+    ffi::Error err = check_tokens(token_out);
     if (err.success()) err = check_tokens(ticket, token_out);
     if (err.success())
       err = decode_combine_recv(rank->window, Dtype(st->config.rows_dtype), send_pos, *out,
@@ -363,19 +376,19 @@ struct Calls {
 
   // The adjoint of a dispatch: the cotangents of the rows and of their weights go back to the
   // tokens in one combine (the weights' as float32 columns beside the rows).
-  static Result dispatch_adjoint(Ctx ctx, State* st, TokenArg token, ffi::AnyBuffer ct_rows,
+  static Result dispatch_adjoint(Ctx ctx, State* st, OrderArg, ffi::AnyBuffer ct_rows,
                                  ffi::Buffer<ffi::F32, 2> ct_weights,
                                  ffi::Buffer<ffi::S32, 2> send_pos,
                                  ffi::Buffer<ffi::S32, 1> recv_counts,
-                                 ffi::Buffer<ffi::S32, 0> num_rows, TokenRet token_out,
-                                 ffi::Result<ffi::AnyBuffer> ct_x,
+                                 ffi::Buffer<ffi::S32, 0> num_rows, OrderRet,
+                                 TokenRet token_out, ffi::Result<ffi::AnyBuffer> ct_x,
                                  ffi::ResultBuffer<ffi::F32, 2> ct_w) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
     const Window& w = rank->window;
     CombineSend send;
     CombineRecv recv;
-    ffi::Error err = check_tokens(token, token_out);
+    ffi::Error err = check_tokens(token_out);
     if (err.success()) err = decode_combine_send(w, ct_rows, recv_counts, num_rows, &send);
     if (err.success())
       err = decode_combine_recv(w, send.rows_dtype, send_pos, *ct_x, &recv);
@@ -456,9 +469,9 @@ auto bind() {
 template <class B>
 auto dispatch_binding() {
   return bind<B>()
-      .template Arg<TokenArg>().template Arg<ffi::AnyBuffer>()
+      .template Arg<OrderArg>().template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::S32, 2>>().template Arg<ffi::Buffer<ffi::F32, 2>>()
-      .template Ret<TokenArg>().template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>()
+      .template Ret<OrderArg>().template Ret<TokenArg>().template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::Buffer<ffi::S32, 2>>().template Ret<ffi::Buffer<ffi::F32, 2>>()
       .template Ret<ffi::Buffer<ffi::S32, 1>>().template Ret<ffi::Buffer<ffi::S32, 1>>()
       .template Ret<ffi::Buffer<ffi::S32, 0>>().template Ret<ffi::Buffer<ffi::S32, 0>>()
@@ -468,17 +481,17 @@ auto dispatch_binding() {
 template <class B>
 auto dispatch_send_binding() {
   return bind<B>()
-      .template Arg<TokenArg>().template Arg<ffi::AnyBuffer>()
+      .template Arg<OrderArg>().template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::S32, 2>>().template Arg<ffi::Buffer<ffi::F32, 2>>()
-      .template Ret<TokenArg>().template Ret<ffi::Buffer<ffi::S32, 2>>()
+      .template Ret<OrderArg>().template Ret<TokenArg>().template Ret<ffi::Buffer<ffi::S32, 2>>()
       .template Ret<ffi::Buffer<ffi::S32, 0>>();
 }
 
 template <class B>
 auto dispatch_recv_binding() {
   return bind<B>()
-      .template Arg<TokenArg>().template Arg<TokenArg>()
-      .template Ret<TokenArg>().template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>()
+      .template Arg<OrderArg>().template Arg<TokenArg>()
+      .template Ret<OrderArg>().template Ret<TokenArg>().template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::Buffer<ffi::S32, 2>>().template Ret<ffi::Buffer<ffi::F32, 2>>()
       .template Ret<ffi::Buffer<ffi::S32, 1>>().template Ret<ffi::Buffer<ffi::S32, 1>>()
       .template Ret<ffi::Buffer<ffi::S32, 0>>().template Ret<ffi::Buffer<ffi::S32, 0>>();
@@ -487,56 +500,56 @@ auto dispatch_recv_binding() {
 template <class B>
 auto dispatch_cached_binding() {
   return bind<B>()
-      .template Arg<TokenArg>().template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::S32, 2>>()
-      .template Ret<TokenArg>().template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>();
+      .template Arg<OrderArg>().template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::S32, 2>>()
+      .template Ret<OrderArg>().template Ret<TokenArg>().template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>();
 }
 
 template <class B>
 auto dispatch_cached_send_binding() {
   return bind<B>()
-      .template Arg<TokenArg>().template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::S32, 2>>()
-      .template Ret<TokenArg>();
+      .template Arg<OrderArg>().template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::S32, 2>>()
+      .template Ret<OrderArg>().template Ret<TokenArg>();
 }
 
 template <class B>
 auto dispatch_cached_recv_binding() {
   return bind<B>()
-      .template Arg<TokenArg>().template Arg<TokenArg>()
-      .template Ret<TokenArg>().template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>();
+      .template Arg<OrderArg>().template Arg<TokenArg>()
+      .template Ret<OrderArg>().template Ret<TokenArg>().template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>();
 }
 
 template <class B>
 auto combine_binding() {
   return bind<B>()
-      .template Arg<TokenArg>().template Arg<ffi::AnyBuffer>()
+      .template Arg<OrderArg>().template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::S32, 2>>().template Arg<ffi::Buffer<ffi::S32, 1>>()
       .template Arg<ffi::Buffer<ffi::S32, 0>>().RemainingArgs()
-      .template Ret<TokenArg>().template Ret<ffi::AnyBuffer>();
+      .template Ret<OrderArg>().template Ret<TokenArg>().template Ret<ffi::AnyBuffer>();
 }
 
 template <class B>
 auto combine_send_binding() {
   return bind<B>()
-      .template Arg<TokenArg>().template Arg<ffi::AnyBuffer>()
+      .template Arg<OrderArg>().template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::S32, 1>>().template Arg<ffi::Buffer<ffi::S32, 0>>()
-      .template Ret<TokenArg>();
+      .template Ret<OrderArg>().template Ret<TokenArg>();
 }
 
 template <class B>
 auto combine_recv_binding() {
   return bind<B>()
-      .template Arg<TokenArg>().template Arg<TokenArg>()
+      .template Arg<OrderArg>().template Arg<TokenArg>()
       .template Arg<ffi::Buffer<ffi::S32, 2>>().RemainingArgs()
-      .template Ret<TokenArg>().template Ret<ffi::AnyBuffer>();
+      .template Ret<OrderArg>().template Ret<TokenArg>().template Ret<ffi::AnyBuffer>();
 }
 
 template <class B>
 auto dispatch_adjoint_binding() {
   return bind<B>()
-      .template Arg<TokenArg>().template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::F32, 2>>()
+      .template Arg<OrderArg>().template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::F32, 2>>()
       .template Arg<ffi::Buffer<ffi::S32, 2>>().template Arg<ffi::Buffer<ffi::S32, 1>>()
       .template Arg<ffi::Buffer<ffi::S32, 0>>()
-      .template Ret<TokenArg>().template Ret<ffi::AnyBuffer>().template Ret<ffi::Buffer<ffi::F32, 2>>();
+      .template Ret<OrderArg>().template Ret<TokenArg>().template Ret<ffi::AnyBuffer>().template Ret<ffi::Buffer<ffi::F32, 2>>();
 }
 
 // ---- the expert layout of received rows (local to the rank, no Buffer)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -9,11 +10,14 @@ import jax.numpy as jnp
 from jax_ep import bootstrap, layout
 from jax_ep.primitives import all_varying, done
 from jax_ep.reference import Reference
-from jax_ep.types import DispatchResult, Handle, Pending
+from jax_ep.types import DispatchResult, Handle, Pending, Receipt
 
 _LAYOUTS = ("rank", "expert", "expert_padded")
 _MODES = ("auto", "normal", "low_latency")
 FLOAT_ROWS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))  # what rows and sums may be
+
+
+_SERIALS = itertools.count(1)
 
 
 def _is_integer(value):
@@ -120,6 +124,7 @@ class Buffer:
         self.max_row_dtype = jnp.dtype(max_row_dtype)
         self.impl = "ffi" if impl == "auto" else impl
         self.check_invalid = bool(check_invalid)
+        self._serial = next(_SERIALS)  # tells this Buffer's handles and pending ops apart
         self._native = None
         self._low_latency_tokens = None  # the single-kernel routing is the CUDA backend's
         self._reference = Reference(axis_name, num_ranks, num_experts)
@@ -222,11 +227,11 @@ class Buffer:
         (--xla_gpu_command_buffer_scheduling_mode=CONCURRENT); on one stream it follows it.
         Not differentiable (use dispatch under grad). At most two sent ops of a Buffer (dispatch
         or combine) may await their recv at once (their two slots), in either order; a third
-        send would wait for the first recv and end in the timeout error. The Buffer's ordering
-        token keeps its calls in program order (docs/ARCHITECTURE.md)."""
-        return Pending(*self._dispatch_start(True, x, topk_idx, topk_weights, handle, layout,
-                                             expert_alignment, fp8, round_scale, capacity, mode),
-                       kind="dispatch")
+        send would wait for the first recv and end in the timeout error. The Buffer's ordered
+        effect keeps its calls in program order (docs/ARCHITECTURE.md)."""
+        return self._pending("dispatch", self._dispatch_start(
+            True, x, topk_idx, topk_weights, handle, layout, expert_alignment, fp8, round_scale,
+            capacity, mode))
 
     def dispatch_recv(self, pending):
         """Waits for the tokens of dispatch_send(...) and returns its DispatchResult."""
@@ -297,7 +302,8 @@ class Buffer:
                       layout.align_up(routing.tokens_per_expert, alignment),
                       routing.num_recv, routing.num_dropped, routing.num_invalid)
             handle = Handle(routing.send_pos, routing.recv_counts, routing.num_recv, None, None,
-                            result, layout="rank", rows=capacity, capacity=capacity)
+                            result, layout="rank", rows=capacity, capacity=capacity,
+                            buffer=self._serial)
             return DispatchResult(rows.x, rows.scales, *result, handle)
 
         return arrays, finish
@@ -326,7 +332,7 @@ class Buffer:
                       routing.num_invalid)
             handle = Handle(routing.send_pos, routing.recv_counts, routing.num_recv,
                             maps.expert_src, maps.expert_rows, result, layout=layout_name,
-                            rows=staging, capacity=rows_out)
+                            rows=staging, capacity=rows_out, buffer=self._serial)
             return DispatchResult(*self._expand(rows.x, rows.scales, handle), *result, handle)
 
         return arrays, finish
@@ -367,8 +373,7 @@ class Buffer:
         return self._blocks(handle.layout, x), self._blocks(handle.layout, scales)
 
     def _dispatch_cached(self, split, x, handle, fp8, round_scale, tokens):
-        if not isinstance(handle, Handle):
-            _fail(f"handle must be the handle of an earlier dispatch, got {type(handle).__name__}")
+        self._check_handle(handle, "cached dispatch")
         if handle.send_pos.shape != (tokens, self.num_ranks):
             _fail(f"x has {tokens} tokens but the handle routed {handle.send_pos.shape[0]}")
         arrays, moved = self._run(split, "dispatch_cached", tokens, x, handle.send_pos,
@@ -407,8 +412,8 @@ class Buffer:
         work (pending.run_between), then combine_recv(pending); as for dispatch_send. Not
         differentiable (use combine under grad). At most two sent combines may await their recv
         at once, in either order."""
-        return Pending(*self._combine_start(True, expert_out, handle, topk_weights, bias,
-                                            partial_dtype), kind="combine")
+        return self._pending("combine", self._combine_start(
+            True, expert_out, handle, topk_weights, bias, partial_dtype))
 
     def combine_recv(self, pending):
         """Waits for the rows of combine_send(...) and returns y [T, H]."""
@@ -416,8 +421,7 @@ class Buffer:
 
     def _combine_start(self, split, expert_out, handle, topk_weights, bias, partial_dtype):
         self._require_shard_map()
-        if not isinstance(handle, Handle):
-            _fail(f"handle must be the handle of a dispatch, got {type(handle).__name__}")
+        self._check_handle(handle, "combine")
         tokens = handle.send_pos.shape[0]
         rows_shape = (handle.capacity,)
         if handle.layout == "expert_padded":
@@ -449,10 +453,27 @@ class Buffer:
         return self._run(split, "combine", tokens, row_data, handle.send_pos, handle.num_rows,
                          handle.recv_counts, bias, out_dtype=expert_out.dtype)
 
+    def _pending(self, kind, started):
+        return Pending(*started, kind=kind, buffer=self._serial, receipt=Receipt())
+
     def _finish(self, pending, kind):
         if not isinstance(pending, Pending) or pending.kind != kind:
             _fail(f"{kind}_recv needs the result of {kind}_send, got {type(pending).__name__}")
+        if pending.buffer != self._serial:
+            _fail(f"{kind}_recv: pending is another Buffer's op (Buffer {pending.buffer}, this "
+                  f"is Buffer {self._serial})")
+        if pending.receipt.received:
+            _fail(f"{kind}_recv: pending was received already (each send has one recv)")
+        pending.receipt.received = True
         return pending.finish(pending.arrays)
+
+    def _check_handle(self, handle, op):
+        if not isinstance(handle, Handle):
+            _fail(f"handle must be the handle of an earlier dispatch ({op}), got "
+                  f"{type(handle).__name__}")
+        if handle.buffer != self._serial:
+            _fail(f"handle belongs to another Buffer (Buffer {handle.buffer}, this is Buffer "
+                  f"{self._serial}): {op} follows the routes of this Buffer's dispatches only")
 
     # ------------------------------------------------------------ checks
 

@@ -1,12 +1,8 @@
 """The custom-call path: the rank-level primitives as jax.ffi calls into the native backends
-(kernels/cpu, kernels/cuda), one target per operation and half, every call ordered by the
-Buffer's token (jax_ep/order.py), made differentiable with custom_vjp: the backward of dispatch
-is one combine of the rows' and the weights' cotangents, the backward of combine is a cached
-dispatch.
-
-A call's token goes in and out explicitly: the differentiable ops below take it as an argument
-and return the next one, and whoever calls them takes it from the Buffer's chain and puts the
-result back, in the trace the call is made in (forward and backward rules alike)."""
+(kernels/cpu, kernels/cuda), one target per operation and half, every call carrying the Buffer's
+ordered effect (jax_ep/_jax.py: JAX threads one XLA token through them in program order), made
+differentiable with custom_vjp: the backward of dispatch is one combine of the rows' and the
+weights' cotangents, the backward of combine is a cached dispatch."""
 from __future__ import annotations
 
 import functools
@@ -18,10 +14,10 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jax_ep import _native, layout
-from jax_ep.order import TOKEN_SHAPE, Chain
+from jax_ep._jax import BufferOrder, ordered_ffi_call
 from jax_ep.primitives import RankRows, Routing, all_varying, varying_like
 
-_TOKEN = jax.ShapeDtypeStruct(TOKEN_SHAPE, jnp.int32)
+_TICKET = jax.ShapeDtypeStruct((1,), jnp.int32)  # an op's number (low 32 bits)
 ROWS_DTYPES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1}  # kernels/dtype.h Dtype
 
 
@@ -42,7 +38,7 @@ def register_targets():
 class _Config(NamedTuple):
     """A Buffer's calls: what they share, and one call's static configuration."""
     buffer: int               # the Buffer's key (its native side, found at instantiation)
-    chain: Chain
+    order: BufferOrder
     num_ranks: int
     experts_per_rank: int
     fp8: bool = False
@@ -60,30 +56,16 @@ class _Config(NamedTuple):
                     rows_dtype=np.int32(ROWS_DTYPES[jnp.dtype(self.rows_dtype)]))
 
 
-def _call(cfg: _Config, target, shapes, token, *operands, halves=False):
-    """(next token, results) of custom call `target`. Whole ops have no side effect for XLA:
-    every rank runs the same program, so whatever XLA drops or recomputes (jax.checkpoint) it
-    does on all ranks alike. Halves have one: a recv half whose results go unused must still run
-    (it releases its send's slot), and a send half must not be merged with another."""
-    # Under vmap a whole op runs once per batch element; halves cannot (the batch's sends would
-    # all come before its recvs, more than the two slots hold).
-    call = jax.ffi.ffi_call(f"jax_ep_{target}", (_TOKEN, *shapes), has_side_effect=halves,
-                            vmap_method=None if halves else "sequential")
-    out = varying_like(call(token, *operands, **cfg.attributes()), token, *operands)
+def _call(cfg: _Config, target, shapes, *operands, halves=False):
+    """(the op's ticket, results) of custom call `target`, in the Buffer's order. Every call
+    carries the Buffer's effect, so none is dropped or reordered; jax.checkpoint recomputes a
+    whole op in the backward pass (a new op, on every rank alike). Halves are also side effects
+    for XLA: a recv half whose results go unused must still run (it releases its send's slot)."""
+    operands = [o for o in operands if o is not None]
+    out = ordered_ffi_call(f"jax_ep_{target}", (_TICKET, *shapes), *operands, order=cfg.order,
+                           halves=halves, attributes=cfg.attributes())
+    out = varying_like(out, *operands)
     return out[0], out[1:]
-
-
-def _with_rows(op, rows):
-    """op(cfg, rows, token, ...) as op(cfg, token, ...)."""
-    return lambda cfg, token, *args: op(cfg, rows, token, *args)
-
-
-def _chained(cfg: _Config, op, *args, after=()):
-    """op(cfg, token, *args) in the Buffer's chain: the token is taken from the chain of the
-    current trace (joined with `after`) and the next one put back."""
-    token, *out = op(cfg, cfg.chain.take(*after), *args)
-    cfg.chain.put(token)
-    return out
 
 
 def _i32(*shape):
@@ -117,28 +99,28 @@ def _scales(cfg: _Config, scales):
 # ---------------------------------------------------------------- differentiable whole ops
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dispatch(cfg, rows, token, x, topk_idx, topk_weights):
-    """A fresh dispatch: (token, RankRows, Routing)."""
+def _dispatch(cfg, rows, x, topk_idx, topk_weights):
+    """A fresh dispatch: (RankRows, Routing)."""
     t, k = topk_idx.shape
     shapes = (*_received_shapes(cfg, rows, x.shape[1], k), _i32(t, cfg.num_ranks), _i32())
-    token, out = _call(cfg, "dispatch", shapes, token, x, topk_idx, topk_weights)
-    return (token, *_received(cfg, out[:8], *out[8:]))
+    _, out = _call(cfg, "dispatch", shapes, x, topk_idx, topk_weights)
+    return _received(cfg, out[:8], *out[8:])
 
 
 # The forward rules call the differentiable ops themselves, so that a gradient's own forward
 # pass can be differentiated again (second order).
 def _dispatch_fwd(cfg, rows, *args):
-    token, moved, routing = _dispatch(cfg, rows, *custom_vjp_primal_tree_values(args))
-    return (token, moved, routing), (token, routing.send_pos, routing.recv_counts,
-                                     routing.num_recv, moved.topk_idx)
+    moved, routing = _dispatch(cfg, rows, *custom_vjp_primal_tree_values(args))
+    return (moved, routing), (routing.send_pos, routing.recv_counts, routing.num_recv,
+                              moved.topk_idx)
 
 
 def _dispatch_bwd(cfg, rows, res, ct):
     """One combine brings the rows' and the weights' cotangents back to the tokens; a cotangent
     JAX knows to be zero costs nothing (the float8 rows' when they are only used through
     Buffer.dequantize, the weights' when nothing uses them)."""
-    token, send_pos, recv_counts, num_rows, topk_rows = res
-    ct_rows = ct[1]
+    send_pos, recv_counts, num_rows, topk_rows = res
+    ct_rows = ct[0]
     has_x = not isinstance(ct_rows.x, SymbolicZero)
     has_w = not isinstance(ct_rows.topk_weights, SymbolicZero)
     handle = (send_pos, recv_counts, num_rows)
@@ -148,95 +130,90 @@ def _dispatch_bwd(cfg, rows, res, ct):
     if has_x:
         ct_x = ct_rows.x.astype(cfg.x_dtype)
     if has_x and has_w:
-        grad_x, grad_w = _chained(cfg, _adjoint, ct_x, ct_w, *handle, after=(token,))
+        grad_x, grad_w = _adjoint(cfg, ct_x, ct_w, *handle)
     elif has_x:
-        grad_x, = _chained(cfg._replace(rows_dtype=cfg.x_dtype, out_dtype=cfg.x_dtype), _combine,
-                           ct_x, *handle, None, after=(token,))
+        grad_x = _combine(cfg._replace(rows_dtype=cfg.x_dtype, out_dtype=cfg.x_dtype), ct_x,
+                          *handle, None)
     elif has_w:
-        grad_w, = _chained(cfg._replace(rows_dtype="float32", out_dtype="float32"), _combine,
-                           ct_w, *handle, None, after=(token,))
-    return None, grad_x, None, grad_w
+        grad_w = _combine(cfg._replace(rows_dtype="float32", out_dtype="float32"), ct_w, *handle,
+                          None)
+    return grad_x, None, grad_w
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _adjoint(cfg, token, ct_x, ct_w, send_pos, recv_counts, num_rows):
-    """The adjoint of a dispatch: (token, d x, d topk_weights), both moved by one combine."""
+def _adjoint(cfg, ct_x, ct_w, send_pos, recv_counts, num_rows):
+    """The adjoint of a dispatch: (d x, d topk_weights), both moved by one combine."""
     t = send_pos.shape[0]
-    token, (grad_x, grad_w) = _call(
+    _, (grad_x, grad_w) = _call(
         cfg, "dispatch_adjoint", (jax.ShapeDtypeStruct((t, ct_x.shape[1]), ct_x.dtype),
                                   jax.ShapeDtypeStruct((t, ct_w.shape[1]), jnp.float32)),
-        token, ct_x, ct_w, send_pos, recv_counts, num_rows)
-    return token, grad_x, grad_w
+        ct_x, ct_w, send_pos, recv_counts, num_rows)
+    return grad_x, grad_w
 
 
 def _adjoint_fwd(cfg, *args):
-    token, ct_x, ct_w, send_pos, recv_counts, num_rows = custom_vjp_primal_tree_values(args)
-    out = _adjoint(cfg, token, ct_x, ct_w, send_pos, recv_counts, num_rows)
-    return out, (out[0], ct_x.shape[0], send_pos, recv_counts, num_rows)
+    ct_x, ct_w, send_pos, recv_counts, num_rows = custom_vjp_primal_tree_values(args)
+    out = _adjoint(cfg, ct_x, ct_w, send_pos, recv_counts, num_rows)
+    return out, (ct_x.shape[0], send_pos, recv_counts, num_rows)
 
 
 def _adjoint_bwd(cfg, res, ct):
     """Its own adjoint (second order): the cotangents go out again along the same routes."""
-    token, rows, *handle = res
+    rows, *handle = res
     grads = []
-    for value, dtype in zip(ct[1:], (cfg.x_dtype, "float32")):
-        grads.append(None if isinstance(value, SymbolicZero) else _chained(
-            cfg._replace(fp8=False, x_dtype=dtype), _with_rows(_dispatch_cached, rows), value,
-            *handle, after=(token,))[0])
-    return (None, *grads, None, None, None)
+    for value, dtype in zip(ct, (cfg.x_dtype, "float32")):
+        grads.append(None if isinstance(value, SymbolicZero) else _dispatch_cached(
+            cfg._replace(fp8=False, x_dtype=dtype), rows, value, *handle)[0])
+    return (*grads, None, None, None)
 
 
 _adjoint.defvjp(_adjoint_fwd, _adjoint_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dispatch_cached(cfg, rows, token, x, send_pos, recv_counts, num_rows):
-    """x along a handle's routes: (token, x rows, scales)."""
-    token, (x_rows, scales) = _call(cfg, "dispatch_cached", _rows_shapes(cfg, rows, x.shape[1]),
-                                    token, x, send_pos)
-    return token, x_rows, _scales(cfg, scales)
+def _dispatch_cached(cfg, rows, x, send_pos, recv_counts, num_rows):
+    """x along a handle's routes: (x rows, scales)."""
+    _, (x_rows, scales) = _call(cfg, "dispatch_cached", _rows_shapes(cfg, rows, x.shape[1]), x,
+                                send_pos)
+    return x_rows, _scales(cfg, scales)
 
 
-def _dispatch_cached_fwd(cfg, rows, token, x, send_pos, recv_counts, num_rows):
-    out = _dispatch_cached(cfg, rows, token, x, send_pos, recv_counts, num_rows)
-    return out, (out[0], send_pos, recv_counts, num_rows)
+def _dispatch_cached_fwd(cfg, rows, x, send_pos, recv_counts, num_rows):
+    out = _dispatch_cached(cfg, rows, x, send_pos, recv_counts, num_rows)
+    return out, (send_pos, recv_counts, num_rows)
 
 
-def _dispatch_cached_bwd(cfg, rows, res, ct):
-    token, *handle = res
-    grad_x, = _chained(cfg._replace(rows_dtype=cfg.x_dtype, out_dtype=cfg.x_dtype), _combine,
-                       ct[1].astype(cfg.x_dtype), *handle, None, after=(token,))
-    return None, grad_x, None, None, None
+def _dispatch_cached_bwd(cfg, rows, handle, ct):
+    grad_x = _combine(cfg._replace(rows_dtype=cfg.x_dtype, out_dtype=cfg.x_dtype),
+                      ct[0].astype(cfg.x_dtype), *handle, None)
+    return grad_x, None, None, None
 
 
 _dispatch_cached.defvjp(_dispatch_cached_fwd, _dispatch_cached_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _combine(cfg, token, row_data, send_pos, recv_counts, num_rows, bias):
-    """(token, bias + the rows of each token summed in rank order)."""
+def _combine(cfg, row_data, send_pos, recv_counts, num_rows, bias):
+    """bias + the rows of each token summed in rank order."""
     shape = jax.ShapeDtypeStruct((send_pos.shape[0], row_data.shape[1]), cfg.out_dtype)
-    token, (out,) = _call(cfg, "combine", (shape,), token, row_data, send_pos, recv_counts,
-                          num_rows, *(() if bias is None else (bias,)))
-    return token, out
+    _, (out,) = _call(cfg, "combine", (shape,), row_data, send_pos, recv_counts, num_rows, bias)
+    return out
 
 
-def _combine_fwd(cfg, token, row_data, send_pos, recv_counts, num_rows, bias):
-    out = _combine(cfg, token, row_data, send_pos, recv_counts, num_rows, bias)
-    return out, (out[0], row_data.shape[0], send_pos, recv_counts, num_rows)
+def _combine_fwd(cfg, row_data, send_pos, recv_counts, num_rows, bias):
+    out = _combine(cfg, row_data, send_pos, recv_counts, num_rows, bias)
+    return out, (row_data.shape[0], send_pos, recv_counts, num_rows)
 
 
-def _combine_bwd(cfg, res, ct):
-    token, rows, send_pos, recv_counts, num_rows = res
-    ct_out = ct[1]
-    ct_rows, _ = _chained(cfg._replace(fp8=False, x_dtype=ct_out.dtype.name),
-                          _with_rows(_dispatch_cached, rows), ct_out, send_pos, recv_counts,
-                          num_rows, after=(token,))
+def _combine_bwd(cfg, res, ct_out):
+    rows, send_pos, recv_counts, num_rows = res
+    ct_rows, _ = _dispatch_cached(cfg._replace(fp8=False, x_dtype=ct_out.dtype.name), rows,
+                                  ct_out, send_pos, recv_counts, num_rows)
     ct_bias = None if cfg.bias_dtype is None else ct_out.astype(cfg.bias_dtype)
-    return None, ct_rows.astype(cfg.rows_dtype), None, None, None, ct_bias
+    return ct_rows.astype(cfg.rows_dtype), None, None, None, ct_bias
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
@@ -245,25 +222,23 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 # ---------------------------------------------------------------- the primitives
 
 def _send(cfg: _Config, target, shapes, *operands):
-    """A send half: its token (the ticket naming its op, also the chain's next) and results."""
-    ticket, out = _call(cfg, target, shapes, cfg.chain.take(), *operands, halves=True)
-    cfg.chain.put(ticket)
+    """A send half: its ticket (naming its op) and results."""
+    ticket, out = _call(cfg, target, shapes, *operands, halves=True)
     return (ticket, *out)
 
 
 def _recv(cfg: _Config, target, shapes, ticket, *operands):
-    """A recv half of the op `ticket` names; it follows the chain too (work between the halves
-    may have called the Buffer)."""
-    token, out = _call(cfg, target, shapes, cfg.chain.take(), ticket, *operands, halves=True)
-    cfg.chain.put(token)
-    return out
+    """A recv half of the op `ticket` names (in the Buffer's order too: work between the
+    halves may have called the Buffer)."""
+    return _call(cfg, target, shapes, ticket, *operands, halves=True)[1]
 
 
 class Ffi:
     """Custom-call implementations of the primitives (see primitives.py), on one Buffer."""
 
     def __init__(self, buffer_key, num_ranks, num_experts):
-        self._cfg = _Config(buffer_key, Chain(), num_ranks, num_experts // num_ranks)
+        self._cfg = _Config(buffer_key, BufferOrder(buffer_key), num_ranks,
+                            num_experts // num_ranks)
 
     def _move(self, x, fp8=False, round_scale=False, low_latency=False):
         return self._cfg._replace(fp8=bool(fp8), round_scale=bool(round_scale),
@@ -275,21 +250,16 @@ class Ffi:
                                   bias_dtype=None if bias is None else bias.dtype.name)
 
     def dispatch(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):
-        moved, routing = _chained(self._move(x, fp8, round_scale, low_latency),
-                                  _with_rows(_dispatch, rows),
-                                  *all_varying(x, topk_idx, topk_weights))
-        return moved, routing
+        return _dispatch(self._move(x, fp8, round_scale, low_latency), rows,
+                         *all_varying(x, topk_idx, topk_weights))
 
     def dispatch_cached(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale):
-        x_rows, scales = _chained(self._move(x, fp8, round_scale),
-                                  _with_rows(_dispatch_cached, rows),
-                                  *all_varying(x, send_pos, recv_counts, num_rows))
-        return x_rows, scales
+        return _dispatch_cached(self._move(x, fp8, round_scale), rows,
+                                *all_varying(x, send_pos, recv_counts, num_rows))
 
     def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype):
-        out, = _chained(self._sum(row_data, out_dtype, bias), _combine,
+        return _combine(self._sum(row_data, out_dtype, bias),
                         *all_varying(row_data, send_pos, recv_counts, num_rows, bias))
-        return out
 
     # Halves: not differentiable (under grad use the whole ops). The send half returns its
     # ticket with its results; finish(them) runs the recv half.

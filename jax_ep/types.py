@@ -29,6 +29,7 @@ class Handle:
     layout: str = dataclasses.field(metadata=dict(static=True))
     rows: int = dataclasses.field(metadata=dict(static=True))       # S: rank-level rows
     capacity: int = dataclasses.field(metadata=dict(static=True))   # C: rows of the output
+    buffer: int = dataclasses.field(metadata=dict(static=True))     # the Buffer's serial
 
 
 class DispatchResult(NamedTuple):
@@ -46,6 +47,13 @@ class DispatchResult(NamedTuple):
     handle: Handle
 
 
+class Receipt:
+    """Whether a send's recv half was traced already: one per send, kept by identity through
+    every copy of its Pending (jit boundaries, run_between), so a second recv is refused."""
+
+    received = False
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Pending:
@@ -55,6 +63,8 @@ class Pending:
     arrays: tuple
     finish: Callable = dataclasses.field(metadata=dict(static=True))
     kind: str = dataclasses.field(metadata=dict(static=True))   # "dispatch" | "combine"
+    buffer: int = dataclasses.field(metadata=dict(static=True))  # the Buffer's serial
+    receipt: "Receipt" = dataclasses.field(metadata=dict(static=True))
 
     def run_between(self, work, *args):
         """(pending, work(*args)) with XLA made to run the work after this send and before its

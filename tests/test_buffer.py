@@ -138,6 +138,37 @@ def test_wrong_axis_size(setup):
         run(other, lambda x, i: buf.dispatch(x, i), x[:2 * T], idx[:2 * T])
 
 
+def twice(recv, pending):
+    recv(pending)
+    return recv(pending)
+
+
+@pytest.mark.parametrize("fn,match", [
+    (lambda b, o, x, i, w: b.combine(*(lambda d: (d.x, d.handle))(o.dispatch(x, i, w))),
+     "handle belongs to another Buffer"),
+    (lambda b, o, x, i, w: b.dispatch(x, handle=o.dispatch(x, i, w).handle),
+     "handle belongs to another Buffer"),
+    (lambda b, o, x, i, w: b.dispatch_recv(o.dispatch_send(x, i, w)),
+     "pending is another Buffer's op"),
+    (lambda b, o, x, i, w: twice(b.dispatch_recv, b.dispatch_send(x, i, w)),
+     "pending was received already"),
+    (lambda b, o, x, i, w: twice(b.combine_recv, b.combine_send(
+        *(lambda d: (d.x, d.handle))(b.dispatch(x, i, w)))), "pending was received already"),
+    (lambda b, o, x, i, w: (lambda p: (b.dispatch_recv(p.run_between(jnp.sin, x)[0]),
+                                       b.dispatch_recv(p)))(b.dispatch_send(x, i, w)),
+     "pending was received already"),
+])
+def test_handles_and_pending_ops_of_another_buffer_or_used_twice(setup, fn, match):
+    mesh, buf, x, idx, w = setup
+    other = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
+                          max_tokens_per_rank=T, impl=buf.impl)
+    with pytest.raises(ValueError, match=match):
+        run(mesh, lambda x, idx, w: fn(buf, other, x, idx, w), x, idx, w)
+    # Nothing ran: the Buffer works on.
+    out = run(mesh, lambda x, idx, w: buf.dispatch(x, idx, w).num_recv, x, idx, w)
+    assert np.asarray(out).sum() > 0
+
+
 def test_cached_dispatch_with_other_token_count(setup):
     mesh, buf, x, idx, w = setup
 

@@ -1,11 +1,13 @@
-"""The Buffer's ordering token in the lowered programs: every cross-rank custom call takes the
-token of the one before it, so XLA cannot reorder or overlap them (forward, backward, halves,
-nested functions)."""
+"""The Buffer's order in the lowered and compiled programs: every cross-rank custom call takes the
+XLA token of the one before it, so XLA cannot reorder or overlap them (forward, backward, halves,
+nested functions, separate shard_maps of one jit), under every JAX construct."""
 import re
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
@@ -113,8 +115,6 @@ def test_a_loop_body_starts_after_the_calls_before_the_loop():
 
 
 def test_gradient_of_a_loop_after_a_call_matches_the_reference():
-    # The loop's backward calls follow their forward calls' tokens, not the call before the
-    # loop: JAX cannot transpose a loop whose body captured a value of the trace around it.
     mesh, _, x, idx, w = setup()
 
     def grads(impl):
@@ -134,3 +134,146 @@ def test_gradient_of_a_loop_after_a_call_matches_the_reference():
             x, idx, w)
 
     np.testing.assert_allclose(grads("ffi"), grads("reference"), rtol=1e-5, atol=1e-5)
+
+
+# ---- the compiled program: XLA's own HLO after its passes
+
+HLO = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?\b([\w\-]+)\((.*)$")
+HLO_VALUE = re.compile(r"%([\w.\-]+)")
+TARGET = re.compile(r'custom_call_target="jax_ep_(\w+)"')
+
+
+def compiled_calls(text, computation="ENTRY"):
+    """[(name, instruction, operands)] of the Buffer's calls in one computation of compiled HLO
+    text, in program order, and every instruction's operands there."""
+    operands, calls, inside = {}, [], False
+    for line in text.splitlines():
+        if line.startswith(computation) or (computation != "ENTRY" and computation in line
+                                            and line.rstrip().endswith("{")):
+            inside = True
+            continue
+        if inside and line.startswith("}"):
+            break
+        m = HLO.match(line) if inside else None
+        if not m:
+            continue
+        name, args = m.group(1), m.group(3).split("), ")[0]
+        operands[name] = HLO_VALUE.findall(args)
+        target = TARGET.search(line)
+        if target and target.group(1) != "expert_layout":
+            calls.append((target.group(1), name, operands[name]))
+    return calls, operands
+
+
+def assert_one_chain(calls, operands):
+    """Each call depends on the call before it (through its token or anything else)."""
+    for (_, before, _), (name, call, _) in zip(calls, calls[1:]):
+        assert depends_on(call, before, operands), f"{name} ({call}) does not follow {before}"
+
+
+def test_two_shard_maps_of_one_jit_form_one_chain():
+    # Independent data in two shard_maps: only the Buffer's token orders them.
+    mesh, buf, x, idx, w = setup()
+    first = jax.shard_map(lambda x, idx, w: buf.dispatch(x, idx, w).x, mesh=mesh,
+                          in_specs=P("ep"), out_specs=P("ep"))
+    second = jax.shard_map(lambda x, idx, w: buf.dispatch(x * 2, idx, w, fp8=False).x,
+                           mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    step = jax.jit(lambda x, idx, w: (first(x, idx, w), second(x, idx, w)))
+    calls, operands = compiled_calls(step.lower(x, idx, w).compile().as_text())
+    assert [name for name, _, _ in calls] == ["dispatch", "dispatch"]
+    assert_one_chain(calls, operands)
+    a, b = step(x, idx, w)
+    np.testing.assert_array_equal(np.asarray(b), 2 * np.asarray(a))
+
+
+def test_calls_inside_a_cond_follow_and_precede_the_calls_around_it():
+    mesh, buf, x, idx, w = setup()
+    ref = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
+                        impl="reference")
+
+    def program(b):
+        def step(x, idx, w, flag):
+            d = b.dispatch(x, idx, w)
+            y = jax.lax.cond(flag[0] > 0, lambda v: b.combine(v, d.handle),
+                             lambda v: b.combine(2 * v, d.handle), d.x)
+            return b.dispatch(x + 1, idx, w).x.sum() + y
+
+        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+
+    flag = jnp.ones((4,), jnp.int32)
+    calls, operands = compiled_calls(program(buf).lower(x, idx, w, flag).compile().as_text())
+    conditional = next(n for n in operands if n.startswith("conditional"))
+    assert [name for name, _, _ in calls] == ["dispatch", "dispatch"]
+    assert depends_on(conditional, calls[0][1], operands)
+    assert depends_on(calls[1][1], conditional, operands)
+    for f in (flag, -flag):
+        np.testing.assert_allclose(program(buf)(x, idx, w, f), program(ref)(x, idx, w, f),
+                                   rtol=1e-6)
+
+
+def test_a_nested_jit_called_twice_and_the_calls_around_it_form_one_chain():
+    mesh, buf, x, idx, w = setup()
+    inner = jax.jit(lambda x, idx, w: buf.dispatch(x, idx, w).x)
+
+    def step(x, idx, w):
+        return inner(x, idx, w) + inner(x * 2, idx, w) + buf.dispatch(x * 3, idx, w).x
+
+    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    calls, operands = compiled_calls(fn.lower(x, idx, w).compile().as_text())
+    assert [name for name, _, _ in calls] == ["dispatch"] * 3
+    assert_one_chain(calls, operands)
+    np.testing.assert_allclose(fn(x, idx, w), 6 * np.asarray(inner_reference(mesh, x, idx, w)),
+                               rtol=1e-6)
+
+
+def inner_reference(mesh, x, idx, w):
+    ref = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
+                        impl="reference")
+    return jax.jit(jax.shard_map(lambda x, idx, w: ref.dispatch(x, idx, w).x, mesh=mesh,
+                                 in_specs=P("ep"), out_specs=P("ep")))(x, idx, w)
+
+
+def test_vmap_runs_whole_ops_one_after_another_and_refuses_halves():
+    mesh, buf, x, idx, w = setup()
+    ref = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
+                        impl="reference")
+
+    def batched(b):
+        def step(xs, idx, w):
+            return jax.vmap(lambda v: b.dispatch(v, idx, w).x)(xs)
+        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(None, "ep"), P("ep"), P("ep")),
+                                     out_specs=P(None, "ep")))
+
+    xs = jnp.stack([x, 2 * x, 3 * x])
+    np.testing.assert_array_equal(np.asarray(batched(buf)(xs, idx, w)),
+                                  np.asarray(batched(ref)(xs, idx, w)))
+
+    def halves(xs, idx, w):
+        return jax.vmap(lambda v: buf.dispatch_recv(buf.dispatch_send(v, idx, w)).x)(xs)
+
+    with pytest.raises(ValueError, match="cannot be batched by vmap"):
+        jax.jit(jax.shard_map(halves, mesh=mesh, in_specs=(P(None, "ep"), P("ep"), P("ep")),
+                              out_specs=P(None, "ep"))).lower(xs, idx, w)
+
+
+def test_programs_launched_from_several_threads_all_match_the_reference():
+    # JAX passes each Buffer's token from one program execution to the next, whichever host
+    # thread launches it, so every rank runs the programs in the same order.
+    mesh, buf, x, idx, w = setup()
+    step = jax.jit(jax.shard_map(lambda x, idx, w: buf.dispatch(x, idx, w).x, mesh=mesh,
+                                 in_specs=P("ep"), out_specs=P("ep")))
+    want = np.asarray(step(x, idx, w))
+    scaled = [(s, x * s) for s in (1.0, 2.0, 3.0, 4.0)]
+    results = {}
+
+    def launch(s, xs):
+        results[s] = [step(xs, idx, w) for _ in range(5)]
+
+    threads = [threading.Thread(target=launch, args=item) for item in scaled]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s, outs in results.items():
+        for out in outs:
+            np.testing.assert_array_equal(np.asarray(out), s * want)

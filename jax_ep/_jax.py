@@ -1,0 +1,123 @@
+"""Everything jax_ep takes from JAX's private modules (`jax._src`), in one place.
+
+A Buffer's custom calls must run in program order on every rank, whatever XLA's scheduling
+(command buffers with CONCURRENT scheduling run independent calls at once). jax_ep gets that
+from JAX's own ordered effects: every Buffer has one (`BufferOrder`), every cross-rank call of
+the Buffer carries it, and JAX threads one XLA token per effect through the whole program, in
+program order: through jit and nested jit, shard_map, scan / while / cond, jax.checkpoint and
+custom_vjp, forward and backward. `ordered_ffi_call` makes such a call: an XLA FFI custom call
+whose first operand and first result are that token, so XLA cannot reorder or overlap two calls
+of one Buffer. Between programs JAX passes the same token from one execution to the next, so
+programs launched one after another (from any thread) keep their order too.
+
+None of this is public JAX API, so it fails loudly here, at import, naming the jax version,
+rather than as wrong results later.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+try:
+    from jax._src import core, dispatch, effects
+    from jax._src.interpreters import ad, batching, mlir
+except ImportError as e:  # pragma: no cover - only on a jax that moved its internals
+    raise ImportError(f"jax_ep needs JAX's effect system (jax._src), which jax "
+                      f"{jax.__version__} does not provide as expected: {e}") from e
+
+_EFFECT_SETS = ("ordered_effects", "shardable_ordered_effects", "lowerable_effects",
+                "control_flow_allowed_effects", "custom_derivatives_allowed_effects",
+                "remat_allowed_effects")
+_missing = [f"effects.{name}" for name in _EFFECT_SETS if not hasattr(effects, name)]
+_missing += [f"mlir.{name}" for name in ("TokenSet", "LoweringRuleContext")
+             if not hasattr(mlir, name)]
+_missing += [] if hasattr(jax.ffi, "build_ffi_lowering_function") else [
+    "jax.ffi.build_ffi_lowering_function"]
+if _missing:
+    raise ImportError(f"jax_ep: jax {jax.__version__} lacks what jax_ep orders its calls with: "
+                      f"{', '.join(_missing)}")
+
+
+class BufferOrder(effects.Effect):
+    """The order of one Buffer's calls: an ordered effect of its own, so that two Buffers'
+    calls do not wait for each other."""
+
+    def __init__(self, key: int):
+        self.key = key
+
+    def __eq__(self, other):
+        return isinstance(other, BufferOrder) and other.key == self.key
+
+    def __hash__(self):
+        return hash((BufferOrder, self.key))
+
+    def __repr__(self):
+        return f"jax_ep.Buffer[{self.key}]"
+
+
+for _name in _EFFECT_SETS:
+    getattr(effects, _name).add_type(BufferOrder)
+
+
+call_p = core.Primitive("jax_ep_call")
+call_p.multiple_results = True
+dispatch.simple_impl(call_p)
+
+
+def ordered_ffi_call(target: str, result_shapes, *operands, order: BufferOrder,
+                     halves: bool, attributes: dict[str, Any]):
+    """The results of custom call `target` on `operands`, in `order` with the Buffer's other
+    calls. Whole ops may be batched by vmap (one call per element, in order); halves cannot
+    (a batch's sends would all come before its recvs)."""
+    result_avals = tuple(core.ShapedArray(s.shape, s.dtype) for s in result_shapes)
+    return call_p.bind(*operands, target=target, result_avals=result_avals, order=order,
+                       halves=halves, attributes=tuple(sorted(attributes.items())))
+
+
+def _abstract_eval(*avals_in, result_avals, order, **_):
+    sharding = core.get_cur_mesh_sharding() if hasattr(core, "get_cur_mesh_sharding") else None
+    outs = tuple(a if sharding is None else a.update(sharding=sharding) for a in result_avals)
+    return outs, {order}
+
+
+def _lowering(ctx, *operands, target, result_avals, order, halves, attributes):
+    del result_avals
+    token = ctx.tokens_in.get(order)
+    inner = ctx.replace(avals_in=[core.abstract_token, *ctx.avals_in],
+                        avals_out=[core.abstract_token, *ctx.avals_out])
+    call = jax.ffi.build_ffi_lowering_function(target, has_side_effect=halves)
+    op = call(inner, token, *operands, **dict(attributes))
+    ctx.set_tokens_out(mlir.TokenSet({order: op.results[0]}))
+    return op.results[1:]
+
+
+def _batch(args, dims, *, target, result_avals, order, halves, attributes):
+    """vmap: a whole op once per batch element, in order (jax.lax.map)."""
+    if halves:
+        raise ValueError(f"jax_ep: the halves of an op cannot be batched by vmap ({target}); "
+                         "vmap the whole ops")
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved = [a if d is None else batching.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    batched = [d is not None for d in dims]
+
+    def one(elements):
+        it = iter(elements)
+        ins = [next(it) if b else a for a, b in zip(moved, batched)]
+        return call_p.bind(*ins, target=target, result_avals=result_avals, order=order,
+                           halves=halves, attributes=attributes)
+
+    outs = jax.lax.map(one, [a for a, b in zip(moved, batched) if b])
+    assert all(o.shape[0] == size for o in outs)
+    return outs, [0] * len(outs)
+
+
+def _not_differentiable(primals, tangents, *, target, **_):
+    raise ValueError(f"jax_ep: {target} is not differentiable by itself (the halves of an op "
+                     "are not differentiable: use the whole ops under jax.grad)")
+
+
+call_p.def_effectful_abstract_eval(_abstract_eval)
+mlir.register_lowering(call_p, _lowering)
+batching.primitive_batchers[call_p] = _batch
+ad.primitive_jvps[call_p] = _not_differentiable
