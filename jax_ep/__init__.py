@@ -9,6 +9,11 @@ from jax_ep.types import DispatchResult, Handle, Pending
 
 __all__ = ["Buffer", "DispatchResult", "Handle", "Pending", "dequantize_fp8", "limits"]
 
+try:
+    __version__ = importlib.metadata.version("jax_ep")
+except importlib.metadata.PackageNotFoundError:  # a source checkout that was never installed
+    __version__ = "unknown"
+
 
 def _find_native():
     # Run from a source checkout, the compiled extension is the installed one (pip install .).

@@ -391,6 +391,49 @@ def test_cuda_two_layer_gradients_under_concurrent_command_buffers():
     assert "OK" in out.stdout.split(), f"exit status {out.returncode}"
 
 
+def test_cuda_two_shard_maps_of_one_jit_under_concurrent_command_buffers():
+    """Two shard_maps of one jit call the same Buffer on independent data, so only the Buffer's
+    ordered effect orders them; under CONCURRENT command buffers, rows through the window
+    (direct_local=False): every one of 20 steps equals the reference path."""
+    code = """
+        import jax, jax.numpy as jnp, numpy as np, jax_ep
+        from helpers import calc_diff, make_mesh, put, random_inputs
+        from jax.sharding import PartitionSpec as P
+        mesh = make_mesh(len(jax.devices("gpu")), devices=jax.devices("gpu"))
+        kw = dict(num_experts=16, hidden=2048, num_topk=4, max_tokens_per_rank=128)
+        bufs = {"ffi": jax_ep.Buffer(mesh, "ep", direct_local=False, **kw),
+                "reference": jax_ep.Buffer(mesh, "ep", impl="reference", **kw)}
+        x, idx, w = random_inputs(np.random.default_rng(2), mesh.size, 128, 2048, 16, 4,
+                                  mesh.size, "random")
+        programs = {}
+        for impl, buf in bufs.items():
+            def layer(x, idx, w, buf=buf):
+                d = buf.dispatch(x, idx, w, layout="expert")
+                return buf.combine(jnp.tanh(d.x), d.handle, topk_weights=d.topk_weights)
+            one = jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+            two = jax.shard_map(lambda x, idx, w, buf=buf: buf.dispatch(x, idx, w).x.sum(0)[None],
+                                mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+            programs[impl] = jax.jit(lambda x, y, idx, w, one=one, two=two: (one(x, idx, w),
+                                                                           two(y, idx, w)))
+        wrong = 0
+        for step in range(20):
+            a, b = put(mesh, x * (step + 1), x * (step + 2))
+            i, v = put(mesh, idx, w)
+            got = programs["ffi"](a, b, i, v)
+            want = programs["reference"](a, b, i, v)
+            wrong += any(calc_diff(np.asarray(g, np.float32), np.asarray(r, np.float32)) > 1e-5
+                         for g, r in zip(got, want))
+        print("wrong steps:", wrong, "of 20")
+        assert wrong == 0
+        print("OK")
+    """
+    flags = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+             " --xla_gpu_command_buffer_scheduling_mode=CONCURRENT")
+    out = _subprocess(code, {"XLA_FLAGS": flags}, 600)
+    print(out.stdout[-3000:], out.stderr[-3000:])
+    assert "OK" in out.stdout.split(), f"exit status {out.returncode}"
+
+
 def test_cuda_a_wait_that_times_out_ends_the_kernel_and_keeps_the_context():
     """A recv half for an op no rank ever sent: its wait gives up after timeout_s, the kernel
     ends (no trap), the next call on the Buffer raises what happened, and the same process
