@@ -277,3 +277,37 @@ def test_programs_launched_from_several_threads_all_match_the_reference():
     for s, outs in results.items():
         for out in outs:
             np.testing.assert_array_equal(np.asarray(out), s * want)
+
+
+def test_a_user_custom_vjp_and_a_scan_with_unroll_match_the_reference():
+    mesh, _, x, idx, w = setup()
+
+    def grads(impl):
+        buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
+                            max_tokens_per_rank=T, impl=impl)
+
+        @jax.custom_vjp
+        def moved(x, idx, w):  # a user's rule whose forward and backward both call the Buffer
+            return buf.dispatch(x, idx, w).x.sum(0)
+
+        def fwd(x, idx, w):
+            d = buf.dispatch(x, idx, w)
+            return d.x.sum(0), d.handle
+
+        def bwd(handle, ct):
+            rows = jnp.broadcast_to(ct, (handle.capacity, H))
+            return buf.combine(rows, handle), None, None
+
+        moved.defvjp(fwd, bwd)
+
+        def step(x, idx, w):
+            def layer(x, _):
+                return x + jnp.tanh(moved(x, idx, w))[None], None
+
+            loss = lambda x: jax.lax.scan(layer, x, None, length=4, unroll=2)[0].sum()
+            return jax.grad(loss)(x)
+
+        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+            x, idx, w)
+
+    np.testing.assert_allclose(grads("ffi"), grads("reference"), rtol=1e-5, atol=1e-5)
