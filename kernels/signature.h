@@ -78,7 +78,7 @@ struct AbortRecord {
 constexpr int kAbortWords = 1 + int(sizeof(AbortRecord) / 8);  // the state word, then the record
 enum AbortState : uint64_t { kNoAbort = 0, kAbortClaimed = 1, kAbortWritten = 2 };
 
-#ifndef __CUDA_ARCH__
+// Host only (the messages of errors).
 inline const char* dtype_name(Dtype t) {
   return t == Dtype::kF32 ? "float32" : t == Dtype::kBF16 ? "bfloat16" : "float8_e4m3fn";
 }
@@ -142,6 +142,5 @@ inline std::string abort_message(const AbortRecord& a, int group, int observer, 
   return m + " The op's results are NaN (integers -1, counts 0); this Buffer stopped: create "
              "a new one.";
 }
-#endif
 
 }  // namespace jax_ep

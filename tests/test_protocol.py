@@ -101,3 +101,37 @@ def test_shared_memory_too_small_is_an_error_naming_the_size():
     d = run(mesh, lambda x, i: again.dispatch(x, i)._replace(handle=None), x,
             jnp.zeros((T, K), jnp.int32))
     assert int(np.asarray(d.num_recv)[0]) == T
+
+
+def _branching_dispatch(buf):
+    """Rank 0 dispatches FP8 rows, the others bfloat16 rows, at the same op (a cond on the rank):
+    ranks that run different ops at one op number."""
+    def step(x, i):
+        def fp8(x, i):
+            d = buf.dispatch(x, i, fp8=True)
+            return d.x.astype(jnp.float32), d.topk_idx, d.num_recv
+
+        def plain(x, i):
+            d = buf.dispatch(x, i)
+            return d.x.astype(jnp.float32), d.topk_idx, d.num_recv
+
+        return jax.lax.cond(jax.lax.axis_index("ep") == 0, fp8, plain, x, i)
+    return step
+
+
+def test_ranks_that_run_different_ops_stop_naming_both():
+    mesh = make_mesh(2)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
+                        timeout_s=60)
+    x = jnp.ones((2 * T, H), jnp.bfloat16)
+    i = jnp.tile(jnp.arange(K, dtype=jnp.int32), (2 * T, 1)) * (E // 2 - 1)
+    start = time.perf_counter()
+    rows, ids, num_recv = run(mesh, _branching_dispatch(buf), x, i)
+    assert time.perf_counter() - start < 50, "a mismatch waited for the timeout"
+    assert np.isnan(np.asarray(rows)).all() and (np.asarray(ids) == -1).all()
+    assert (np.asarray(num_recv) == 0).all()
+    both = ("dispatch(fp8 rows of bfloat16 x, hidden 128, 8 tokens, top-2 of 8 experts)",
+            "dispatch(bfloat16 rows, hidden 128, 8 tokens, top-2 of 8 experts)")
+    assert all(op in buf.status() for op in both), buf.status()
+    with pytest.raises(Exception, match=r"ran dispatch\(.* while rank . ran dispatch\("):
+        jax.block_until_ready(run(mesh, lambda x, i: buf.dispatch(x, i).x, x, i))

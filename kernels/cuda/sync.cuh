@@ -45,7 +45,7 @@ __device__ __forceinline__ bool aborted(const Peers& p) {
 
 // The abort record of this rank's window into the host-mapped Failure, by the first thread of
 // the rank's kernels to get here (the host reads it at the next call, or in Buffer.status()).
-__device__ __noinline__ void record_failure(const Peers& p) {
+static __device__ __noinline__ void record_failure(const Peers& p) {
   auto* claim = reinterpret_cast<unsigned int*>(p.window[p.rank] + p.w.failure_claim_at());
   if (atomicCAS(claim, 0u, 1u) != 0u) return;
   const uint64_t* state = p.word(p.rank, p.w.aborted_at());
@@ -65,7 +65,7 @@ __device__ __noinline__ void record_failure(const Peers& p) {
 // free (this rank's first, so that it names this rank's reason), which stops every wait of
 // every rank at once; then into this rank's host record. The kernels end; their results are
 // NaN (the kernels' ends poison them) and the next call raises.
-__device__ __noinline__ void give_up(const Peers& p, Wait what, int peer, uint64_t op,
+static __device__ __noinline__ void give_up(const Peers& p, Wait what, int peer, uint64_t op,
                                      const uint64_t* mine = nullptr,
                                      const uint64_t* theirs = nullptr) {
   const Window& w = p.w;
