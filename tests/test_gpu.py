@@ -513,3 +513,38 @@ def test_cuda_ranks_that_run_different_ops_stop_naming_both(direct_local):
     print(out.stdout[-3000:], out.stderr[-3000:])
     assert "OK" in out.stdout.split(), f"exit status {out.returncode}"
     assert "RAISED: " in out.stdout
+
+
+def test_cuda_check_invalid_between_the_halves_of_another_op_leaves_the_slots_usable():
+    """check_invalid raises inside a program with another op's send half in flight: following
+    ops of the Buffer still work (the recv half ran, its slot was released)."""
+    code = """
+        import jax, jax.numpy as jnp, numpy as np, jax_ep
+        from helpers import make_mesh, run
+        mesh = make_mesh(len(jax.devices("gpu")), devices=jax.devices("gpu"))
+        n = mesh.size
+        buf = jax_ep.Buffer(mesh, "ep", num_experts=4 * n, hidden=128, num_topk=2,
+                            max_tokens_per_rank=8, timeout_s=5.0, check_invalid=True)
+        x = jnp.ones((8 * n, 128), jnp.float32)
+        good = jnp.zeros((8 * n, 2), jnp.int32)
+        bad = good.at[3, 1].set(99)
+
+        def between(x, good, bad):
+            pending = buf.dispatch_send(x, good)
+            d = buf.dispatch(x, bad)
+            return buf.dispatch_recv(pending).num_recv, d.num_recv
+
+        try:
+            jax.block_until_ready(run(mesh, between, x, good, bad))
+            print("NO ERROR")
+        except Exception as e:
+            assert "topk_idx holds 1 expert id" in str(e), e
+        for _ in range(3):
+            d = run(mesh, lambda x, i: buf.dispatch(x, i)._replace(handle=None), x, good)
+            assert int(np.asarray(d.num_recv)[0]) == 8 * n, np.asarray(d.num_recv)
+        assert buf.status() is None, buf.status()
+        print("OK")
+    """
+    out = _subprocess(code, {}, 300)
+    print(out.stdout[-3000:], out.stderr[-3000:])
+    assert "OK" in out.stdout.split() and "NO ERROR" not in out.stdout, f"exit {out.returncode}"

@@ -135,3 +135,26 @@ def test_ranks_that_run_different_ops_stop_naming_both():
     assert all(op in buf.status() for op in both), buf.status()
     with pytest.raises(Exception, match=r"ran dispatch\(.* while rank . ran dispatch\("):
         jax.block_until_ready(run(mesh, lambda x, i: buf.dispatch(x, i).x, x, i))
+
+
+def test_check_invalid_raising_between_the_halves_of_another_op_leaves_the_slots_usable():
+    """check_invalid raises (on every rank) inside a program that has another op's send half
+    in flight: the op's recv half still runs, so following ops of the Buffer work."""
+    mesh = make_mesh(2)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
+                        timeout_s=5, check_invalid=True)
+    x = jnp.ones((2 * T, H), jnp.float32)
+    good = jnp.zeros((2 * T, K), jnp.int32)
+    bad = good.at[3, 1].set(E + 1)
+
+    def between(x, good, bad):
+        pending = buf.dispatch_send(x, good)
+        d = buf.dispatch(x, bad)
+        return buf.dispatch_recv(pending).num_recv, d.num_recv
+
+    with pytest.raises(Exception, match="topk_idx holds 1 expert id"):
+        jax.block_until_ready(run(mesh, between, x, good, bad))
+    for _ in range(3):  # more ops than the two slots
+        d = run(mesh, lambda x, i: buf.dispatch(x, i)._replace(handle=None), x, good)
+        assert list(np.asarray(d.num_recv)) == [2 * T, 0]
+    assert buf.status() is None
