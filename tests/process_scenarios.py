@@ -271,15 +271,18 @@ def op_numbers_past_2_to_the_32(mesh):
 
 
 def early_exit():
-    """Process 1 stops before the first op: process 0 gets an error naming rank 1 within
-    timeout_s and goes on (a Buffer of its own devices works)."""
+    """Process 1 stops before the first op: process 0's op returns NaN after timeout_s, its next
+    call raises naming rank 1, and it goes on (a Buffer of its own devices works)."""
     mesh = global_mesh()
     buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
                         timeout_s=3)
     if jax.process_index() == 1:
         os._exit(0)
     x, idx, w, _ = inputs(mesh)
-    try:
+    rows = run(mesh, lambda x, i, w: buf.dispatch(x, i, w).x, x, idx, w)  # the op that timed out
+    assert all(np.isnan(v.astype(np.float32)).all() for v in local(rows)[0].values())
+    assert "waited more than 3" in buf.status()
+    try:  # the next call raises
         jax.block_until_ready(run(mesh, lambda x, i, w: buf.dispatch(x, i, w).x, x, idx, w))
     except Exception as e:
         assert "waited more than 3" in str(e) and "for rank 1" in str(e), e
