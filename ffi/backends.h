@@ -34,12 +34,14 @@ const XLA_FFI_TypeInfo* cpu_state_type_info();
 // CPU devices: windows in POSIX shared memory named `prefix`_g<group>_r<rank>.
 class CpuBuffer : public NativeBuffer {
  public:
+  // Ops are numbered from first_op + 1 (0 but in tests of op numbers past 2^32).
   CpuBuffer(const Window& window, std::string prefix, double timeout_s,
-            std::vector<LocalRank> local);
+            std::vector<LocalRank> local, uint64_t first_op);
   void create();   // this process's windows; then every process of the mesh must have created
   void connect();  // maps every window of this process's groups and makes the ranks
   void unlink();   // once every process has connected
   ~CpuBuffer() override;
+  std::string status() const override;
 
  private:
   struct Segments;
@@ -47,6 +49,7 @@ class CpuBuffer : public NativeBuffer {
   std::string prefix_;
   double timeout_s_;
   std::vector<LocalRank> local_;
+  uint64_t first_op_;
   std::shared_ptr<Segments> segments_;
 };
 
@@ -65,8 +68,9 @@ class CudaBuffer : public NativeBuffer {
  public:
   CudaBuffer(const Window& window, const std::string& nccl_library, double timeout_s, int num_sms,
              std::vector<LocalRank> local, const std::map<int, std::string>& unique_ids,
-             bool direct_local);
+             bool direct_local, uint64_t first_op);
   ~CudaBuffer() override;
+  std::string status() const override;
 };
 #endif
 

@@ -16,6 +16,9 @@ namespace jax_ep {
 class NativeBuffer {
  public:
   virtual ~NativeBuffer() = default;
+  // The error that stopped one of this process's ranks (or an abort a peer wrote into its
+  // window), or "": read without synchronising with the device.
+  virtual std::string status() const = 0;
   // This Buffer's rank on `device` (a local device ordinal), or null.
   void* rank_on(int device) const {
     auto it = ranks.find(device);

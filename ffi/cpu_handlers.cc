@@ -34,10 +34,11 @@ namespace {
 
 using CpuState = CallState<cpu::Rank>;
 
-ffi::Future queued(cpu::Rank& rank, std::function<std::string()> job) {
+ffi::Future queued(cpu::Rank& rank, uint64_t op, std::function<std::string()> job,
+                   std::function<void()> poison) {
   ffi::Promise promise;
   ffi::Future future(promise);
-  rank.run(std::move(job), [promise](const std::string& error) mutable {
+  rank.run(op, std::move(job), std::move(poison), [promise](const std::string& error) mutable {
     if (error.empty())
       promise.SetAvailable();
     else
@@ -72,10 +73,17 @@ struct CpuBackend {
     // The structs hold pointers into XLA's buffers, which stay ours until the call completes.
     DispatchSend s = send ? *send : DispatchSend{};
     DispatchRecv v = recv ? *recv : DispatchRecv{};
-    return queued(rank, [r = &rank, part, op, s, v] {
-      std::string err = sends(part) ? cpu::dispatch_send(*r, op, s) : "";
-      return err.empty() && receives(part) ? cpu::dispatch_recv(*r, op, v) : err;
-    });
+    const Window& w = rank.window;
+    return queued(
+        rank, op,
+        [r = &rank, part, op, s, v] {
+          std::string err = sends(part) ? cpu::dispatch_send(*r, op, s) : "";
+          return err.empty() && receives(part) ? cpu::dispatch_recv(*r, op, v) : err;
+        },
+        [part, s, v, R = w.num_ranks, El = w.experts_per_rank] {
+          if (sends(part)) cpu::poison(s, R);
+          if (receives(part)) cpu::poison(v, R, El);
+        });
   }
 
   static ffi::Future combine(Context, State&, Rank& rank, Part part, const CombineSend* send,
@@ -83,10 +91,15 @@ struct CpuBackend {
     const uint64_t op = op_of_call(rank, part, tokens);
     CombineSend s = send ? *send : CombineSend{};
     CombineRecv v = recv ? *recv : CombineRecv{};
-    return queued(rank, [r = &rank, part, op, s, v] {
-      std::string err = sends(part) ? cpu::combine_send(*r, op, s) : "";
-      return err.empty() && receives(part) ? cpu::combine_recv(*r, op, v) : err;
-    });
+    return queued(
+        rank, op,
+        [r = &rank, part, op, s, v] {
+          std::string err = sends(part) ? cpu::combine_send(*r, op, s) : "";
+          return err.empty() && receives(part) ? cpu::combine_recv(*r, op, v) : err;
+        },
+        [part, v] {
+          if (receives(part)) cpu::poison(v);
+        });
   }
 
   static std::string expert_layout(Context, const ExpertLayoutArgs& a) {
@@ -123,9 +136,15 @@ struct CpuBuffer::Segments {
 };
 
 CpuBuffer::CpuBuffer(const Window& window, std::string prefix, double timeout_s,
-                     std::vector<LocalRank> local)
+                     std::vector<LocalRank> local, uint64_t first_op)
     : window_(window), prefix_(std::move(prefix)), timeout_s_(timeout_s), local_(std::move(local)),
-      segments_(std::make_shared<Segments>()) {}
+      first_op_(first_op), segments_(std::make_shared<Segments>()) {}
+
+std::string CpuBuffer::status() const {
+  for (const auto& [device, rank] : ranks)
+    if (auto err = static_cast<const cpu::Rank*>(rank.get())->status(); !err.empty()) return err;
+  return {};
+}
 
 CpuBuffer::~CpuBuffer() { ranks.clear(); }
 
@@ -142,6 +161,10 @@ void CpuBuffer::create() {
                                         window_.total_bytes(), &s);
         !err.empty())
       throw std::runtime_error(err);
+    uint8_t* mine = s.data();  // before any peer maps it
+    initial_words(window_, first_op_, [mine](int64_t at, uint64_t value) {
+      *reinterpret_cast<uint64_t*>(mine + at) = value;
+    });
     segments_->by_rank[{l.group, l.rank}] = std::move(s);
   }
 }
@@ -161,7 +184,7 @@ void CpuBuffer::connect() {
     for (int r = 0; r < window_.num_ranks; ++r)
       windows[r] = segments_->by_rank.at({l.group, r}).data();
     ranks[l.device] = std::make_shared<cpu::Rank>(window_, l.group, l.rank, std::move(windows),
-                                                  segments_, timeout_s_);
+                                                  segments_, timeout_s_, first_op_);
   }
 }
 

@@ -118,9 +118,45 @@ std::shared_ptr<cuda::Failure> host_failure_record(cuda::Failure** on_device) {
 
 }  // namespace
 
+namespace {
+
+// What a rank's memory is freed in: its group's share of the windows first (the group's
+// release waits for the devices), then, once its device is done, the failure record its
+// kernels may still write.
+struct RankMemory {
+  int device;
+  std::shared_ptr<cuda::Failure> failure;
+  std::shared_ptr<nccl::Group> comms;
+  ~RankMemory() {
+    comms.reset();
+    int previous = 0;
+    cudaGetDevice(&previous);
+    if (cudaSetDevice(device) == cudaSuccess) cudaDeviceSynchronize();  // at exit CUDA may be gone
+    cudaSetDevice(previous);
+  }
+};
+
+// The owner's words of a fresh window: ops numbered from first_op + 1 (started counts the
+// blocks of every op's first kernel).
+void initial_window(const cuda::Rank& r, uint64_t first_op) {
+  uint8_t* mine = r.windows[r.rank];
+  auto set = [&](int64_t at, uint64_t value) {
+    check(cudaMemcpy(mine + at, &value, 8, cudaMemcpyHostToDevice), "initialising the window");
+  };
+  if (first_op == 0) return;  // zeroed
+  check(cudaSetDevice(r.device), "cudaSetDevice");
+  initial_words(r.window, first_op, set);
+  set(r.window.started_at(), first_op * uint64_t(r.blocks));
+}
+
+}  // namespace
+
 CudaBuffer::CudaBuffer(const Window& window, const std::string& nccl_library, double timeout_s,
                        int num_sms, std::vector<LocalRank> local,
-                       const std::map<int, std::string>& unique_ids, bool direct_local) {
+                       const std::map<int, std::string>& unique_ids, bool direct_local,
+                       uint64_t first_op) {
+  int previous = 0;
+  cudaGetDevice(&previous);
   std::map<int, std::vector<std::pair<int, int>>> by_group;  // in group order on every process
   for (const LocalRank& l : local) by_group[l.group].push_back({l.device, l.rank});
   for (const auto& [group, members] : by_group) {
@@ -143,13 +179,24 @@ CudaBuffer::CudaBuffer(const Window& window, const std::string& nccl_library, do
       rank->windows = m.peers;
       auto failure = host_failure_record(&rank->failure_on_device);
       rank->failure = failure.get();
-      rank->keep = std::make_shared<std::pair<std::shared_ptr<nccl::Group>,
-                                              std::shared_ptr<cuda::Failure>>>(comms, failure);
+      auto memory = std::make_shared<RankMemory>();
+      memory->device = m.device;
+      memory->failure = failure;
+      memory->comms = comms;
+      rank->keep = memory;
+      initial_window(*rank, first_op);
       ranks[m.device] = rank;
     }
   }
+  cudaSetDevice(previous);
 }
 
 CudaBuffer::~CudaBuffer() { ranks.clear(); }
+
+std::string CudaBuffer::status() const {
+  for (const auto& [device, rank] : ranks)
+    if (auto err = static_cast<const cuda::Rank*>(rank.get())->failed(); !err.empty()) return err;
+  return {};
+}
 
 }  // namespace jax_ep

@@ -70,7 +70,7 @@ NB_MODULE(_native, m) {
       .def("total_bytes", &Window::total_bytes)
       .def("row_bytes", &Window::row_bytes);
 
-  nb::class_<NativeBuffer>(m, "NativeBuffer");
+  nb::class_<NativeBuffer>(m, "NativeBuffer").def("status", &NativeBuffer::status);
   m.def("register_buffer", &register_buffer, nb::arg("key"), nb::arg("buffer"));
   m.def("forget_buffer", &forget_buffer, nb::arg("key"));
   m.def("forget_all_buffers", &forget_all_buffers);
@@ -80,8 +80,8 @@ NB_MODULE(_native, m) {
   nb::class_<CpuBuffer, NativeBuffer>(m, "CpuBuffer")
       .def("__init__",
            [](CpuBuffer* b, const Window& w, const std::string& prefix, double timeout_s,
-              const std::vector<std::tuple<int, int, int>>& local) {
-             new (b) CpuBuffer(w, prefix, timeout_s, local_ranks(local));
+              const std::vector<std::tuple<int, int, int>>& local, uint64_t first_op) {
+             new (b) CpuBuffer(w, prefix, timeout_s, local_ranks(local), first_op);
            })
       .def("create", &CpuBuffer::create)
       .def("connect", &CpuBuffer::connect)
@@ -100,13 +100,13 @@ NB_MODULE(_native, m) {
       .def("__init__",
            [](CudaBuffer* b, const Window& w, const std::string& library, double timeout_s,
               int num_sms, const std::vector<std::tuple<int, int, int>>& local,
-              const std::map<int, nb::bytes>& ids, bool direct_local) {
+              const std::map<int, nb::bytes>& ids, bool direct_local, uint64_t first_op) {
              std::map<int, std::string> unique_ids;
              for (const auto& [group, id] : ids)
                unique_ids[group] = std::string(static_cast<const char*>(id.data()), id.size());
              nb::gil_scoped_release release;  // collective: other threads may join it
              new (b) CudaBuffer(w, library, timeout_s, num_sms, local_ranks(local), unique_ids,
-                                direct_local);
+                                direct_local, first_op);
            });
 #else
   m.attr("has_cuda") = false;

@@ -27,6 +27,7 @@ _created: dict[tuple, int] = {}  # Buffers created so far, per set of processes
 @dataclasses.dataclass(frozen=True)
 class Plan:
     key: int                  # names the Buffer in compiled programs: the same on every process
+    seq: int                  # the Buffer's number among those of its processes
     platform: str             # "cpu" or "cuda"
     local: tuple              # (device number, group, rank) of this process's devices
     group_owners: tuple       # per group: the process that draws what the group shares
@@ -56,11 +57,31 @@ def plan(mesh, axis_name):
     processes = tuple(sorted({d.process_index for d in groups.flat}))
     if me not in processes:
         raise ValueError("jax_ep: this process holds no device of the Buffer's mesh")
-    seq = _created[processes] = _created.get(processes, 0) + 1
+    seq = _created.get(processes, 0) + 1  # counted by commit(), once the local checks passed
     digest = hashlib.sha256(repr((processes, seq)).encode()).digest()
     key = int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
-    return Plan(key, platform, local,
+    return Plan(key, seq, platform, local,
                 tuple(int(row[0].process_index) for row in groups), processes, me)
+
+
+def commit(p: Plan):
+    """Counts the Buffer as created: after the local checks (a Buffer refused on one process
+    only must not shift the keys of the later ones), before the first step every process takes
+    together (from there on, all processes either create the Buffer or raise alike)."""
+    if _created.get(p.processes, 0) != p.seq - 1:
+        raise RuntimeError("jax_ep: Buffers were created concurrently on several threads; create "
+                           "them one at a time, in the same order on every process")
+    _created[p.processes] = p.seq
+
+
+def first_op():
+    """The number the Buffer's ops count from: 0, or for tests $JAX_EP_TESTING_FIRST_OP (e.g.
+    just below 2^32, to show that op numbers do not wrap). Testing only; every process of the
+    mesh must set the same."""
+    value = int(os.environ.get("JAX_EP_TESTING_FIRST_OP", "0"))
+    if not 0 <= value < 1 << 62:
+        raise ValueError(f"jax_ep: JAX_EP_TESTING_FIRST_OP must be in [0, 2^62), got {value}")
+    return value
 
 
 def _client():
@@ -175,9 +196,11 @@ def connect(p: Plan, window, *, timeout_s, num_sms, direct_local):
     """Builds and registers the Buffer's native side on this process; returns it."""
     from jax_ep import _native
 
+    forget()  # Buffers collected since: their memory first
+
     if p.platform == "cpu":
         native = _native.CpuBuffer(window, f"/jax_ep_{nonce(p, timeout_s)}", timeout_s,
-                                   list(p.local))
+                                   list(p.local), first_op())
         native.create()
         meet(p, "created", timeout_s)
         native.connect()
@@ -194,11 +217,31 @@ def connect(p: Plan, window, *, timeout_s, num_sms, direct_local):
                         p.group_owners[g], timeout_s)
                for g in sorted({group for _, group, _ in p.local})}
         native = _native.CudaBuffer(window, library, timeout_s, num_sms, list(p.local), ids,
-                                    direct_local)
+                                    direct_local, first_op())
         meet(p, "connected", timeout_s)
     _native.register_buffer(p.key, native)
     _forget_at_exit()
     return native
+
+
+_to_forget: list = []  # keys of Buffers collected by the garbage collector
+
+
+def forget_later(key):
+    """From a finalizer: only records the key (list.append is atomic); no native work there."""
+    _to_forget.append(key)
+
+
+def forget(key=None):
+    """Drops the native side of Buffer `key` (and of the Buffers collected since the last call)
+    from the registry; its memory goes when the last program using it does."""
+    from jax_ep import _native
+
+    keys = [] if key is None else [key]
+    while _to_forget:
+        keys.append(_to_forget.pop())
+    for k in keys:
+        _native.forget_buffer(k)
 
 
 @functools.cache

@@ -178,6 +178,8 @@ class Buffer:
                          mesh=dict(axis_names=list(self.mesh.axis_names),
                                    shape=list(self.mesh.devices.shape),
                                    device_ids=[d.id for d in self.mesh.devices.flat]))
+        arguments["first_op"] = bootstrap.first_op()
+        bootstrap.commit(plan)
         bootstrap.check_same_arguments(plan, arguments, timeout_s)
         self._native = bootstrap.connect(plan, self._window(), timeout_s=timeout_s,
                                          num_sms=num_sms, direct_local=direct_local)
@@ -185,21 +187,32 @@ class Buffer:
         ffi_path.register_targets()
         return ffi_path.Ffi(plan.key, self.num_ranks, self.num_experts)
 
+    def status(self):
+        """The error that stopped this Buffer on this process (a wait that timed out, a peer
+        that gave up, ranks that ran different ops), or None. Reads what the ops recorded
+        without waiting for them or for the devices: an op still running is not in it yet."""
+        if self._native is None:
+            return None
+        return self._native.status() or None
+
     def close(self):
         """Drops this Buffer's communication memory: it is freed once no compiled program that
         uses the Buffer remains (JAX keeps compiled programs in its caches; jax.clear_caches()
         drops them). Programs compiled before close() keep working; a program compiled after
         it fails when it runs."""
         if self._native is not None:
-            from jax_ep import _native
-            _native.forget_buffer(self._key)
             self._native = None
+            bootstrap.forget(self._key)
 
     def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown
-            pass
+        # A finalizer may run on any thread, inside any other work: it only hands the key over;
+        # the next Buffer created or closed (or the interpreter's exit) lets the memory go.
+        if getattr(self, "_native", None) is not None:
+            self._native = None
+            try:
+                bootstrap.forget_later(self._key)
+            except Exception:  # interpreter shutdown: the registry goes at exit anyway
+                pass
 
     # ------------------------------------------------------------ dispatch
 

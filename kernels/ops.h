@@ -5,6 +5,7 @@
 #pragma once
 #include "kernels/dtype.h"
 #include "kernels/layout.h"
+#include "kernels/signature.h"
 
 namespace jax_ep {
 
@@ -89,5 +90,30 @@ struct ExpertLayoutArgs {
   int32_t* expert_counts;        // [E_l] rows per expert before the capacity (scratch)
   JAX_EP_HD int max_per_row() const { return max_experts_per_row(num_topk, experts_per_rank); }
 };
+
+// The signatures both backends send with an op's counts (kernels/signature.h).
+JAX_EP_HD Signature signature(const DispatchSend& a) {
+  Signature s{};
+  s.kind = a.fresh() ? OpKind::kDispatch : OpKind::kDispatchCached;
+  s.fp8 = a.fp8;
+  s.round_scale = a.fp8 && a.round_scale;
+  s.dtype = a.x_dtype;
+  s.width = a.hidden;
+  s.columns = a.fresh() ? a.num_topk : 0;
+  s.tokens = a.num_tokens;
+  s.experts = a.num_experts;
+  return s;
+}
+
+JAX_EP_HD Signature signature(const CombineSend& a, int num_experts) {
+  Signature s{};
+  s.kind = a.extra ? OpKind::kDispatchAdjoint : OpKind::kCombine;
+  s.dtype = a.rows_dtype;
+  s.width = a.width;
+  s.columns = a.extra ? a.extra_cols : 0;
+  s.tokens = a.rows;
+  s.experts = num_experts;
+  return s;
+}
 
 }  // namespace jax_ep

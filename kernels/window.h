@@ -2,9 +2,9 @@
 // and its peers reach it (NVLink pointers on GPUs, POSIX shared memory on CPUs). This is the only
 // place that computes an offset into one. See docs/ARCHITECTURE.md for who writes what, when.
 //
-//   control   words the owner keeps (op counter, received ops, scratch) and words peers write
-//             into it (released ops: op numbers; row counts and rows per expert: tagged with
-//             their op)
+//   control   words the owner keeps (op counter, received ops, scratch, the abort record any
+//             rank may write) and words peers write into it (released ops: op numbers; count
+//             records and rows per expert: with their 64-bit op number)
 //   rows      [2 slots][R sources][N rows] of row_bytes: what source s sends this rank in op n
 //             lands in slot n % 2, block s, at row j = the token's index among those s sends here
 //
@@ -14,22 +14,21 @@
 #pragma once
 #include "kernels/fp8.h"
 #include "kernels/limits.h"
+#include "kernels/signature.h"
 
 namespace jax_ep {
 
 constexpr int kSlots = 2;          // ops a rank can have sent and not yet received: slot = op % 2
 constexpr int kPartElems = 1024;   // payload elements under one flag
 
-enum class OpKind : uint32_t { kDispatch = 1, kCombine = 2 };
-
-// Words peers write: the op number in the high 32 bits, a value in the low 32.
-JAX_EP_HD uint64_t tagged(uint64_t op, uint32_t value) { return op << 32 | value; }
-JAX_EP_HD uint64_t tag_op(uint64_t word) { return word >> 32; }
-JAX_EP_HD uint32_t tag_value(uint64_t word) { return uint32_t(word); }
-// A row count word: which kind of op sent it and how many rows (< 2^28).
-JAX_EP_HD uint32_t count_value(OpKind kind, int rows) { return uint32_t(kind) << 28 | uint32_t(rows); }
-JAX_EP_HD OpKind count_kind(uint64_t word) { return OpKind(tag_value(word) >> 28); }
-JAX_EP_HD int count_rows(uint64_t word) { return int(tag_value(word) & ((1u << 28) - 1)); }
+// Words peers write hold whole 64-bit op numbers (they never wrap). A count record (what source s
+// sends this rank in op n) is four words: the op number, written last with release semantics
+// (its flag), the rows, and the op's signature (kernels/signature.h); a rows-per-expert entry is
+// two: the op number, written after the value, and the value.
+constexpr int64_t kCountRecordBytes = 32;
+constexpr int64_t kCountRows = 8, kCountSignature = 16;  // offsets in a count record
+constexpr int64_t kExpertRowsBytes = 16;
+constexpr int64_t kExpertRowsValue = 8;                   // offset in an entry
 
 JAX_EP_HD int64_t align_bytes(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
@@ -52,14 +51,18 @@ struct Window {
   JAX_EP_HD int64_t started_at() const { return 0; }            // u64: kernels that began an op
   JAX_EP_HD int64_t received_at(int slot) const { return 8 + 8 * slot; }  // u64: last op received
   JAX_EP_HD int64_t ticket_at() const { return 24; }            // u32: blocks of a grid done
-  JAX_EP_HD int64_t aborted_at() const { return 32; }           // u64: a wait timed out
-  JAX_EP_HD int64_t invalid_tally_at() const { return 40; }     // u32: a route's invalid ids
+  JAX_EP_HD int64_t invalid_tally_at() const { return 28; }     // u32: a route's invalid ids
+  JAX_EP_HD int64_t failure_claim_at() const { return 32; }     // u32: GPUs: who writes the host record
+  // The abort record (kernels/signature.h): its state word, then an AbortRecord. Written by
+  // whichever rank of the group gives up first.
+  JAX_EP_HD int64_t aborted_at() const { return 64; }
+  JAX_EP_HD int64_t abort_record_at() const { return 72; }
   // Route scratch (large dispatches on GPUs): rows earlier chunks of kChunkTokens send to rank d,
   // and rows per global expert.
   static constexpr int kChunkTokens = 1024;
   JAX_EP_HD int max_chunks() const { return (rows_per_source + kChunkTokens - 1) / kChunkTokens; }
   JAX_EP_HD int64_t chunk_rows_at(int chunk, int rank) const {
-    return 64 + 4 * (int64_t(chunk) * num_ranks + rank);
+    return 192 + 4 * (int64_t(chunk) * num_ranks + rank);
   }
   JAX_EP_HD int64_t expert_tally_at(int expert) const {
     return align_bytes(chunk_rows_at(max_chunks(), 0), 8) + 4 * int64_t(expert);
@@ -78,13 +81,14 @@ struct Window {
   JAX_EP_HD int64_t released_at(int slot, int peer) const {
     return local_end() + 8 * (int64_t(slot) * num_ranks + peer);
   }
-  // counts[slot][s]: tagged(op, count_value(kind, rows)) source s sends this rank.
+  // counts[slot][s]: the count record of what source s sends this rank (kCountRecordBytes).
   JAX_EP_HD int64_t counts_at(int slot, int source) const {
-    return released_at(kSlots, 0) + 8 * (int64_t(slot) * num_ranks + source);
+    return released_at(kSlots, 0) + kCountRecordBytes * (int64_t(slot) * num_ranks + source);
   }
-  // expert_rows[slot][s][e]: tagged(op, rows for local expert e) a fresh dispatch from s brings.
+  // expert_rows[slot][s][e]: (op, rows for local expert e) a fresh dispatch from s brings.
   JAX_EP_HD int64_t expert_rows_at(int slot, int source, int expert) const {
-    return counts_at(kSlots, 0) + 8 * ((int64_t(slot) * num_ranks + source) * experts_per_rank + expert);
+    return counts_at(kSlots, 0) +
+           kExpertRowsBytes * ((int64_t(slot) * num_ranks + source) * experts_per_rank + expert);
   }
 
   // ---- rows
@@ -94,5 +98,15 @@ struct Window {
   }
   JAX_EP_HD int64_t total_bytes() const { return row_at(kSlots, 0, 0); }
 };
+
+// The owner's words of a fresh window whose Buffer numbers its ops from first + 1 (first is 0,
+// or for tests a number near 2^32): every slot received and released up to `first`.
+template <typename Set>
+void initial_words(const Window& w, uint64_t first, Set set) {
+  for (int slot = 0; slot < kSlots; ++slot) {
+    set(w.received_at(slot), first);
+    for (int r = 0; r < w.num_ranks; ++r) set(w.released_at(slot, r), first);
+  }
+}
 
 }  // namespace jax_ep

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -147,18 +148,141 @@ def mismatched_arguments():
         print("RAISED:", e)
     else:
         raise AssertionError("no error for a Buffer that differs between processes")
+    # The same two processes go on (process start-up is what costs in CI):
+    soak(mesh)
+    counter_not_skewed(mesh)
+    mismatched_ops(mesh)
+    timeout_nan(mesh)
+    op_numbers_past_2_to_the_32(mesh)
+
+
+def soak(mesh):
+    """$SOAK_OPS dispatch and combine ops (default 1000; the issue's soak: 10000) on a mesh that
+    spans the processes, every result checked against the reference path."""
+    from test_fuzz import soak as run_soak
+
+    ops = int(os.environ.get("SOAK_OPS", "1000"))
+    start = time.perf_counter()
+    assert run_soak(ops, mesh) == ops
+    print(f"SOAK: {ops} ops in {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def counter_not_skewed(mesh):
+    """A Buffer refused by a local check on process 1 only: the next Buffer still pairs up."""
+    if jax.process_index() == 1:
+        os.environ["JAX_EP_TESTING_FIRST_OP"] = "-1"
+        try:
+            jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
+                          max_tokens_per_rank=T, timeout_s=30)
+        except ValueError as e:
+            assert "JAX_EP_TESTING_FIRST_OP" in str(e), e
+        else:
+            raise AssertionError("a bad JAX_EP_TESTING_FIRST_OP was accepted")
+        del os.environ["JAX_EP_TESTING_FIRST_OP"]
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
+                        timeout_s=30)
+    x, idx, w, _ = inputs(mesh)
+    d = run(mesh, lambda x, i, w: buf.dispatch(x, i, w).num_recv, x, idx, w)
+    assert buf.status() is None and all(int(v[0]) >= 0 for v in local(d)[0].values())
+
+
+def _nan_everywhere(d):
+    """A dispatch's outputs as a failed op leaves them: NaN rows, ids -1, counts 0."""
+    for device, rows in local(d.x)[0].items():
+        rows = np.asarray(rows)
+        nan = rows.view(np.uint8) == 0x7F if rows.dtype.itemsize == 1 else np.isnan(
+            rows.astype(np.float32))
+        assert nan.all(), f"device {device}: not all rows are NaN"
+    for leaf in (d.topk_idx,):
+        assert all((v == -1).all() for v in local(leaf)[0].values())
+    for leaf in (d.num_recv, d.tokens_per_expert):
+        assert all((v == 0).all() for v in local(leaf)[0].values())
+
+
+def mismatched_ops(mesh):
+    """Process 0 dispatches FP8 rows, process 1 bfloat16 rows, at the same op: both steps
+    return NaN at once (not after timeout_s), both Buffers name both ops, the next call raises
+    so on every process."""
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
+                        timeout_s=60)
+    x, idx, w, _ = inputs(mesh)
+    fp8 = jax.process_index() == 0
+    start = time.perf_counter()
+    d = run(mesh, lambda x, i, w: buf.dispatch(x, i, w, fp8=fp8)._replace(handle=None), x, idx, w)
+    jax.block_until_ready(d)
+    assert time.perf_counter() - start < 30, "a mismatch waited for the timeout"
+    _nan_everywhere(d)
+    both = ("dispatch(fp8 rows of bfloat16 x, hidden 256, 16 tokens, top-4 of 16 experts)",
+            "dispatch(bfloat16 rows, hidden 256, 16 tokens, top-4 of 16 experts)")
+    status = buf.status()
+    assert status and all(op in status for op in both), status
+    try:
+        jax.block_until_ready(run(mesh, lambda x, i, w: buf.dispatch(x, i, w).x, x, idx, w))
+    except Exception as e:
+        assert all(op in str(e) for op in both), e
+        print("MISMATCH RAISED:", str(e).splitlines()[0])
+    else:
+        raise AssertionError("the call after a mismatch did not raise")
+
+
+def timeout_nan(mesh):
+    """Process 1 stays away from an op for longer than timeout_s: process 0's op returns NaN in
+    its own step and writes the abort into process 1's window; process 1's op of that number
+    returns NaN too once it comes, and the next call raises on both, naming the wait."""
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
+                        timeout_s=2)
+    x, idx, w, _ = inputs(mesh)
+
+    def step():
+        return run(mesh, lambda x, i, w: buf.dispatch(x, i, w)._replace(handle=None), x, idx, w)
+
+    jax.block_until_ready(step())  # both
+    if jax.process_index() == 1:
+        time.sleep(5)
+    d = step()
+    jax.block_until_ready(d)
+    _nan_everywhere(d)
+    status = buf.status()
+    assert status and "rank 0 of EP group 0 waited more than 2" in status, status
+    try:
+        jax.block_until_ready(step())
+    except Exception as e:
+        assert "waited more than 2" in str(e) and "for rank 1" in str(e), e
+        print("TIMEOUT RAISED:", str(e).splitlines()[0])
+    else:
+        raise AssertionError("the call after a timed-out op did not raise")
+
+
+def op_numbers_past_2_to_the_32(mesh):
+    """Ops numbered across 2^32 (whole and split: the recv halves' tickets too) on a mesh that
+    spans processes equal the reference path."""
+    os.environ["JAX_EP_TESTING_FIRST_OP"] = str(2**32 - 3)
+    bufs = {impl: jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
+                                max_tokens_per_rank=T, impl=impl, timeout_s=30)
+            for impl in ("reference", "ffi")}
+    del os.environ["JAX_EP_TESTING_FIRST_OP"]
+    x, idx, w, bias = inputs(mesh, seed=9)
+    for split in (True, False):  # ops 2^32 - 2 to 2^32 + 3
+        out = {impl: run(mesh, pipeline(buf, "rank", 1, False, False, None, split=split),
+                         x, idx, w, bias, x * 2) for impl, buf in bufs.items()}
+        for part in ("d", "handle", "cached_x", "between"):
+            assert_same_shards(out["ffi"][part], out["reference"][part], f"past 2^32 {part}")
+    assert bufs["ffi"].status() is None
 
 
 def early_exit():
-    """Process 1 stops before the first op: process 0 gets an error naming rank 1 within
-    timeout_s and goes on (a Buffer of its own devices works)."""
+    """Process 1 stops before the first op: process 0's op returns NaN after timeout_s, its next
+    call raises naming rank 1, and it goes on (a Buffer of its own devices works)."""
     mesh = global_mesh()
     buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
                         timeout_s=3)
     if jax.process_index() == 1:
         os._exit(0)
     x, idx, w, _ = inputs(mesh)
-    try:
+    rows = run(mesh, lambda x, i, w: buf.dispatch(x, i, w).x, x, idx, w)  # the op that timed out
+    assert all(np.isnan(v.astype(np.float32)).all() for v in local(rows)[0].values())
+    assert "waited more than 3" in buf.status()
+    try:  # the next call raises
         jax.block_until_ready(run(mesh, lambda x, i, w: buf.dispatch(x, i, w).x, x, idx, w))
     except Exception as e:
         assert "waited more than 3" in str(e) and "for rank 1" in str(e), e

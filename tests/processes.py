@@ -26,6 +26,9 @@ def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
     (a process still running after `timeout` s is killed: returncode None)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | (env or {})
+    # This checkout's jax_ep, as in the tests' own process (pyproject's pythonpath).
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE)] + (
+        [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     procs = [subprocess.Popen(
         [sys.executable, os.path.join(HERE, "processes.py"), scenario, str(p), str(num_processes),
          str(port), str(devices_per_process)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -37,10 +37,19 @@ std::string Segment::create(const std::string& name, size_t bytes, Segment* out)
   Segment s;
   s.name_ = name;
   s.owner_ = true;
-  if (ftruncate(fd, off_t(bytes)) != 0) {  // new pages read as zeros
-    std::string err = failed("ftruncate", name);
+  // Allocated now (a sparse file would fail with SIGBUS at the first write past what /dev/shm
+  // holds); new pages read as zeros.
+  if (const int e = posix_fallocate(fd, 0, off_t(bytes)); e != 0) {
     close(fd);
-    return err;
+    shm_unlink(name.c_str());
+    s.owner_ = false;
+    return "jax_ep: cannot allocate " + std::to_string(bytes) + " bytes (" +
+           std::to_string(bytes >> 20) + " MiB) of shared memory for " + name + ": " +
+           std::strerror(e) +
+           (e == ENOSPC || e == EFBIG
+                ? " (/dev/shm is too small for this Buffer's window: make it larger, or make "
+                  "the Buffer smaller: max_tokens_per_rank, hidden, max_row_dtype=bfloat16)"
+                : "");
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);

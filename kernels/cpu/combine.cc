@@ -13,16 +13,25 @@ std::string combine_send(Rank& r, uint64_t op, const CombineSend& a) {
   const int R = w.num_ranks, me = r.rank, slot = int(op % kSlots);
   if (auto err = wait_slot_free(r, op); !err.empty()) return err;
   const int64_t row_bytes = int64_t(a.width) * dtype_size(a.rows_dtype);
-  const int present = *a.num_rows;
-  for (int s = 0, first = 0; s < R; first += a.recv_counts[s], ++s) {
-    const int kept = std::clamp(present - first, 0, a.recv_counts[s]);
+  // The handle's counts are only trusted within the window and the rows: a stale or corrupted
+  // handle cannot write past a block or read past row_data.
+  std::vector<int> counts(R);
+  int64_t total = 0;
+  for (int s = 0; s < R; ++s) {
+    counts[s] = std::clamp(a.recv_counts[s], 0, w.rows_per_source);
+    total += counts[s];
+  }
+  const int present = int(std::clamp<int64_t>(*a.num_rows, 0, std::min<int64_t>(total, a.rows)));
+  const Signature sig = signature(a, w.num_ranks * w.experts_per_rank);
+  for (int s = 0, first = 0; s < R; first += counts[s], ++s) {
+    const int kept = std::clamp(present - first, 0, counts[s]);
     for (int j = 0; j < kept; ++j) {
       uint8_t* row = r.window_of(s) + w.row_at(slot, me, j);
       std::memcpy(row, static_cast<const uint8_t*>(a.row_data) + (first + j) * row_bytes, row_bytes);
       if (a.extra)
         std::memcpy(row + w.meta_at(), a.extra + int64_t(first + j) * a.extra_cols, 4 * a.extra_cols);
     }
-    store_release(r.word(s, w.counts_at(slot, me)), tagged(op, count_value(OpKind::kCombine, kept)));
+    send_count(r, s, op, kept, sig);
   }
   return {};
 }
@@ -31,7 +40,7 @@ std::string combine_recv(Rank& r, uint64_t op, const CombineRecv& a) {
   const Window& w = r.window;
   const int R = w.num_ranks, slot = int(op % kSlots);
   std::vector<int> first;
-  if (auto err = received_rows(r, op, OpKind::kCombine, &first); !err.empty()) return err;
+  if (auto err = received_rows(r, op, &first); !err.empty()) return err;
   std::vector<float> acc(a.width), extra(a.extra_cols);
   for (int t = 0; t < a.num_tokens; ++t) {
     for (int c = 0; c < a.width; ++c)

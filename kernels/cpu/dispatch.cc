@@ -77,9 +77,8 @@ std::string dispatch_send(Rank& r, uint64_t op, const DispatchSend& a) {
       }
     }
   }
-  for (int d = 0; d < R; ++d)
-    store_release(r.word(d, w.counts_at(slot, me)),
-                  tagged(op, count_value(OpKind::kDispatch, rows[d])));
+  const Signature sig = signature(a);
+  for (int d = 0; d < R; ++d) send_count(r, d, op, rows[d], sig);
   return {};
 }
 
@@ -87,25 +86,41 @@ std::string wait_slot_free(Rank& r, uint64_t op) {
   const Window& w = r.window;
   if (op <= kSlots) return {};
   for (int d = 0; d < w.num_ranks; ++d)  // d has read what this rank sent it kSlots ops ago
-    if (auto err = r.wait_value(w.released_at(int(op % kSlots), d), op - kSlots, d,
-                                "to release its rows");
+    if (auto err = r.wait_op(w.released_at(int(op % kSlots), d), op - kSlots, d, kWaitRelease);
         !err.empty())
       return err;
   return {};
 }
 
-std::string received_rows(Rank& r, uint64_t op, OpKind kind, std::vector<int>* first) {
+void send_count(Rank& r, int dest, uint64_t op, int rows, const Signature& sig) {
+  const int64_t at = r.window.counts_at(int(op % kSlots), r.rank);
+  uint8_t* record = r.window_of(dest) + at;
+  *reinterpret_cast<uint64_t*>(record + kCountRows) = uint64_t(rows);
+  reinterpret_cast<uint64_t*>(record + kCountSignature)[0] = signature_word0(sig);
+  reinterpret_cast<uint64_t*>(record + kCountSignature)[1] = signature_word1(sig);
+  store_release(r.word(dest, at), op);  // the rows' and the record's flag
+}
+
+std::string received_rows(Rank& r, uint64_t op, std::vector<int>* first) {
   const Window& w = r.window;
-  const int slot = int(op % kSlots);
-  first->assign(w.num_ranks + 1, 0);
-  for (int s = 0; s < w.num_ranks; ++s) {
-    if (auto err = r.wait_tag(w.counts_at(slot, s), op, s, "its rows"); !err.empty()) return err;
-    const uint64_t word = load_acquire(r.word(r.rank, w.counts_at(slot, s)));
-    if (count_kind(word) != kind)
-      return "jax_ep: rank " + std::to_string(s) + " ran another kind of op than rank " +
-             std::to_string(r.rank) + " at op " + std::to_string(op) +
-             " (a dispatch against a combine): every rank must run the same jax_ep ops";
-    (*first)[s + 1] = (*first)[s] + std::min(count_rows(word), w.rows_per_source);
+  const int slot = int(op % kSlots), R = w.num_ranks;
+  first->assign(R + 1, 0);
+  auto record = [&](int s) { return r.window_of(r.rank) + w.counts_at(slot, s); };
+  auto sig = [&](int s) {
+    const uint64_t* words = reinterpret_cast<const uint64_t*>(record(s) + kCountSignature);
+    return std::pair<uint64_t, uint64_t>(words[0], words[1]);
+  };
+  for (int s = 0; s < R; ++s)
+    if (auto err = r.wait_op(w.counts_at(slot, s), op, s, kWaitCounts); !err.empty()) return err;
+  const auto mine = sig(r.rank);  // the record this rank sent itself
+  for (int s = 0; s < R; ++s) {
+    if (const auto theirs = sig(s); theirs != mine) {
+      const Signature a = signature_of(mine.first, mine.second);
+      const Signature b = signature_of(theirs.first, theirs.second);
+      return r.give_up(kMismatch, s, op, &a, &b);
+    }
+    const int64_t rows = int64_t(*reinterpret_cast<const uint64_t*>(record(s) + kCountRows));
+    (*first)[s + 1] = (*first)[s] + int(std::min<int64_t>(rows, w.rows_per_source));
   }
   return {};
 }
@@ -121,7 +136,7 @@ std::string dispatch_recv(Rank& r, uint64_t op, const DispatchRecv& a) {
   const Window& w = r.window;
   const int R = w.num_ranks, slot = int(op % kSlots), K = a.num_topk;
   std::vector<int> first;
-  if (auto err = received_rows(r, op, OpKind::kDispatch, &first); !err.empty()) return err;
+  if (auto err = received_rows(r, op, &first); !err.empty()) return err;
   const int present = std::min(first[R], a.out_rows);
   const int64_t row_bytes = a.wire_row_bytes(), num_scales = a.fp8 ? w.num_scales() : 0;
   uint8_t* x_out = static_cast<uint8_t*>(a.x_out);

@@ -1,14 +1,19 @@
 #include "kernels/cpu/rank.h"
 
 #include <chrono>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
 
 namespace jax_ep::cpu {
 
 Rank::Rank(const Window& window, int group, int rank, std::vector<uint8_t*> windows,
-           std::shared_ptr<void> keep, double timeout_s)
+           std::shared_ptr<void> keep, double timeout_s, uint64_t first_op)
     : window(window), group(group), rank(rank), windows_(std::move(windows)),
-      keep_(std::move(keep)), timeout_s_(timeout_s), queues_(std::make_shared<Queues>()) {
-  worker_ = std::thread(work, queues_);
+      keep_(std::move(keep)), timeout_s_(timeout_s), sent_(first_op),
+      queues_(std::make_shared<Queues>()) {
+  worker_ = std::thread(work, queues_, this);
   completer_ = std::thread(complete, queues_);
 }
 
@@ -26,32 +31,44 @@ Rank::~Rank() {
   }
 }
 
-void Rank::run(std::function<std::string()> job, Done done) {
+void Rank::run(uint64_t op, std::function<std::string()> job, std::function<void()> poison,
+               Done done) {
   {
     std::lock_guard<std::mutex> lock(queues_->mu);
-    queues_->jobs.emplace_back(std::move(job), std::move(done));
+    queues_->jobs.push_back({op, std::move(job), std::move(poison), std::move(done)});
   }
   queues_->cv.notify_all();
 }
 
-void Rank::work(std::shared_ptr<Queues> q) {
+// Jobs run while the rank lives: the calls in flight hold it (see cpu_handlers.cc).
+void Rank::work(std::shared_ptr<Queues> q, const Rank* rank) {
   std::unique_lock<std::mutex> lock(q->mu);
   while (true) {
     q->cv.wait(lock, [&] { return q->stop || !q->jobs.empty(); });
     if (q->jobs.empty()) return;
-    auto [job, done] = std::move(q->jobs.front());
+    Queues::Job job = std::move(q->jobs.front());
     q->jobs.pop_front();
     ++q->running;
-    std::string error = q->broken;
-    if (error.empty()) {
+    if (q->broken.empty()) {
       lock.unlock();
-      error = job();
+      uint64_t failed_op = job.op;
+      std::string error;
+      if (!rank->aborted(&failed_op, &error)) error = job.run();  // else a peer gave up first
       lock.lock();
-      if (!error.empty())
-        q->broken = error + " (this Buffer stopped here: its ranks no longer agree on the ops "
-                            "in flight; create a new Buffer)";
+      if (!error.empty()) {
+        q->broken = error;
+        q->broken_op = failed_op;
+      }
     }
-    q->completions.emplace_back(std::move(done), std::move(error));
+    // The failed op's parts leave NaN and succeed; any other op fails with the error.
+    std::string error;
+    if (!q->broken.empty()) {
+      lock.unlock();
+      if (job.poison) job.poison();
+      lock.lock();
+      if (job.op != q->broken_op) error = q->broken;
+    }
+    q->completions.emplace_back(std::move(job.done), std::move(error));
     --q->running;
     q->cv.notify_all();
   }
@@ -72,37 +89,123 @@ void Rank::complete(std::shared_ptr<Queues> q) {
   }
 }
 
+std::string Rank::status() const {
+  {
+    std::lock_guard<std::mutex> lock(queues_->mu);
+    if (!queues_->broken.empty()) return queues_->broken;
+  }
+  uint64_t op = 0;
+  std::string error;
+  aborted(&op, &error);
+  return error;
+}
+
 uint64_t Rank::op_of_ticket(int32_t ticket) const {
   // The newest op sent whose low 32 bits are the ticket: recv halves follow their sends closely.
   return sent_ - uint32_t(uint32_t(sent_) - uint32_t(ticket));
 }
 
-template <typename Ready>
-std::string Rank::wait(int64_t offset, Ready ready, uint64_t op, int peer, const char* what) const {
+bool Rank::aborted(uint64_t* op, std::string* error) const {
+  const Window& w = window;
+  if (load_acquire(word(rank, w.aborted_at())) != kAbortWritten) return false;
+  AbortRecord a;
+  std::memcpy(&a, windows_[rank] + w.abort_record_at(), sizeof a);
+  *op = a.op;
+  *error = abort_message(a, group, rank, timeout_s_);
+  return true;
+}
+
+std::string Rank::give_up(Wait code, int peer, uint64_t op, const Signature* mine,
+                          const Signature* theirs) const {
+  const Window& w = window;
+  AbortRecord a{};
+  a.code = uint64_t(code);
+  a.giver = uint64_t(rank);
+  a.peer = uint64_t(peer);
+  a.op = op;
+  if (mine && theirs) {
+    a.mine[0] = signature_word0(*mine), a.mine[1] = signature_word1(*mine);
+    a.theirs[0] = signature_word0(*theirs), a.theirs[1] = signature_word1(*theirs);
+  }
+  // Its own window first: the record it reports is the first of its window.
+  for (int i = 0; i < w.num_ranks; ++i) {
+    const int r = (rank + i) % w.num_ranks;
+    uint64_t expected = kNoAbort;
+    if (!__atomic_compare_exchange_n(word(r, w.aborted_at()), &expected, uint64_t(kAbortClaimed),
+                                     false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+      continue;  // another rank's abort came first
+    std::memcpy(windows_[r] + w.abort_record_at(), &a, sizeof a);
+    store_release(word(r, w.aborted_at()), kAbortWritten);
+  }
+  // The first abort of this window, once its writer has published it (a moment; if it never
+  // does, this rank's own).
+  using Clock = std::chrono::steady_clock;
+  const auto until = Clock::now() + std::chrono::seconds(1);
+  uint64_t first_op = 0;
+  std::string error;
+  while (!aborted(&first_op, &error) && Clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  return error.empty() ? abort_message(a, group, rank, timeout_s_) : error;
+}
+
+std::string Rank::wait_op(int64_t offset, uint64_t op, int peer, Wait what) const {
   const uint64_t* w = word(rank, offset);
-  if (ready(load_acquire(w))) return {};
+  if (load_acquire(w) >= op) return {};
+  const uint64_t* abort_state = word(rank, window.aborted_at());
   using Clock = std::chrono::steady_clock;
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(timeout_s_));
   // Peers are other threads or processes, often on fewer cores than ranks: back off to sleeps.
-  for (int i = 0; !ready(load_acquire(w)); ++i) {
+  for (int i = 0; load_acquire(w) < op; ++i) {
+    if (load_acquire(abort_state) == kAbortWritten) {  // another rank gave up: stop at once
+      uint64_t first_op = 0;
+      std::string error;
+      aborted(&first_op, &error);
+      return error;
+    }
     if (i < 64) continue;
-    if (Clock::now() > deadline)
-      return "jax_ep: rank " + std::to_string(rank) + " of EP group " + std::to_string(group) +
-             " waited more than " + std::to_string(timeout_s_) + " s for rank " +
-             std::to_string(peer) + " (" + what + ", op " + std::to_string(op) +
-             "): every rank of the group must run the same jax_ep ops; did a process stop?";
+    if (Clock::now() > deadline) return give_up(what, peer, op);
     std::this_thread::sleep_for(std::chrono::microseconds(i < 128 ? 1 : i < 256 ? 20 : 200));
   }
   return {};
 }
 
-std::string Rank::wait_tag(int64_t offset, uint64_t op, int peer, const char* what) const {
-  return wait(offset, [op](uint64_t v) { return tag_op(v) >= op; }, op, peer, what);
+// ---- what a failed op leaves
+
+namespace {
+void fill_nan(void* p, int64_t n, Dtype t) {
+  for (int64_t i = 0; i < n; ++i) store_float(p, i, t, std::numeric_limits<float>::quiet_NaN());
+}
+}  // namespace
+
+void poison(const DispatchSend& a, int num_ranks) {
+  if (!a.fresh()) return;  // a cached dispatch's routes are its input
+  std::fill(a.send_pos, a.send_pos + int64_t(a.num_tokens) * num_ranks, -1);
+  *a.num_invalid = 0;
 }
 
-std::string Rank::wait_value(int64_t offset, uint64_t at_least, int peer, const char* what) const {
-  return wait(offset, [at_least](uint64_t v) { return v >= at_least; }, at_least, peer, what);
+void poison(const DispatchRecv& a, int num_ranks, int experts_per_rank) {
+  if (!a.x_out) return;  // not a recv part
+  const int64_t elems = int64_t(a.out_rows) * a.hidden;
+  if (a.fp8)
+    std::memset(a.x_out, 0x7f, elems);  // e4m3fn NaN
+  else
+    fill_nan(a.x_out, elems, a.x_dtype);
+  if (a.fp8) fill_nan(a.scales_out, int64_t(a.out_rows) * (a.hidden / kFp8Block), Dtype::kF32);
+  if (!a.fresh()) return;
+  const int64_t slots = int64_t(a.out_rows) * a.num_topk;
+  std::fill(a.topk_out, a.topk_out + slots, -1);
+  fill_nan(a.weights_out, slots, Dtype::kF32);
+  std::fill(a.recv_counts, a.recv_counts + num_ranks, 0);
+  std::fill(a.tokens_per_expert, a.tokens_per_expert + experts_per_rank, 0);
+  *a.num_recv = 0;
+  *a.num_dropped = 0;
+}
+
+void poison(const CombineRecv& a) {
+  if (!a.out) return;
+  fill_nan(a.out, int64_t(a.num_tokens) * a.width, a.out_dtype);
+  if (a.extra_out) fill_nan(a.extra_out, int64_t(a.num_tokens) * a.extra_cols, Dtype::kF32);
 }
 
 }  // namespace jax_ep::cpu

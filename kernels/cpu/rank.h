@@ -6,7 +6,9 @@
 // the rank's worker, which runs the rank's ops in order (waiting for peers there, with a
 // timeout), and returns a future. The call completes on another thread of the rank: completing
 // it runs the device's next work, which may block in XLA's own collectives and must not hold up
-// the worker.
+// the worker. An op that fails (a wait timed out, a peer aborted, the ranks ran different ops)
+// completes without an error but with NaN in its float outputs and -1 / 0 in its integers, so
+// that its own step sees it; every later op of the rank then fails at once with the error.
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -29,15 +31,21 @@ class Rank {
  public:
   // windows[r]: rank r's window as mapped here; `keep` keeps the mappings alive.
   Rank(const Window& window, int group, int rank, std::vector<uint8_t*> windows,
-       std::shared_ptr<void> keep, double timeout_s);
+       std::shared_ptr<void> keep, double timeout_s, uint64_t first_op);
   ~Rank();
 
   const Window window;
   const int group, rank;
 
-  // Runs job() on the worker after every job queued before; then done(its error) on the
-  // completion thread. After an error the rank is broken: later jobs fail at once.
-  void run(std::function<std::string()> job, Done done);
+  // Runs job() (a part of op `op`) on the worker after every job queued before; then done(its
+  // error) on the completion thread. A job that fails leaves poison() in its outputs and is
+  // done without an error; the rank is then broken: a later job of the same op is poisoned too,
+  // any other fails at once with the error. A job that finds an abort in the rank's window
+  // before it starts is the same as a failed one (poisoned if it is of the abort's op).
+  void run(uint64_t op, std::function<std::string()> job, std::function<void()> poison, Done done);
+
+  // The error that stopped the rank (or an abort a peer wrote into its window), or "".
+  std::string status() const;
 
   // The number of the next op this rank sends (ops are numbered in the order their send halves
   // are called, the same on every rank), and the op a recv half's ticket (its low 32 bits) names.
@@ -49,14 +57,20 @@ class Rank {
     return reinterpret_cast<uint64_t*>(windows_[r] + offset);
   }
 
-  // Waits until the word at `offset` of this rank's window reaches op `op` (its tag, or the
-  // word itself for released ops); "" or the timeout's error naming `peer`.
-  std::string wait_tag(int64_t offset, uint64_t op, int peer, const char* what) const;
-  std::string wait_value(int64_t offset, uint64_t at_least, int peer, const char* what) const;
+  // Waits until the word at `offset` of this rank's window (an op number) is at least `op`;
+  // "" or the error: the timeout's naming `peer` (then this rank gave up), or the abort another
+  // rank wrote into this window meanwhile.
+  std::string wait_op(int64_t offset, uint64_t op, int peer, Wait what) const;
+
+  // Gives up op `op`: writes the abort record into every window of the group (each window's
+  // first abort stays) and returns the error.
+  std::string give_up(Wait code, int peer, uint64_t op, const Signature* mine = nullptr,
+                      const Signature* theirs = nullptr) const;
+
+  // The abort record of this rank's window if one was written: its op and error.
+  bool aborted(uint64_t* op, std::string* error) const;
 
  private:
-  template <typename Ready>
-  std::string wait(int64_t offset, Ready ready, uint64_t op, int peer, const char* what) const;
 
   // The threads' state, theirs as much as the rank's: the last reference to a rank may drop on
   // one of them (a completed call ends a program, which may free it), which then lets the
@@ -64,19 +78,26 @@ class Rank {
   struct Queues {
     std::mutex mu;
     std::condition_variable cv;
-    std::deque<std::pair<std::function<std::string()>, Done>> jobs;
+    struct Job {
+      uint64_t op;
+      std::function<std::string()> run;
+      std::function<void()> poison;
+      Done done;
+    };
+    std::deque<Job> jobs;
     std::deque<std::pair<Done, std::string>> completions;
     std::string broken;
+    uint64_t broken_op = 0;  // the op that failed here (its other parts are poisoned, not failed)
     int running = 0;  // jobs taken whose completion is not queued yet
     bool stop = false;
   };
-  static void work(std::shared_ptr<Queues> q);
+  static void work(std::shared_ptr<Queues> q, const Rank* rank);
   static void complete(std::shared_ptr<Queues> q);
 
   std::vector<uint8_t*> windows_;
   std::shared_ptr<void> keep_;
   const double timeout_s_;
-  uint64_t sent_ = 0;
+  uint64_t sent_;
   std::shared_ptr<Queues> queues_;
   std::thread worker_, completer_;
 };
@@ -85,12 +106,21 @@ inline uint64_t load_acquire(const uint64_t* p) { return __atomic_load_n(p, __AT
 inline void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
 // The protocol steps both kinds of op share: before sending op `op`, that every destination has
-// read what this rank sent it in the op of the same slot; the rows each source sent this rank in
-// op `op` (first[s]: the first row of source s in (source, j) order, first[R]: all), once every
-// count word of the op has come; and telling every source this rank has read them.
+// read what this rank sent it in the op of the same slot; the count record for destination d
+// (after the rows: its op word, stored last with release semantics, is their flag); the rows
+// each source sent this rank in op `op` (first[s]: the first row of source s in (source, j)
+// order, first[R]: all), once every count record of the op has come and every source's
+// signature is this rank's own (else the error naming both ops); and telling every source this
+// rank has read them.
 std::string wait_slot_free(Rank& r, uint64_t op);
-std::string received_rows(Rank& r, uint64_t op, OpKind kind, std::vector<int>* first);
+void send_count(Rank& r, int dest, uint64_t op, int rows, const Signature& sig);
+std::string received_rows(Rank& r, uint64_t op, std::vector<int>* first);
 void release(Rank& r, uint64_t op);
+
+// NaN in the float outputs, -1 in the ids, 0 in the counts: what a failed op leaves.
+void poison(const DispatchSend& a, int num_ranks);
+void poison(const DispatchRecv& a, int num_ranks, int experts_per_rank);
+void poison(const CombineRecv& a);
 
 // The stages of kernels/ops.h on one rank, for op `op`; each returns "" or the error.
 std::string dispatch_send(Rank& r, uint64_t op, const DispatchSend& a);

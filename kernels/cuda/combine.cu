@@ -24,12 +24,15 @@ struct Params {
 };
 
 // first[s]: this rank's first rank-level row from source s (the dispatch's counts); first[R]: all.
-__device__ void dispatch_offsets(const CombineSend& s, int num_ranks, int32_t* first) {
+// The handle's counts are trusted only within a block of the window and the rows given: a stale
+// or corrupted handle cannot write past a block of a peer's window or read past row_data.
+__device__ void dispatch_offsets(const CombineSend& s, int num_ranks, int rows_per_source,
+                                 int32_t* first) {
   if (threadIdx.x == 0) {
     int running = 0;
     for (int r = 0; r < num_ranks; ++r) {
       first[r] = running;
-      running += s.recv_counts[r];
+      running += min(max(s.recv_counts[r], 0), rows_per_source);
     }
     first[num_ranks] = running;
   }
@@ -41,12 +44,11 @@ __device__ void send_back(const Params& P, uint64_t op, const int32_t* first) {
   const Window& w = p.w;
   const CombineSend& s = P.s;
   const int R = w.num_ranks, me = p.rank, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int slot = int(op % kSlots), present = min(*s.num_rows, first[R]);
+  const int slot = int(op % kSlots), present = max(0, min(*s.num_rows, min(first[R], s.rows)));
   if (blockIdx.x == 0 && threadIdx.x < R) {  // rows kept per source (the rest were dropped)
     const int src = threadIdx.x;
     const int kept = max(0, min(present - first[src], first[src + 1] - first[src]));
-    store_release(p.word(src, w.counts_at(slot, me)),
-                  tagged(op, count_value(OpKind::kCombine, kept)));
+    send_count(p, src, op, kept, signature(s, w.num_ranks * w.experts_per_rank));
   }
   const int64_t elem = dtype_size(s.rows_dtype), row_bytes = s.width * elem;
   const Pieces pieces(kWarps, present, s.width);
@@ -94,17 +96,11 @@ __device__ void sum_back(const Params& P, uint64_t op) {
   __shared__ bool ok;
   if (threadIdx.x == 0) ok = true;
   __syncthreads();
-  if (threadIdx.x < R) {
-    const int d = threadIdx.x;
-    const uint64_t* word = p.word(me, w.counts_at(slot, d));
-    kept[d] = 0;
-    if (wait_tag(p, word, op, kWaitCounts, d)) {
-      const uint64_t value = load_volatile(word);
-      if (count_kind(value) != OpKind::kCombine) give_up(p, kKindMismatch, d, op);
-      kept[d] = min(count_rows(value), w.rows_per_source);
-    }
-  }
-  if (P.in_place()) dispatch_offsets(P.s, R, self_first);
+  if (threadIdx.x < R && !wait_count(p, op, threadIdx.x, kWaitCounts, &kept[threadIdx.x]))
+    kept[threadIdx.x] = 0;
+  if (P.in_place()) dispatch_offsets(P.s, R, w.rows_per_source, self_first);
+  __syncthreads();
+  check_signatures(p, op);
   __syncthreads();
   if (threadIdx.x == 0) ok = !aborted(p);
   __syncthreads();
@@ -160,23 +156,32 @@ __device__ void sum_back(const Params& P, uint64_t op) {
   finish_recv(p, op);
 }
 
+// What a failed op leaves in its output (the whole block, all of it): NaN.
+__device__ void poison(const Params& P) {
+  if (P.part == Part::kSend) return;
+  const CombineRecv& v = P.v;
+  fill_nan(v.out, int64_t(v.num_tokens) * v.width, dtype_size(v.out_dtype));
+  if (v.extra_out) fill_nan(v.extra_out, int64_t(v.num_tokens) * v.extra_cols, 4);
+}
+
 __global__ void __launch_bounds__(kWarps * 32, 1) combine_kernel(Params P) {
   __shared__ uint64_t op;
   __shared__ int32_t first[kMaxGpuRanks + 1];
   __shared__ bool stop;
-  if (threadIdx.x == 0) stop = aborted(P.p);  // an earlier op gave up: do nothing
+  if (threadIdx.x == 0) stop = aborted(P.p);  // an op gave up: this one only leaves NaN
   __syncthreads();
-  if (stop) return;
+  if (stop) return poison(P);
   const bool sending = P.part != Part::kRecv;
   begin_op(P.p, sending ? Begin::kCount : Begin::kTicket, P.ticket, &op);
   __syncthreads();
   if (blockIdx.x == 0 && threadIdx.x == 0 && P.token_out) *P.token_out = int32_t(op);
   if (sending) {
     wait_slot_free(P.p, op);
-    dispatch_offsets(P.s, P.p.w.num_ranks, first);  // its barrier completes the wait
+    dispatch_offsets(P.s, P.p.w.num_ranks, P.p.w.rows_per_source, first);  // its barrier completes the wait
     send_back(P, op, first);
   }
   if (P.part != Part::kSend) sum_back(P, op);
+  if (block_sees_abort(P.p)) poison(P);
 }
 
 }  // namespace

@@ -110,12 +110,14 @@ __device__ void send_counts(const Params& P, uint64_t op, const int32_t* total,
   const Peers& p = P.p;
   const Window& w = p.w;
   const int slot = int(op % kSlots), El = w.experts_per_rank;
-  for (int d = threadIdx.x; d < w.num_ranks; d += blockDim.x)
-    store_release(p.word(d, w.counts_at(slot, p.rank)),
-                  tagged(op, count_value(OpKind::kDispatch, total[d])));
+  const Signature sig = signature(P.s);
+  for (int d = threadIdx.x; d < w.num_ranks; d += blockDim.x) send_count(p, d, op, total[d], sig);
   if (tally)
-    for (int e = threadIdx.x; e < w.num_ranks * El; e += blockDim.x)
-      store_relaxed(p.word(e / El, w.expert_rows_at(slot, p.rank, e % El)), tagged(op, tally[e]));
+    for (int e = threadIdx.x; e < w.num_ranks * El; e += blockDim.x) {
+      uint64_t* entry = p.word(e / El, w.expert_rows_at(slot, p.rank, e % El));
+      store_relaxed(entry + kExpertRowsValue / 8, uint64_t(uint32_t(tally[e])));
+      store_release(entry, op);
+    }
 }
 
 // Large batches: a block per chunk of kRouteThreads tokens gives each token its index among the
@@ -328,25 +330,17 @@ __device__ void send_tokens(const Params& P, uint64_t op, const SendScan& scan, 
   }
 }
 
-// Threads s < R: rows[s], what source s sends this rank in op `op` (its count word); then
-// first[s], its first row in (source, j) order, first[R] all. False if this rank gave up.
-__device__ bool row_offsets(const Peers& p, uint64_t op, OpKind kind, int32_t* first) {
+// Threads s < R: rows[s], what source s sends this rank in op `op` (its count record), once
+// every source's signature is this rank's own; then first[s], its first row in (source, j)
+// order, first[R] all. False if this rank stopped.
+__device__ bool row_offsets(const Peers& p, uint64_t op, int32_t* first) {
   __shared__ int32_t rows[kMaxGpuRanks];
   __shared__ bool ok;
   const Window& w = p.w;
   const int s = threadIdx.x;
-  if (s == 0) ok = true;
+  if (s < w.num_ranks && !wait_count(p, op, s, kWaitCounts, &rows[s])) rows[s] = 0;
   __syncthreads();
-  if (s < w.num_ranks) {
-    const uint64_t* word = p.word(p.rank, w.counts_at(int(op % kSlots), s));
-    if (wait_tag(p, word, op, kWaitCounts, s)) {
-      const uint64_t value = load_volatile(word);
-      if (count_kind(value) != kind) give_up(p, kKindMismatch, s, op);
-      rows[s] = min(count_rows(value), w.rows_per_source);
-    } else {
-      rows[s] = 0;
-    }
-  }
+  check_signatures(p, op);
   __syncthreads();
   if (threadIdx.x == 0) {
     int running = 0;
@@ -371,8 +365,9 @@ __device__ void tally_experts(const Params& P, uint64_t op, const int32_t* first
   for (int e = threadIdx.x; e < El; e += blockDim.x) {
     int rows = 0;
     for (int s = 0; s < R; ++s) {
-      const uint64_t* word = p.word(p.rank, w.expert_rows_at(slot, s, e));
-      if (wait_tag(p, word, op, kWaitCounts, s)) rows += int(tag_value(load_volatile(word)));
+      const uint64_t* entry = p.word(p.rank, w.expert_rows_at(slot, s, e));
+      if (wait_op(p, entry, op, kWaitCounts, s))
+        rows += int(uint32_t(load_volatile(entry + kExpertRowsValue / 8)));
     }
     tally[e] = rows;
   }
@@ -398,7 +393,7 @@ __device__ void receive_tokens(const Params& P, uint64_t op, int32_t* tally) {
   const int slot = int(op % kSlots), K = v.num_topk;
   const bool fresh = v.fresh();
   __shared__ int32_t first[kMaxGpuRanks + 1];
-  if (!row_offsets(p, op, OpKind::kDispatch, first)) return;
+  if (!row_offsets(p, op, first)) return;
   const int present = min(first[R], v.out_rows);
   if (fresh && blockIdx.x == 0) {
     if (threadIdx.x == 0) {
@@ -423,6 +418,7 @@ __device__ void receive_tokens(const Params& P, uint64_t op, int32_t* tally) {
       if (s == p.rank && P.in_place()) continue;  // written in place by the send part
       row = p.row(p.rank, slot, s, i - first[s]);
       if (!wait_parts(p, row, p0, p1, op, s)) continue;
+      __syncwarp();  // every lane's reads of the row after the flags the warp voted on
     }
     const int64_t e0 = int64_t(p0) * kPartElems, e1 = min(int64_t(v.hidden), int64_t(p1) * kPartElems);
     copy_bytes(static_cast<uint8_t*>(v.x_out) + i * v.wire_row_bytes(), row, e0 * x_elem,
@@ -445,10 +441,7 @@ __device__ void receive_tokens(const Params& P, uint64_t op, int32_t* tally) {
 __device__ void rows_before_self(const Peers& p, uint64_t op, int32_t* first_self) {
   __shared__ int32_t rows[kMaxGpuRanks];
   const int s = threadIdx.x;
-  if (s < p.rank) {
-    const uint64_t* word = p.word(p.rank, p.w.counts_at(int(op % kSlots), s));
-    rows[s] = wait_tag(p, word, op, kWaitLower, s) ? count_rows(load_volatile(word)) : 0;
-  }
+  if (s < p.rank && !wait_count(p, op, s, kWaitLower, &rows[s])) rows[s] = 0;
   __syncthreads();
   if (threadIdx.x == 0) {
     int n = 0;
@@ -456,6 +449,28 @@ __device__ void rows_before_self(const Peers& p, uint64_t op, int32_t* first_sel
     *first_self = n;
   }
   __syncthreads();
+}
+
+// What a failed op leaves in the outputs of this kernel's parts (the whole block, all of them):
+// NaN in the rows, scales and weights, -1 in the ids and routes, 0 in the counts.
+__device__ void poison(const Params& P) {
+  const Window& w = P.p.w;
+  const DispatchSend& a = P.s;
+  const DispatchRecv& v = P.v;
+  if (P.part != Part::kRecv && a.fresh()) {
+    fill(a.send_pos, int64_t(a.num_tokens) * w.num_ranks, int32_t(-1));
+    if (threadIdx.x == 0) *a.num_invalid = 0;
+  }
+  if (P.part == Part::kSend) return;
+  const int elem = v.fp8 ? 1 : dtype_size(v.x_dtype);
+  fill_nan(v.x_out, int64_t(v.out_rows) * v.hidden, elem);
+  if (v.fp8) fill_nan(v.scales_out, int64_t(v.out_rows) * w.num_scales(), 4);
+  if (!v.fresh()) return;
+  fill(v.topk_out, int64_t(v.out_rows) * v.num_topk, int32_t(-1));
+  fill_nan(v.weights_out, int64_t(v.out_rows) * v.num_topk, 4);
+  fill(v.recv_counts, int64_t(w.num_ranks), int32_t(0));
+  fill(v.tokens_per_expert, int64_t(w.experts_per_rank), int32_t(0));
+  if (threadIdx.x == 0) *v.num_recv = *v.num_dropped = 0;
 }
 
 template <typename T, bool kFp8>
@@ -471,9 +486,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) dispatch_kernel(Params P, bool
   const int R = w.num_ranks, warp = threadIdx.x / 32;
   const int num_scales = kFp8 ? w.num_scales() : 0;
   int32_t* tally = reinterpret_cast<int32_t*>(dynamic + kWarps * num_scales);
-  if (threadIdx.x == 0) stop = aborted(p);  // an earlier op gave up: do nothing
+  if (threadIdx.x == 0) stop = aborted(p);  // an op gave up: this one only leaves NaN
   __syncthreads();
-  if (stop) return;
+  if (stop) return poison(P);
   const bool sending = P.part != Part::kRecv;
   const bool in_block = sending && P.routing == Routing::kInBlock;
   begin_op(p, !sending ? Begin::kTicket : P.routing == Routing::kRouted ? Begin::kFollow
@@ -513,6 +528,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) dispatch_kernel(Params P, bool
                          aligned);
   }
   if (P.part != Part::kSend) receive_tokens(P, op, tally);
+  if (block_sees_abort(p)) poison(P);
 }
 
 template <typename T, bool kFp8>

@@ -16,29 +16,14 @@ Peers Rank::peers() const {
   return p;
 }
 
-namespace {
-const char* what_failed(int32_t code) {
-  switch (code) {
-    case kWaitRows: return "waited too long for its rows";
-    case kWaitCounts: return "waited too long for its row counts";
-    case kWaitRelease: return "waited too long for it to release the window";
-    case kWaitLower: return "waited too long for its row counts (rows placed after its)";
-    case kKindMismatch: return "found it ran another kind of op (dispatch against combine)";
-  }
-  return "failed";
-}
-}  // namespace
-
 std::string Rank::failed() const {
   const volatile Failure& f = *failure;
-  if (f.code == 0) return {};
-  const bool timed_out = f.code != kKindMismatch;
-  return "jax_ep: rank " + std::to_string(f.rank) + " of EP group " + std::to_string(group) +
-         " (GPU " + std::to_string(device) + ") " + what_failed(f.code) + " from rank " +
-         std::to_string(f.peer) + " at op " + std::to_string(uint64_t(f.op)) +
-         (timed_out ? " (timeout_s=" + std::to_string(timeout_s) + ")" : std::string()) +
-         ": every rank must run the same jax_ep ops" + (timed_out ? "; did a process stop?" : "") +
-         " The op's results were not usable; this Buffer stopped (create a new one)";
+  if (f.written == 0) return {};
+  AbortRecord a;
+  const volatile uint64_t* from = reinterpret_cast<const volatile uint64_t*>(&f.record);
+  uint64_t* to = reinterpret_cast<uint64_t*>(&a);
+  for (size_t i = 0; i < sizeof a / 8; ++i) to[i] = from[i];
+  return abort_message(a, group, rank, timeout_s) + " [GPU " + std::to_string(device) + "]";
 }
 
 cudaError_t static_shared_bytes(const void* kernel, size_t* bytes) {

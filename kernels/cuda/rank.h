@@ -13,21 +13,12 @@
 
 namespace jax_ep::cuda {
 
-// Why a kernel gave up; in host-mapped memory, so the host reads it without a sync.
+// Why this rank's kernels stopped: the abort record of its window (its own or a peer's, see
+// kernels/signature.h), copied into host-mapped memory by the first kernel thread that saw it,
+// so the host reads it without a sync.
 struct Failure {
-  int32_t code;   // 0: none, else a Wait
-  int32_t peer;
-  int32_t rank;
-  int32_t pad;
-  uint64_t op;
-};
-
-enum Wait : int32_t {
-  kWaitRows = 1,      // a source's rows (their flags)
-  kWaitCounts = 2,    // a source's count word
-  kWaitRelease = 3,   // a destination to release the slot
-  kWaitLower = 4,     // the counts of the ranks before this one (rows it writes in place)
-  kKindMismatch = 5,  // a peer ran another kind of op
+  AbortRecord record;
+  uint64_t written;  // set last: 0 while nothing stopped
 };
 
 // What every kernel of an op takes (by value): the window layout and where every rank's is.

@@ -37,33 +37,64 @@ __device__ __forceinline__ uint64_t global_time_ns() {
   return t;
 }
 
+// Whether some rank of the group gave up: its abort record is in this rank's window (or being
+// written there).
 __device__ __forceinline__ bool aborted(const Peers& p) {
-  return load_volatile(p.word(p.rank, p.w.aborted_at())) != 0;
+  return load_volatile(p.word(p.rank, p.w.aborted_at())) != kNoAbort;
 }
 
-// Gives up: the first wait of this rank to do so records why (the host reads it at the next
-// call); every other wait of its kernels then returns at once, so the kernels end (their
-// results are not to be used) and the CUDA context stays usable.
-__device__ __forceinline__ void give_up(const Peers& p, Wait what, int peer, uint64_t op) {
-  auto* flag = reinterpret_cast<unsigned long long*>(p.word(p.rank, p.w.aborted_at()));
-  if (atomicCAS(flag, 0ull, 1ull) != 0ull) return;
+// The abort record of this rank's window into the host-mapped Failure, by the first thread of
+// the rank's kernels to get here (the host reads it at the next call, or in Buffer.status()).
+static __device__ __noinline__ void record_failure(const Peers& p) {
+  auto* claim = reinterpret_cast<unsigned int*>(p.window[p.rank] + p.w.failure_claim_at());
+  if (atomicCAS(claim, 0u, 1u) != 0u) return;
+  const uint64_t* state = p.word(p.rank, p.w.aborted_at());
+  const uint64_t start = global_time_ns();  // the writer publishes it at once (unless it died)
+  while (load_acquire(state) != kAbortWritten && global_time_ns() - start < p.timeout_ns) {
+  }
   volatile Failure* f = p.failure;
-  f->peer = peer;
-  f->rank = p.rank;
-  f->op = op;
+  const uint64_t* record = p.word(p.rank, p.w.abort_record_at());
+  volatile uint64_t* to = reinterpret_cast<volatile uint64_t*>(&f->record);
+  for (int i = 0; i < int(sizeof(AbortRecord) / 8); ++i) to[i] = load_volatile(record + i);
   __threadfence_system();
-  f->code = int32_t(what);
+  f->written = 1;
   __threadfence_system();
 }
 
-// Spins until ready(*flag); false if this rank gives up meanwhile (timeout_ns without it).
+// Gives up op `op`: the abort record goes into every window of the group whose record is still
+// free (this rank's first, so that it names this rank's reason), which stops every wait of
+// every rank at once; then into this rank's host record. The kernels end; their results are
+// NaN (the kernels' ends poison them) and the next call raises.
+static __device__ __noinline__ void give_up(const Peers& p, Wait what, int peer, uint64_t op,
+                                     const uint64_t* mine = nullptr,
+                                     const uint64_t* theirs = nullptr) {
+  const Window& w = p.w;
+  for (int i = 0; i < w.num_ranks; ++i) {
+    const int r = (p.rank + i) % w.num_ranks;
+    auto* state = reinterpret_cast<unsigned long long*>(p.word(r, w.aborted_at()));
+    if (atomicCAS_system(state, 0ull, (unsigned long long)kAbortClaimed) != 0ull) continue;
+    uint64_t* record = p.word(r, w.abort_record_at());
+    const uint64_t words[8] = {uint64_t(what), uint64_t(p.rank), uint64_t(peer), op,
+                               mine ? mine[0] : 0, mine ? mine[1] : 0,
+                               theirs ? theirs[0] : 0, theirs ? theirs[1] : 0};
+    for (int k = 0; k < 8; ++k) store_relaxed(record + k, words[k]);
+    store_release(reinterpret_cast<uint64_t*>(state), kAbortWritten);
+  }
+  record_failure(p);
+}
+
+// Spins until ready(*flag); false if this rank gives up meanwhile (timeout_ns without it) or
+// finds that another rank did.
 template <typename Ready>
 __device__ __forceinline__ bool wait_until(const Peers& p, const uint64_t* flag, Ready ready,
                                            Wait what, int peer, uint64_t op) {
   if (ready(load_acquire(flag))) return true;
   const uint64_t start = global_time_ns();
   while (!ready(load_acquire(flag))) {
-    if (aborted(p)) return false;
+    if (aborted(p)) {
+      record_failure(p);
+      return false;
+    }
     if (global_time_ns() - start > p.timeout_ns) {
       give_up(p, what, peer, op);
       return false;
@@ -72,16 +103,47 @@ __device__ __forceinline__ bool wait_until(const Peers& p, const uint64_t* flag,
   return true;
 }
 
-// A word peers tag with the op number (counts, rows per expert, flags) has reached op `op`.
-__device__ __forceinline__ bool wait_tag(const Peers& p, const uint64_t* word, uint64_t op,
-                                         Wait what, int peer) {
-  return wait_until(p, word, [op](uint64_t v) { return tag_op(v) >= op; }, what, peer, op);
-}
-
-// A word holding an op number (flags of rows, released ops) is at least `op`.
+// A word holding an op number (count records, rows per expert, flags of rows, released ops) is
+// at least `op`. Op numbers are whole 64-bit words: they never wrap.
 __device__ __forceinline__ bool wait_op(const Peers& p, const uint64_t* word, uint64_t op,
                                         Wait what, int peer) {
   return wait_until(p, word, [op](uint64_t v) { return v >= op; }, what, peer, op);
+}
+
+// The count record for destination d of op `op` (one thread): its rows and the op's signature,
+// then its op number with release semantics (the flag of the record).
+__device__ __forceinline__ void send_count(const Peers& p, int d, uint64_t op, int rows,
+                                           const Signature& sig) {
+  uint64_t* record = p.word(d, p.w.counts_at(int(op % kSlots), p.rank));
+  store_relaxed(record + kCountRows / 8, uint64_t(rows));
+  store_relaxed(record + kCountSignature / 8, signature_word0(sig));
+  store_relaxed(record + kCountSignature / 8 + 1, signature_word1(sig));
+  store_release(record, op);
+}
+
+// Source s's count record of op `op` in this rank's window has come (else false: stopped).
+__device__ __forceinline__ bool wait_count(const Peers& p, uint64_t op, int s, Wait what,
+                                           int* rows) {
+  const uint64_t* record = p.word(p.rank, p.w.counts_at(int(op % kSlots), s));
+  if (!wait_op(p, record, op, what, s)) return false;
+  *rows = int(min(load_volatile(record + kCountRows / 8), uint64_t(p.w.rows_per_source)));
+  return true;
+}
+
+// After every source's record of op `op` came (the caller's barrier): thread s < R compares
+// source s's signature with this rank's own record (what it sent itself) and gives up naming
+// both ops if they differ.
+__device__ __forceinline__ void check_signatures(const Peers& p, uint64_t op) {
+  const int s = threadIdx.x;
+  if (s >= p.w.num_ranks) return;
+  const int slot = int(op % kSlots);
+  const uint64_t* mine = p.word(p.rank, p.w.counts_at(slot, p.rank)) + kCountSignature / 8;
+  const uint64_t* theirs = p.word(p.rank, p.w.counts_at(slot, s)) + kCountSignature / 8;
+  if (load_volatile(mine - kCountSignature / 8) < op || load_volatile(theirs - kCountSignature / 8) < op)
+    return;  // a record that never came: its wait gave up
+  const uint64_t a[2] = {load_volatile(mine), load_volatile(mine + 1)};
+  const uint64_t b[2] = {load_volatile(theirs), load_volatile(theirs + 1)};
+  if (a[0] != b[0] || a[1] != b[1]) give_up(p, kMismatch, s, op, a, b);
 }
 
 // The op this kernel serves, into `op` (shared memory) once the caller's next barrier passed.
@@ -122,6 +184,35 @@ __device__ __forceinline__ int source_of(const int32_t* first, int row) {
   int s = 0;
   while (first[s + 1] <= row) ++s;
   return s;
+}
+
+// Float outputs of a failed op: NaN (float32, bfloat16 or e4m3 bytes), each thread of the block
+// from `begin` in steps of the block.
+__device__ __forceinline__ void fill_nan(void* p, int64_t n, int elem_bytes) {
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    if (elem_bytes == 4)
+      static_cast<uint32_t*>(p)[i] = 0x7fc00000u;
+    else if (elem_bytes == 2)
+      static_cast<uint16_t*>(p)[i] = 0x7fc0u;
+    else
+      static_cast<uint8_t*>(p)[i] = 0x7fu;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void fill(T* p, int64_t n, T value) {
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) p[i] = value;
+}
+
+// Whether this rank stopped (the whole block agrees): a failed op's kernels then leave NaN in
+// its outputs, every block all of them (blocks that finished before the abort wrote theirs
+// earlier, so the last writes are NaN).
+__device__ __forceinline__ bool block_sees_abort(const Peers& p) {
+  __shared__ bool seen;
+  __syncthreads();
+  if (threadIdx.x == 0) seen = aborted(p);
+  __syncthreads();
+  return seen;
 }
 
 // How a grid's warps split rows into pieces of whole parts (each under its own flags), so that

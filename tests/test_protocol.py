@@ -1,0 +1,160 @@
+"""The protocol's failure paths on the CPU backend in one process (issue 26; the cases that need
+processes that disagree are in process_scenarios.py): a timed-out op leaves NaN in its own
+step and the next call raises, Buffer.status() says why; op numbers past 2^32; a corrupted
+handle cannot write outside the window; /dev/shm too small is an error naming the size."""
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import ffi_path
+import functools
+
+from helpers import assert_matches_reference, buffers, make_mesh, pipeline, random_inputs, run
+
+E, H, K, T = 8, 128, 2, 8
+
+
+def _lonely_recv(buf, mesh):
+    """A recv half of an op no rank ever sent: its wait can only time out."""
+    cfg = buf._ops._cfg._replace(x_dtype="float32")
+    return jax.jit(jax.shard_map(
+        lambda t: ffi_path._recv(cfg, "dispatch_cached_recv", ffi_path._rows_shapes(cfg, T, H),
+                                 t)[0],
+        mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
+
+
+def test_a_timed_out_op_returns_nan_in_its_own_step_and_the_next_call_raises():
+    mesh = make_mesh(1)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
+                        timeout_s=0.5)
+    assert buf.status() is None
+    start = time.perf_counter()
+    rows = np.asarray(_lonely_recv(buf, mesh)(jnp.full((1,), 7, jnp.int32)))
+    assert time.perf_counter() - start < 30
+    assert rows.shape == (T, H) and np.isnan(rows).all(), rows
+    status = buf.status()
+    assert status and "waited more than 0.5" in status, status
+    x = jnp.ones((T, H), jnp.float32)
+    i = jnp.zeros((T, K), jnp.int32)
+    with pytest.raises(Exception, match="waited more than 0.5"):
+        jax.block_until_ready(run(mesh, lambda x, i: buf.dispatch(x, i).x, x, i))
+    again = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
+    d = run(mesh, lambda x, i: again.dispatch(x, i)._replace(handle=None), x, i)
+    assert int(np.asarray(d.num_recv)[0]) == T and again.status() is None
+
+
+def test_op_numbers_past_2_to_the_32(monkeypatch):
+    """Ops numbered from just below 2^32 on: every op across the boundary (whole and split,
+    so also the tickets of recv halves) equals the reference path."""
+    monkeypatch.setenv("JAX_EP_TESTING_FIRST_OP", str(2**32 - 3))
+    mesh = make_mesh(2)
+    bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
+    monkeypatch.delenv("JAX_EP_TESTING_FIRST_OP")
+    rng = np.random.default_rng(26)
+    x, idx, w = random_inputs(rng, mesh.size, T, H, E, K, mesh.size, "random")
+    bias = jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+    # 3 ops per step (split dispatch and combine, a cached dispatch), run twice: ops 2^32 - 2
+    # to 2^32 + 3.
+    step = {impl: functools.partial(run, mesh, pipeline(buf, "rank", split=True))
+            for impl, buf in bufs.items()}
+    assert_matches_reference(step, x, idx, w, bias, x * 2)
+    assert bufs["ffi"].status() is None
+
+
+def test_a_corrupted_handle_cannot_write_outside_the_window():
+    """Combine's send half clamps the handle's counts to the window and the rows given."""
+    mesh = make_mesh(2)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
+                        timeout_s=20)
+    rows = 2 * T
+
+    def bad_combine(data):
+        send_pos = jnp.zeros((T, 2), jnp.int32)
+        counts = jnp.array([1 << 30, -5], jnp.int32)
+        num_rows = jnp.array(1 << 30, jnp.int32)
+        return buf._ops.combine(data, send_pos, num_rows, counts, None, out_dtype=jnp.float32)
+
+    y = run(mesh, bad_combine, jnp.ones((2 * rows, H), jnp.float32))
+    # Each rank kept all of its rows for source 0 (clamped to T) and sent row 0 back to every
+    # token: every token of every rank gets one row from each rank that kept one for it.
+    assert np.isfinite(np.asarray(y)).all()
+    assert buf.status() is None
+    x = jnp.ones((2 * T, H), jnp.float32)
+    i = jnp.zeros((2 * T, K), jnp.int32)
+    d = run(mesh, lambda x, i: buf.dispatch(x, i)._replace(handle=None), x, i)
+    assert list(np.asarray(d.num_recv)) == [2 * T, 0]
+
+
+def test_shared_memory_too_small_is_an_error_naming_the_size():
+    mesh = make_mesh(1)
+    n = (1 << 28) - 1  # about 2 TiB of window: more than any /dev/shm
+    with pytest.raises(RuntimeError, match=r"cannot allocate \d+ bytes .*/dev/shm is too small"):
+        jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=1024, num_topk=K, max_tokens_per_rank=n,
+                      low_latency_tokens=0)
+    again = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
+    x = jnp.ones((T, H), jnp.float32)
+    d = run(mesh, lambda x, i: again.dispatch(x, i)._replace(handle=None), x,
+            jnp.zeros((T, K), jnp.int32))
+    assert int(np.asarray(d.num_recv)[0]) == T
+
+
+def _branching_dispatch(buf):
+    """Rank 0 dispatches FP8 rows, the others bfloat16 rows, at the same op (a cond on the rank):
+    ranks that run different ops at one op number."""
+    def step(x, i):
+        def fp8(x, i):
+            d = buf.dispatch(x, i, fp8=True)
+            return d.x.astype(jnp.float32), d.topk_idx, d.num_recv
+
+        def plain(x, i):
+            d = buf.dispatch(x, i)
+            return d.x.astype(jnp.float32), d.topk_idx, d.num_recv
+
+        return jax.lax.cond(jax.lax.axis_index("ep") == 0, fp8, plain, x, i)
+    return step
+
+
+def test_ranks_that_run_different_ops_stop_naming_both():
+    mesh = make_mesh(2)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
+                        timeout_s=60)
+    x = jnp.ones((2 * T, H), jnp.bfloat16)
+    i = jnp.tile(jnp.arange(K, dtype=jnp.int32), (2 * T, 1)) * (E // 2 - 1)
+    start = time.perf_counter()
+    rows, ids, num_recv = run(mesh, _branching_dispatch(buf), x, i)
+    assert time.perf_counter() - start < 50, "a mismatch waited for the timeout"
+    assert np.isnan(np.asarray(rows)).all() and (np.asarray(ids) == -1).all()
+    assert (np.asarray(num_recv) == 0).all()
+    both = ("dispatch(fp8 rows of bfloat16 x, hidden 128, 8 tokens, top-2 of 8 experts)",
+            "dispatch(bfloat16 rows, hidden 128, 8 tokens, top-2 of 8 experts)")
+    assert all(op in buf.status() for op in both), buf.status()
+    with pytest.raises(Exception, match=r"ran dispatch\(.* while rank . ran dispatch\("):
+        jax.block_until_ready(run(mesh, lambda x, i: buf.dispatch(x, i).x, x, i))
+
+
+def test_check_invalid_raising_between_the_halves_of_another_op_leaves_the_slots_usable():
+    """check_invalid raises (on every rank) inside a program that has another op's send half
+    in flight: the op's recv half still runs, so following ops of the Buffer work."""
+    mesh = make_mesh(2)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
+                        timeout_s=5, check_invalid=True)
+    x = jnp.ones((2 * T, H), jnp.float32)
+    good = jnp.zeros((2 * T, K), jnp.int32)
+    bad = good.at[3, 1].set(E + 1)
+
+    def between(x, good, bad):
+        pending = buf.dispatch_send(x, good)
+        d = buf.dispatch(x, bad)
+        return buf.dispatch_recv(pending).num_recv, d.num_recv
+
+    with pytest.raises(Exception, match="topk_idx holds 1 expert id"):
+        jax.block_until_ready(run(mesh, between, x, good, bad))
+    for _ in range(3):  # more ops than the two slots
+        d = run(mesh, lambda x, i: buf.dispatch(x, i)._replace(handle=None), x, good)
+        assert list(np.asarray(d.num_recv)) == [2 * T, 0]
+    assert buf.status() is None
