@@ -338,20 +338,34 @@ def tiny(mesh, timeout_s):
 
 
 def tiny_dispatch(mesh, buf):
+    """A compiled dispatch on the ranks of `mesh` (every token to rank 0 and the last rank),
+    and its arguments. Every process compiles it, also one that will not run it: XLA shares
+    GPU autotuning between the processes of a program, so compiling alone would wait for them."""
     R = mesh.size
     x = np.ones((R * 4, 128), np.float32)
-    idx = np.tile(np.array([[0, E - 1]], np.int32), (R * 4, 1))  # to rank 0 and the last rank
-    return run(mesh, lambda x, i: buf.dispatch(x, i)._replace(handle=None), x, idx)
+    idx = np.tile(np.array([[0, E - 1]], np.int32), (R * 4, 1))
+    spec = P("ep")
+
+    def body(x, i):
+        return jax.tree.map(lambda v: v[None] if v.ndim == 0 else v,
+                            buf.dispatch(x, i)._replace(handle=None))
+
+    args = [shard(mesh, v) for v in (x, idx)]
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    return program.lower(*args).compile(), args
 
 
-def expect_peer_error(call, peer):
-    jax.block_until_ready(call())  # its kernel gives up after timeout_s
-    try:
-        jax.block_until_ready(call())
-    except Exception as e:
-        message = str(e)
-        assert f"from rank {peer}" in message and "waited too long" in message, message[:2000]
-        return message.splitlines()[0]
+def expect_peer_error(program, args, peer):
+    """GPUs: the first call's kernel gives up after timeout_s and the next call raises; CPUs:
+    the first call raises. Either way the error names the peer."""
+    for _ in range(2):
+        try:
+            jax.block_until_ready(program(*args))
+        except Exception as e:
+            message = str(e)
+            assert f"rank {peer}" in message and ("waited too long" in message  # GPUs
+                                                  or "waited more than" in message), message[:2000]
+            return message.splitlines()[0]
     raise AssertionError(f"no error for rank {peer}, which never ran the op")
 
 
@@ -359,11 +373,11 @@ def timeout_case(mesh):
     """The last rank skips an op: every other rank's wait gives up after timeout_s, names it
     in the next call, and the processes go on together with a new Buffer."""
     R, last = mesh.size, mesh.size - 1
-    buf = tiny(mesh, 3.0)
+    program, args = tiny_dispatch(mesh, tiny(mesh, 3.0))
     if jax.process_index() != last:
-        print("RAISED:", expect_peer_error(lambda: tiny_dispatch(mesh, buf), last), flush=True)
-    again = tiny(mesh, 20.0)
-    for r, d in mine(mesh, tiny_dispatch(mesh, again)).items():
+        print("RAISED:", expect_peer_error(program, args, last), flush=True)
+    program, args = tiny_dispatch(mesh, tiny(mesh, 20.0))
+    for r, d in mine(mesh, program(*args)).items():
         want = R * 4 if r in (0, last) else 0
         assert int(d.num_recv[0]) == want, (r, d.num_recv)
 
@@ -372,19 +386,29 @@ def early_exit_case(mesh):
     """The last process exits after creating a Buffer: the others' ops end in an error naming
     its rank, and each goes on with a Buffer of its own GPU."""
     last = mesh.size - 1
-    buf = tiny(mesh, 3.0)
+    program, args = tiny_dispatch(mesh, tiny(mesh, 3.0))
+    meet_all("early-exit")  # every process compiled
     if jax.process_index() == last:
         print("CASE early-exit OK", flush=True)
         os._exit(0)
-    print("RAISED:", expect_peer_error(lambda: tiny_dispatch(mesh, buf), last), flush=True)
+    print("RAISED:", expect_peer_error(program, args, last), flush=True)
     alone = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("ep",))
-    d = tiny_dispatch(alone, tiny(alone, 20.0))
-    assert int(np.asarray(d.num_recv)[0]) == 4
+    program, args = tiny_dispatch(alone, tiny(alone, 20.0))
+    assert int(np.asarray(program(*args).num_recv)[0]) == 4
+
+
+def meet_all(name, timeout_s=60):
+    """A barrier of every process (jax.distributed's key-value store)."""
+    from jax._src import distributed
+    client = distributed.global_state.client
+    client.key_value_set(f"gpu_process_scenarios/{name}/{jax.process_index()}", "1")
+    for q in range(jax.process_count()):
+        client.blocking_key_value_get(f"gpu_process_scenarios/{name}/{q}", timeout_s * 1000)
 
 
 def suite():
     mesh = global_mesh()
-    assert jax.devices()[0].platform == "gpu" and mesh.size == jax.process_count()
+    assert mesh.size == jax.process_count()  # one rank per process (GPUs; CPUs for a dry run)
     cases = ([(name, lambda c=c, m=m, dl=dl: layer_case(mesh, c, m, dl))
               for name, c, m, dl in layer_cases()]
              + [(f"gradients-{lay}-{mode}-fp8={fp8}",

@@ -44,7 +44,8 @@ def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
 
 
 def _start(process, num_processes, port, devices):
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")  # launch(env=) may give some
+                               + f" --xla_force_host_platform_device_count={devices}").strip()
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
