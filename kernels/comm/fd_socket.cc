@@ -73,7 +73,12 @@ struct Server::Impl {
       if (poll(&p, 1, 20) <= 0) continue;  // wakes up to look at `stopping`
       const int conn = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
       if (conn < 0) continue;
-      if (send_fd(conn, fd, header)) served.fetch_add(1);
+      // Only processes of this user get the window (an abstract name is open to the host).
+      ucred peer{};
+      socklen_t len = sizeof(peer);
+      if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &peer, &len) == 0 && peer.uid == geteuid() &&
+          send_fd(conn, fd, header))
+        served.fetch_add(1);
       close(conn);  // the peer reads what was sent before it sees the end
     }
   }
