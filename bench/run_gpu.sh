@@ -2,10 +2,11 @@
 # A run on a GPU machine: install jax_ep (a wheel built beforehand in .wheel/, else from source),
 # then the GPU tests, the benchmark, the bandwidth probes or the MoE layer's benchmarks; logs and
 # results under $OUT.
-#   bench/run_gpu.sh [tests|bench|probe|layer|all] [extra bench/probe/moe_layer args...]
+#   bench/run_gpu.sh [tests|bench|probe|layer|processes|all] [extra bench/probe/moe_layer args...]
 # bench, probe and all also build the probes' extension bench._probe (the benchmark reports the
 # copy engine's peer bandwidth through it); layer: the grouped-matmul GPU tests,
-# bench.grouped_matmul and bench.moe_layer.
+# bench.grouped_matmul and bench.moe_layer; processes: tests/test_gpu_processes.py (2 and 4
+# processes on GPU 0 through the CUDA-IPC engine, under a private MPS daemon the tests start).
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 gpus=$(nvidia-smi -L | wc -l)
@@ -25,7 +26,7 @@ else
   JAX_EP_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps .
 fi 2>&1 | tail -3
 python3 -c "import jax_ep, jax_ep._native as n; print('jax_ep with CUDA:', n.has_cuda)" || exit 1
-if [ "$what" != tests ]; then  # without bench._probe the benchmark's peer bandwidth is null
+if [ "$what" != tests ] && [ "$what" != processes ]; then  # without bench._probe the benchmark's peer bandwidth is null
   if ! { cmake -S . -B build/probe -DJAX_EP_PROBES=ON -DPython_EXECUTABLE="$(command -v python3)" &&
          cmake --build build/probe --target _probe -j && python3 -c "import bench._probe"; } \
        > "$OUT/probe_build.log" 2>&1; then
@@ -36,6 +37,10 @@ fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --timeout 200 -rA \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+fi
+if [ "$what" = processes ]; then  # this process keeps little GPU memory: its children need it
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-900} python3 -m pytest \
+    tests/test_gpu_processes.py -q -p no:cacheprovider -rA "$@" 2>&1 | tee "$OUT/gpu_processes.log" | tail -60
 fi
 if [ "$what" = probe ]; then
   timeout ${BENCH_TIMEOUT:-480} python3 -m bench.probe "$@" 2>&1 | tee "$OUT/probe.log"

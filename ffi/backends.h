@@ -72,6 +72,38 @@ class CudaBuffer : public NativeBuffer {
   ~CudaBuffer() override;
   std::string status() const override;
 };
+
+// NCCL's version as this build was compiled against it, and of the library at `path` (0 where
+// it cannot be loaded): the Buffer's engine choice (jax_ep/bootstrap.py) reads both.
+int nccl_built_version();
+int nccl_library_version(const std::string& path);
+// The GPU's UUID of a local device ordinal (ranks on one GPU share it), and why the CUDA-IPC
+// engine cannot run on it ("" if it can).
+std::string cuda_device_uuid(int device);
+std::string cuda_ipc_unsupported(int device);
+
+// CUDA devices of one host, without NCCL: windows in VMM memory shared between the processes
+// through the CUDA driver's IPC (kernels/comm/cuda_ipc.h); ranks may share a GPU. Built in
+// steps with every process of the mesh between them: the constructor (allocate, export, serve
+// at `prefix`_g<group>_r<rank>), connect() (import and map the peers'), stop_serving().
+class CudaIpcBuffer : public NativeBuffer {
+ public:
+  CudaIpcBuffer(const Window& window, const std::string& prefix, uint64_t tag, double timeout_s,
+                int num_sms, std::vector<LocalRank> local, bool direct_local, uint64_t first_op);
+  void connect();
+  void stop_serving();
+  ~CudaIpcBuffer() override;
+  std::string status() const override;
+
+ private:
+  struct Engine;
+  std::shared_ptr<Engine> engine_;
+  Window window_;
+  double timeout_s_;
+  int num_sms_;
+  bool direct_local_;
+  uint64_t first_op_;
+};
 #endif
 
 }  // namespace jax_ep

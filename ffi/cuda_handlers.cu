@@ -7,6 +7,7 @@
 
 #include "ffi/backends.h"
 #include "ffi/handlers.h"
+#include "kernels/comm/cuda_ipc.h"
 #include "kernels/comm/nccl.h"
 #include "kernels/cuda/rank.h"
 
@@ -126,9 +127,9 @@ namespace {
 struct RankMemory {
   int device;
   std::shared_ptr<cuda::Failure> failure;
-  std::shared_ptr<nccl::Group> comms;
+  std::shared_ptr<void> engine;  // the engine's share of the windows (nccl::Group, cuda_ipc)
   ~RankMemory() {
-    comms.reset();
+    engine.reset();
     int previous = 0;
     cudaGetDevice(&previous);
     if (cudaSetDevice(device) == cudaSuccess) cudaDeviceSynchronize();  // at exit CUDA may be gone
@@ -149,6 +150,35 @@ void initial_window(const cuda::Rank& r, uint64_t first_op) {
   set(r.window.started_at(), first_op * uint64_t(r.blocks));
 }
 
+// A rank of either engine: `peers` are the group's windows as `device` reaches them; `engine`
+// holds what they live in. Ops are numbered from first_op + 1.
+std::shared_ptr<cuda::Rank> make_rank(const Window& window, int group, int rank, int device,
+                                      int num_sms, double timeout_s, bool direct_local,
+                                      std::vector<uint8_t*> peers, std::shared_ptr<void> engine,
+                                      uint64_t first_op) {
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+        "cudaDeviceGetAttribute");
+  auto r = std::make_shared<cuda::Rank>();
+  r->window = window;
+  r->group = group;
+  r->rank = rank;
+  r->device = device;
+  r->blocks = num_sms < sms ? num_sms : sms;
+  r->timeout_s = timeout_s;
+  r->direct_local = direct_local;
+  r->windows = std::move(peers);
+  auto failure = host_failure_record(&r->failure_on_device);
+  r->failure = failure.get();
+  auto memory = std::make_shared<RankMemory>();
+  memory->device = device;
+  memory->failure = failure;
+  memory->engine = std::move(engine);
+  r->keep = memory;
+  initial_window(*r, first_op);
+  return r;
+}
+
 }  // namespace
 
 CudaBuffer::CudaBuffer(const Window& window, const std::string& nccl_library, double timeout_s,
@@ -164,39 +194,60 @@ CudaBuffer::CudaBuffer(const Window& window, const std::string& nccl_library, do
                                                window.num_ranks, members,
                                                size_t(align_bytes(window.total_bytes(), 4096)),
                                                timeout_s);
-    for (const nccl::Group::Member& m : comms->members) {
-      int sms = 0;
-      check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, m.device),
-            "cudaDeviceGetAttribute");
-      auto rank = std::make_shared<cuda::Rank>();
-      rank->window = window;
-      rank->group = group;
-      rank->rank = m.rank;
-      rank->device = m.device;
-      rank->blocks = num_sms < sms ? num_sms : sms;
-      rank->timeout_s = timeout_s;
-      rank->direct_local = direct_local;
-      rank->windows = m.peers;
-      auto failure = host_failure_record(&rank->failure_on_device);
-      rank->failure = failure.get();
-      auto memory = std::make_shared<RankMemory>();
-      memory->device = m.device;
-      memory->failure = failure;
-      memory->comms = comms;
-      rank->keep = memory;
-      initial_window(*rank, first_op);
-      ranks[m.device] = rank;
-    }
+    for (const nccl::Group::Member& m : comms->members)
+      ranks[m.device] = make_rank(window, group, m.rank, m.device, num_sms, timeout_s,
+                                  direct_local, m.peers, comms, first_op);
   }
   cudaSetDevice(previous);
 }
 
 CudaBuffer::~CudaBuffer() { ranks.clear(); }
 
-std::string CudaBuffer::status() const {
+// The first error of one of this process's ranks, or "".
+std::string ranks_status(const std::map<int, std::shared_ptr<void>>& ranks) {
   for (const auto& [device, rank] : ranks)
     if (auto err = static_cast<const cuda::Rank*>(rank.get())->failed(); !err.empty()) return err;
   return {};
 }
+
+std::string CudaBuffer::status() const { return ranks_status(ranks); }
+
+// ---- the CUDA-IPC engine's side of a Buffer
+
+int nccl_built_version() { return nccl::built_version(); }
+int nccl_library_version(const std::string& path) { return nccl::library_version(path); }
+std::string cuda_device_uuid(int device) { return cuda_ipc::device_uuid(device); }
+std::string cuda_ipc_unsupported(int device) { return cuda_ipc::unsupported(device); }
+
+struct CudaIpcBuffer::Engine : cuda_ipc::Engine {
+  using cuda_ipc::Engine::Engine;
+};
+
+CudaIpcBuffer::CudaIpcBuffer(const Window& window, const std::string& prefix, uint64_t tag,
+                             double timeout_s, int num_sms, std::vector<LocalRank> local,
+                             bool direct_local, uint64_t first_op)
+    : window_(window), timeout_s_(timeout_s), num_sms_(num_sms), direct_local_(direct_local),
+      first_op_(first_op) {
+  std::vector<cuda_ipc::Engine::Member> members;
+  for (const LocalRank& l : local) members.push_back({l.device, l.group, l.rank, nullptr, {}});
+  engine_ = std::make_shared<Engine>(prefix, tag, window.num_ranks, members,
+                                     size_t(align_bytes(window.total_bytes(), 4096)), timeout_s);
+}
+
+void CudaIpcBuffer::connect() {
+  engine_->connect();
+  int previous = 0;
+  cudaGetDevice(&previous);
+  for (const cuda_ipc::Engine::Member& m : engine_->members)
+    ranks[m.device] = make_rank(window_, m.group, m.rank, m.device, num_sms_, timeout_s_,
+                                direct_local_, m.peers, engine_, first_op_);
+  cudaSetDevice(previous);
+}
+
+void CudaIpcBuffer::stop_serving() { engine_->stop(); }
+
+CudaIpcBuffer::~CudaIpcBuffer() { ranks.clear(); }
+
+std::string CudaIpcBuffer::status() const { return ranks_status(ranks); }
 
 }  // namespace jax_ep

@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "ffi/backends.h"
+#include "kernels/comm/fd_socket.h"
 #include "kernels/limits.h"
 
 namespace nb = nanobind;
@@ -87,6 +88,28 @@ NB_MODULE(_native, m) {
       .def("connect", &CpuBuffer::connect)
       .def("unlink", &CpuBuffer::unlink);
 
+  // The descriptor passing of the CUDA-IPC engine, on any descriptor (tests run it without GPUs).
+  nb::class_<fd_socket::Server>(m, "FdServer")
+      .def("__init__",
+           [](fd_socket::Server* s, const std::string& name, int fd, uint64_t bytes,
+              uint64_t tag) {
+             new (s) fd_socket::Server(name, fd, {fd_socket::kMagic, bytes, tag});
+           },
+           nb::arg("name"), nb::arg("fd"), nb::arg("bytes"), nb::arg("tag"))
+      .def("stop", &fd_socket::Server::stop)
+      .def_prop_ro("served", &fd_socket::Server::served);
+  m.def("receive_fd",
+        [](const std::string& name, uint64_t tag, double timeout_s, const std::string& who) {
+          fd_socket::Header h{};
+          int fd;
+          {
+            nb::gil_scoped_release release;
+            fd = fd_socket::receive(name, tag, timeout_s, who, &h);
+          }
+          return std::make_tuple(fd, h.bytes);
+        },
+        nb::arg("name"), nb::arg("tag"), nb::arg("timeout_s"), nb::arg("who"));
+
 #ifdef JAX_EP_WITH_CUDA
   m.attr("has_cuda") = true;
   m.def("cuda_targets", [] { return as_handlers(cuda_targets()); });
@@ -108,6 +131,22 @@ NB_MODULE(_native, m) {
              new (b) CudaBuffer(w, library, timeout_s, num_sms, local_ranks(local), unique_ids,
                                 direct_local, first_op);
            });
+  m.def("nccl_built_version", &nccl_built_version);
+  m.def("nccl_library_version", &nccl_library_version, nb::arg("path"));
+  m.def("cuda_device_uuid", &cuda_device_uuid, nb::arg("device"));
+  m.def("cuda_ipc_unsupported", &cuda_ipc_unsupported, nb::arg("device"));
+  nb::class_<CudaIpcBuffer, NativeBuffer>(m, "CudaIpcBuffer")
+      .def("__init__",
+           [](CudaIpcBuffer* b, const Window& w, const std::string& prefix, uint64_t tag,
+              double timeout_s, int num_sms, const std::vector<std::tuple<int, int, int>>& local,
+              bool direct_local, uint64_t first_op) {
+             nb::gil_scoped_release release;
+             new (b) CudaIpcBuffer(w, prefix, tag, timeout_s, num_sms, local_ranks(local),
+                                   direct_local, first_op);
+           })
+      .def("connect", &CudaIpcBuffer::connect, nb::call_guard<nb::gil_scoped_release>())
+      .def("stop_serving", &CudaIpcBuffer::stop_serving,
+           nb::call_guard<nb::gil_scoped_release>());
 #else
   m.attr("has_cuda") = false;
 #endif

@@ -4,7 +4,7 @@ A Buffer owns the communication window of every EP group of its axis: the device
 at one coordinate of the other mesh axes, in axis order (their position is their rank). Each
 process builds the windows of its own devices; processes meet in jax.distributed's key-value
 store between the steps (one process draws what must be shared: NCCL's unique id, shared-memory
-names) and check that they all asked for the same Buffer. Nothing of this depends on what else a
+and socket names; every process publishes its GPUs, from which all choose the GPU engine) and check that they all asked for the same Buffer. Nothing of this depends on what else a
 process traced or compiled: the Buffer's key is the same on every process as long as every
 process of the mesh creates the mesh's Buffers in the same order (like any collective).
 """
@@ -192,6 +192,131 @@ def nccl_library():
     return "libnccl.so.2"
 
 
+ENGINES = ("auto", "nccl", "cuda_ipc")
+NCCL_DEVICE_API = 22800  # NCCL 2.28: the device API (symmetric windows, LSA pointers)
+engines: dict[int, str] = {}  # the engine of each Buffer's key in this process
+
+
+def requested_engine() -> str:
+    """$JAX_EP_ENGINE: auto (the default), nccl or cuda_ipc."""
+    value = os.environ.get("JAX_EP_ENGINE", "").strip().lower() or "auto"
+    if value not in ENGINES:
+        raise ValueError(f"jax_ep: JAX_EP_ENGINE must be one of {', '.join(ENGINES)}, "
+                         f"got {value!r}")
+    return value
+
+
+def nccl_serves(library_version: int, built_version: int) -> bool:
+    """Whether NCCL's library can serve the engine: the device API, and the minor version this
+    build's device code was compiled against (its windows' layout comes from the headers)."""
+    return (library_version >= NCCL_DEVICE_API
+            and library_version // 100 == built_version // 100)
+
+
+def choose_engine(requested: str, processes: dict) -> tuple[str, str]:
+    """The GPU engine of a Buffer, and why. `processes`: per process, what it published:
+    {"engine": requested, "nccl": [library version, built version], "host": host id,
+    "ranks": [[group, rank, GPU uuid], ...]}. The same answer on every process (it sees the
+    same table); raises ValueError where no engine can serve.
+
+    auto: NCCL wherever it can serve (a library with the device API on every process, no two
+    ranks of a group on one GPU), else CUDA IPC (every group on one host)."""
+    asked = {p: info["engine"] for p, info in processes.items()}
+    if len(set(asked.values())) > 1:
+        raise ValueError("jax_ep: the processes set JAX_EP_ENGINE differently: " + ", ".join(
+            f"process {p}: {e}" for p, e in sorted(asked.items())))
+    where = {}  # (group, rank) -> (host, uuid)
+    for info in processes.values():
+        for group, rank, uuid in info["ranks"]:
+            where[(group, rank)] = (info["host"], uuid)
+    shared, hosts = [], {}
+    for (group, rank), place in sorted(where.items()):
+        hosts.setdefault(group, set()).add(place[0])
+        twin = [r for (g, r), other in sorted(where.items()) if g == group and r < rank
+                and other == place]
+        if twin:
+            shared.append(f"ranks {twin[0]} and {rank} of EP group {group}")
+    spread = [g for g, h in sorted(hosts.items()) if len(h) > 1]
+    old = sorted(p for p, info in processes.items() if not nccl_serves(*info["nccl"]))
+
+    def no_ipc(why):
+        return ValueError(f"jax_ep: {why}; the cuda_ipc engine needs every rank of an EP group "
+                          f"on one host, but EP group {spread[0]} spans "
+                          f"{len(hosts[spread[0]])} hosts")
+
+    if requested == "nccl":
+        if shared:
+            raise ValueError(f"jax_ep: JAX_EP_ENGINE=nccl, but {shared[0]} share a GPU, which "
+                             f"NCCL refuses; use JAX_EP_ENGINE=cuda_ipc (or auto)")
+        return "nccl", "JAX_EP_ENGINE=nccl"
+    if requested == "cuda_ipc":
+        if spread:
+            raise no_ipc("JAX_EP_ENGINE=cuda_ipc")
+        return "cuda_ipc", "JAX_EP_ENGINE=cuda_ipc"
+    if not shared and not old:
+        return "nccl", "NCCL serves every rank"
+    if shared:
+        why = f"{shared[0]} share a GPU (NCCL refuses that)"
+    else:
+        library, built = processes[old[0]]["nccl"]
+        why = (f"process {old[0]} has no NCCL with the device API this build needs (found "
+               f"{library or 'none'}, built against {built}; {NCCL_DEVICE_API} or newer, "
+               f"same minor version)")
+    if spread:
+        raise no_ipc(why)
+    return "cuda_ipc", why
+
+
+def host_id() -> str:
+    """This host: its name and boot id (two containers of one name on two machines differ)."""
+    import socket
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def exchange(p: Plan, name: str, mine: dict, timeout_s: float) -> dict:
+    """Every process's `mine` (JSON), by process; names the processes missing after timeout_s."""
+    if not p.multi_process:
+        return {p.process: mine}
+    client = _client()
+    prefix = f"jax_ep/{p.key:x}/{name}"
+    client.key_value_set(f"{prefix}/{p.process}", json.dumps(mine))
+    out = {}
+    for q in p.processes:
+        try:
+            out[q] = json.loads(client.blocking_key_value_get(f"{prefix}/{q}",
+                                                              int(timeout_s * 1000)))
+        except Exception:
+            missing = [q for q in p.processes if q not in out and not _try_get(
+                client, f"{prefix}/{q}")]
+            raise RuntimeError(f"jax_ep: process(es) {missing} did not publish '{name}' within "
+                               f"{timeout_s} s while creating a Buffer") from None
+    return out
+
+
+def gpu_engine(p: Plan, timeout_s: float) -> tuple[str, str]:
+    """Publishes this process's GPUs and NCCL, and chooses the Buffer's engine with the others."""
+    from jax_ep import _native
+
+    requested = requested_engine()
+    library = nccl_library()
+    mine = dict(engine=requested, host=host_id(),
+                nccl=[_native.nccl_library_version(library), _native.nccl_built_version()],
+                ranks=[[group, rank, _native.cuda_device_uuid(device)]
+                       for device, group, rank in p.local])
+    return choose_engine(requested, exchange(p, "engine", mine, timeout_s))
+
+
+def ipc_prefix(p: Plan, timeout_s: float) -> str:
+    """Names the Buffer's sockets on the host: its key and a nonce (a Buffer of an earlier run
+    with the same key, still alive, cannot answer for this one)."""
+    return f"jax_ep_{p.key:x}_{nonce(p, timeout_s)}"
+
+
 def connect(p: Plan, window, *, timeout_s, num_sms, direct_local):
     """Builds and registers the Buffer's native side on this process; returns it."""
     from jax_ep import _native
@@ -206,19 +331,30 @@ def connect(p: Plan, window, *, timeout_s, num_sms, direct_local):
         native.connect()
         meet(p, "connected", timeout_s)
         native.unlink()
+        engines[p.key] = "shm"
     else:
         if not _native.has_cuda:
             raise ValueError("jax_ep: this build has no CUDA backend, so a Buffer cannot run on "
                              "GPUs. Reinstall where the CUDA toolkit (nvcc) is found, e.g. "
                              "JAX_EP_CUDA=ON pip install --no-build-isolation . (or use "
                              "impl='reference')")
-        library = nccl_library()
-        ids = {g: share(p, f"nccl/{g}", lambda: _native.nccl_unique_id(library),
-                        p.group_owners[g], timeout_s)
-               for g in sorted({group for _, group, _ in p.local})}
-        native = _native.CudaBuffer(window, library, timeout_s, num_sms, list(p.local), ids,
-                                    direct_local, first_op())
-        meet(p, "connected", timeout_s)
+        engine, _ = gpu_engine(p, timeout_s)
+        if engine == "nccl":
+            library = nccl_library()
+            ids = {g: share(p, f"nccl/{g}", lambda: _native.nccl_unique_id(library),
+                            p.group_owners[g], timeout_s)
+                   for g in sorted({group for _, group, _ in p.local})}
+            native = _native.CudaBuffer(window, library, timeout_s, num_sms, list(p.local), ids,
+                                        direct_local, first_op())
+            meet(p, "connected", timeout_s)
+        else:
+            native = _native.CudaIpcBuffer(window, ipc_prefix(p, timeout_s), p.key, timeout_s,
+                                           num_sms, list(p.local), direct_local, first_op())
+            meet(p, "created", timeout_s)  # every window is zeroed and served
+            native.connect()
+            meet(p, "connected", timeout_s)
+            native.stop_serving()
+        engines[p.key] = engine
     _native.register_buffer(p.key, native)
     _forget_at_exit()
     return native

@@ -89,6 +89,8 @@ class Buffer:
     check_invalid: every fresh dispatch also raises (at run time, through a host callback, on
     every rank) when topk_idx holds ids outside [-1, E); they are always excluded and counted in
     num_invalid.
+    engine: what makes the windows reachable: "nccl" or "cuda_ipc" on GPUs ($JAX_EP_ENGINE,
+    docs/API.md says when each applies), "shm" on CPUs, None for impl="reference".
     """
 
     def __init__(self, mesh, axis_name, *, num_experts, hidden, num_topk, max_tokens_per_rank,
@@ -126,6 +128,7 @@ class Buffer:
         self.check_invalid = bool(check_invalid)
         self._serial = next(_SERIALS)  # tells this Buffer's handles and pending ops apart
         self._native = None
+        self.engine = None  # what makes the windows reachable (set by _connect)
         self._low_latency_tokens = None  # the single-kernel routing is the CUDA backend's
         self._reference = Reference(axis_name, num_ranks, num_experts)
         if self.impl == "reference":
@@ -184,6 +187,7 @@ class Buffer:
         self._native = bootstrap.connect(plan, self._window(), timeout_s=timeout_s,
                                          num_sms=num_sms, direct_local=direct_local)
         self._key = plan.key
+        self.engine = bootstrap.engines[plan.key]  # "nccl", "cuda_ipc" or "shm" (CPUs)
         ffi_path.register_targets()
         return ffi_path.Ffi(plan.key, self.num_ranks, self.num_experts)
 

@@ -4,6 +4,8 @@ mesh. launch() starts them and returns what each printed; run as a script, this 
 such process:
 
     python tests/processes.py SCENARIO PROCESS NUM_PROCESSES PORT DEVICES_PER_PROCESS
+
+SCENARIO names a function of process_scenarios.py, or MODULE:FUNCTION of another module here.
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
 
 
 def _start(process, num_processes, port, devices):
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")  # launch(env=) may give some
+                               + f" --xla_force_host_platform_device_count={devices}").strip()
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -58,7 +61,8 @@ def _start(process, num_processes, port, devices):
 if __name__ == "__main__":
     scenario, process, num_processes, port, devices = sys.argv[1:6]
     _start(int(process), int(num_processes), int(port), int(devices))
-    import process_scenarios
+    import importlib
 
-    getattr(process_scenarios, scenario)()
+    module, _, name = scenario.rpartition(":")  # "module:function", else process_scenarios'
+    getattr(importlib.import_module(module or "process_scenarios"), name)()
     print("SCENARIO OK", flush=True)

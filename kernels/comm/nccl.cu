@@ -89,6 +89,17 @@ __global__ void peer_windows(ncclWindow_t window, int num_ranks, uint8_t** out) 
 
 }  // namespace
 
+int built_version() { return NCCL_VERSION_CODE; }
+
+int library_version(const std::string& path) {
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);  // never closed, like load()'s
+  if (!handle) return 0;
+  auto get = reinterpret_cast<decltype(&ncclGetVersion)>(dlsym(handle, "ncclGetVersion"));
+  int version = 0;
+  if (!get || get(&version) != ncclSuccess) return 0;
+  return version;
+}
+
 std::string unique_id(const std::string& path) {
   const Library& lib = load(path);
   ncclUniqueId id;

@@ -12,6 +12,11 @@
 
 namespace jax_ep::nccl {
 
+// NCCL_VERSION_CODE of the headers this build used; ncclGetVersion of the library at `path`,
+// or 0 where it cannot be loaded (neither throws: the engine choice asks before loading).
+int built_version();
+int library_version(const std::string& path);
+
 // ncclGetUniqueId of the library at `path` (128 bytes), or throws.
 std::string unique_id(const std::string& path);
 
