@@ -25,7 +25,10 @@ def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
     """Runs `scenario` in num_processes processes; [(returncode, stdout + stderr)] per process
     (a process still running after `timeout` s is killed: returncode None)."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | (env or {})
+    # Each process sets its own device count; XLA's other flags (tests/conftest.py) carry over.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env = os.environ | {"XLA_FLAGS": " ".join(flags)} | (env or {})
     procs = [subprocess.Popen(
         [sys.executable, os.path.join(HERE, "processes.py"), scenario, str(p), str(num_processes),
          str(port), str(devices_per_process)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -42,7 +45,8 @@ def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
 
 
 def _start(process, num_processes, port, devices):
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={devices}").strip()
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
