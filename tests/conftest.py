@@ -32,6 +32,14 @@ def gpu_count():
         return 0
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker per core, but none with GPUs (every GPU test
+    uses all of them; two workers would share them)."""
+    if gpu_count():
+        return 0
+    return None  # xdist's own count
+
+
 def pytest_report_header(config):
     devices = jax.devices()
     return (f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
