@@ -46,7 +46,14 @@ def pytest_report_header(config):
             f"{len(devices)} x {devices[0].device_kind}")
 
 
+# Files of the longest tests (several processes each), run first: with pytest-xdist's worksteal
+# the workers then take the short tests last and end together.
+LONGEST_FIRST = ("test_processes.py", "test_examples.py", "test_bench.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable within a file
     if gpu_count() == 0:
         skip = pytest.mark.skip(reason="needs CUDA GPUs")
         for item in items:
