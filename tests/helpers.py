@@ -33,14 +33,22 @@ def _per_rank(value):
     return value[None] if value.ndim == 0 else value
 
 
-def run(mesh, fn, *args):
-    """jit(shard_map(fn)) over every mesh axis; scalars come back with one entry per rank."""
+def runner(mesh, fn):
+    """jit(shard_map(fn)) over every mesh axis, jitted once: calls with inputs of the same
+    shapes and dtypes reuse one compiled program (an XLA compile per call is most of a CPU test
+    run's time). Scalars come back with one entry per rank."""
     spec = all_axes(mesh)
 
     def body(*shards):
         return jax.tree.map(_per_rank, fn(*shards))
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(*put(mesh, *args))
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    return lambda *args: program(*put(mesh, *args))
+
+
+def run(mesh, fn, *args):
+    """runner(mesh, fn)(*args): one call, compiled for it."""
+    return runner(mesh, fn)(*args)
 
 
 def per_rank(array, num_devices):

@@ -36,14 +36,20 @@ def shard(mesh, value):
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
-def run(mesh, fn, *values):
+def runner(mesh, fn):
+    """jit(shard_map(fn)) over every mesh axis, jitted once: calls with inputs of the same shapes
+    reuse one compiled program (compiling is most of these processes' time)."""
     spec = P(tuple(mesh.axis_names))
 
     def body(*shards):
         return jax.tree.map(lambda v: v[None] if v.ndim == 0 else v, fn(*shards))
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(
-        *(shard(mesh, v) for v in values))
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    return lambda *values: program(*(shard(mesh, v) for v in values))
+
+
+def run(mesh, fn, *values):
+    return runner(mesh, fn)(*values)
 
 
 def local(tree):
@@ -75,11 +81,11 @@ def matches_reference():
              ("expert_padded", 1, False, None, True), ("rank", 1, True, 9, False),
              ("expert", 2, False, 24, False)]
     for lay, alignment, fp8, capacity, split in cases:
+        step = {impl: runner(mesh, pipeline(buf, lay, alignment, fp8, False, capacity, split=split))
+                for impl, buf in bufs.items()}  # one compile per path, shared by both routings
         for kind in ("random", "one_expert"):
             x, idx, w, bias = inputs(mesh, kind)
-            out = {impl: run(mesh, pipeline(buf, lay, alignment, fp8, False, capacity, split=split),
-                             x, idx, w, bias, x * 2)
-                   for impl, buf in bufs.items()}
+            out = {impl: step[impl](x, idx, w, bias, x * 2) for impl in bufs}
             what = f"{lay} fp8={fp8} capacity={capacity} split={split} {kind}"
             for part in ("d", "handle", "cached_x", "cached_scales", "expert_out", "between"):
                 assert_same_shards(out["ffi"][part], out["reference"][part], f"{what} {part}")
@@ -119,22 +125,22 @@ def invalid_ids(mesh, bufs):
     clean = bad.copy()
     clean[3, 1] = clean[-1, 0] = -1
 
-    def counts(buf):
-        return lambda x, i, w: buf.dispatch(x, i, w)._replace(handle=None)
+    def counts(buf):  # one compiled program per Buffer, for the bad and the clean ids
+        return runner(mesh, lambda x, i, w: buf.dispatch(x, i, w)._replace(handle=None))
 
-    want = run(mesh, counts(bufs["reference"]), x, bad, w)
-    assert_same_shards(run(mesh, counts(bufs["ffi"]), x, bad, w), want, "invalid ids")
+    reference = counts(bufs["reference"])
+    want = reference(x, bad, w)
+    assert_same_shards(counts(bufs["ffi"])(x, bad, w), want, "invalid ids")
     for impl in ("reference", "ffi"):
-        checking = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
-                                 max_tokens_per_rank=T, impl=impl, check_invalid=True)
+        checking = counts(jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
+                                        max_tokens_per_rank=T, impl=impl, check_invalid=True))
         try:
-            jax.block_until_ready(run(mesh, counts(checking), x, bad, w))
+            jax.block_until_ready(checking(x, bad, w))
         except Exception as e:  # every process raises, also those whose ids were all valid
             assert "topk_idx holds 2 expert id" in str(e), e
         else:
             raise AssertionError(f"check_invalid did not raise ({impl})")
-        assert_same_shards(run(mesh, counts(checking), x, clean, w),
-                           run(mesh, counts(bufs["reference"]), x, clean, w), "after the check")
+        assert_same_shards(checking(x, clean, w), reference(x, clean, w), "after the check")
 
 
 def mismatched_arguments():

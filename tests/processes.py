@@ -27,7 +27,11 @@ def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
     """Runs `scenario` in num_processes processes; [(returncode, stdout + stderr)] per process
     (a process still running after `timeout` s is killed: returncode None)."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | (env or {})
+    # Each process sets its own device count; XLA's other flags (tests/conftest.py) carry over,
+    # unless launch(env=) gives its own.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env = os.environ | {"XLA_FLAGS": " ".join(flags)} | (env or {})
     # This checkout's jax_ep, as in the tests' own process (pyproject's pythonpath).
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE)] + (
         [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -47,7 +51,7 @@ def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
 
 
 def _start(process, num_processes, port, devices):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")  # launch(env=) may give some
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={devices}").strip()
     import jax
 

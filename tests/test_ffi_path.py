@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import jax_ep
 from helpers import (ROUTINGS, assert_bitwise_equal, assert_matches_reference, assert_same_ops,
-                     buffers, make_mesh, out_of_order, pipeline, random_inputs, run)
+                     buffers, make_mesh, out_of_order, pipeline, random_inputs, run, runner)
 
 T, H, E, K = 16, 256, 16, 4
 
@@ -29,10 +29,11 @@ CONFIGS = [  # num_ranks, dp, layout, alignment, fp8, round_scale, capacity, dty
 
 @functools.lru_cache(maxsize=None)
 def compiled(num_ranks, dp, lay, alignment, fp8, round_scale, capacity):
+    """One jitted pipeline per path and static config: hypothesis's examples vary only the data
+    (the shapes are fixed), so they share one compile instead of three each."""
     mesh = make_mesh(num_ranks, dp)
     bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
-    return mesh, {impl: functools.partial(run, mesh, pipeline(buf, lay, alignment, fp8, round_scale,
-                                                                capacity))
+    return mesh, {impl: runner(mesh, pipeline(buf, lay, alignment, fp8, round_scale, capacity))
                   for impl, buf in bufs.items()}
 
 
@@ -64,9 +65,8 @@ def test_padded_layout_and_split_ops_match_reference(config, split):
     num_ranks, dp, lay, fp8, capacity, dtype = config
     mesh = make_mesh(num_ranks, dp)
     bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
-    step = {impl: functools.partial(run, mesh, pipeline(buf, lay, 1, fp8, False, capacity,
-                                                        split=split))
-            for impl, buf in bufs.items()}
+    step = {impl: runner(mesh, pipeline(buf, lay, 1, fp8, False, capacity, split=split))
+            for impl, buf in bufs.items()}  # one compile per path, shared by the three routings
     for seed, kind in enumerate(("random", "one_expert", "sparse")):
         rng = np.random.default_rng(seed)
         x, idx, w = random_inputs(rng, mesh.size, T, H, E, K, num_ranks, kind, dtype)
