@@ -7,8 +7,13 @@ the Buffer carries it, and JAX threads one XLA token per effect through the whol
 program order: through jit and nested jit, shard_map, scan / while / cond, jax.checkpoint and
 custom_vjp, forward and backward. `ordered_ffi_call` makes such a call: an XLA FFI custom call
 whose first operand and first result are that token, so XLA cannot reorder or overlap two calls
-of one Buffer. Between programs JAX passes the same token from one execution to the next, so
-programs launched one after another (from any thread) keep their order too.
+of one Buffer. Between programs JAX passes the token from one execution to the next one the
+same host thread launches (JAX keeps these runtime tokens per thread).
+
+A program that fails leaves its error in its output token, and PjRt hands that error on to the
+next program that takes the token, forever. An op that raised on purpose (check_invalid) must
+leave its Buffer usable, so a Buffer's token is dropped once it holds an error
+(`_token_input`); a Buffer stopped by a timeout raises on its next call by itself.
 
 None of this is public JAX API, so it fails loudly here, at import, naming the jax version,
 rather than as wrong results later.
@@ -58,6 +63,30 @@ class BufferOrder(effects.Effect):
 
 for _name in _EFFECT_SETS:
     getattr(effects, _name).add_type(BufferOrder)
+
+
+def _failed(token) -> bool:
+    """Whether a runtime token is ready and holds an error (never waits for one in flight)."""
+    buf = getattr(token, "_buf", None)
+    if buf is None or not buf.is_ready():
+        return False
+    try:
+        buf.block_until_ready()
+    except Exception:  # noqa: BLE001 - any error of the program that made it
+        return True
+    return False
+
+
+_jax_token_input = dispatch.RuntimeTokenSet.get_token_input
+
+
+def _token_input(self, effect, devices):
+    if isinstance(effect, BufferOrder) and _failed(self.current_tokens.get(effect)):
+        del self.current_tokens[effect]
+    return _jax_token_input(self, effect, devices)
+
+
+dispatch.RuntimeTokenSet.get_token_input = _token_input
 
 
 call_p = core.Primitive("jax_ep_call")
