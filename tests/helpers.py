@@ -254,3 +254,19 @@ def layer_gradients(mesh, impl, remat, layout="rank", mode="auto", second_order=
     else:
         grad = jax.grad(lambda x: jnp.vdot(f(x, idx, w), cotangent))
     return np.asarray(jax.jit(grad)(*put(mesh, x)))
+
+
+def branching_dispatch(buf):
+    """Rank 0 dispatches FP8 rows, the others bfloat16 rows, at the same op (a cond on the rank):
+    ranks that run different ops at one op number."""
+    def step(x, i):
+        def fp8(x, i):
+            d = buf.dispatch(x, i, fp8=True)
+            return d.x.astype(jnp.float32), d.topk_idx, d.num_recv
+
+        def plain(x, i):
+            d = buf.dispatch(x, i)
+            return d.x.astype(jnp.float32), d.topk_idx, d.num_recv
+
+        return jax.lax.cond(jax.lax.axis_index("ep") == 0, fp8, plain, x, i)
+    return step

@@ -1,4 +1,4 @@
-"""Property tests of the CPU custom calls (issue 26): random routings (invalid ids included),
+"""Property tests of the CPU custom calls: random routings (invalid ids included),
 capacities, row dtypes, FP8, layouts and token counts (0 included) against tests/oracle.py (rank
 layout) and the reference path (expert layouts, itself checked against the oracle in
 test_reference.py). Each class of example (the static shapes and options) compiles once; the

@@ -1,7 +1,8 @@
-"""The protocol's failure paths on the CPU backend in one process (issue 26; the cases that need
+"""The protocol's failure paths on the CPU backend in one process (the cases that need
 processes that disagree are in process_scenarios.py): a timed-out op leaves NaN in its own
 step and the next call raises, Buffer.status() says why; op numbers past 2^32; a corrupted
 handle cannot write outside the window; /dev/shm too small is an error naming the size."""
+import functools
 import time
 
 import jax
@@ -12,9 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import ffi_path
-import functools
-
-from helpers import assert_matches_reference, buffers, make_mesh, pipeline, random_inputs, run
+from helpers import (assert_matches_reference, branching_dispatch, buffers, make_mesh, pipeline,
+                     random_inputs, run)
 
 E, H, K, T = 8, 128, 2, 8
 
@@ -103,22 +103,6 @@ def test_shared_memory_too_small_is_an_error_naming_the_size():
     assert int(np.asarray(d.num_recv)[0]) == T
 
 
-def _branching_dispatch(buf):
-    """Rank 0 dispatches FP8 rows, the others bfloat16 rows, at the same op (a cond on the rank):
-    ranks that run different ops at one op number."""
-    def step(x, i):
-        def fp8(x, i):
-            d = buf.dispatch(x, i, fp8=True)
-            return d.x.astype(jnp.float32), d.topk_idx, d.num_recv
-
-        def plain(x, i):
-            d = buf.dispatch(x, i)
-            return d.x.astype(jnp.float32), d.topk_idx, d.num_recv
-
-        return jax.lax.cond(jax.lax.axis_index("ep") == 0, fp8, plain, x, i)
-    return step
-
-
 def test_ranks_that_run_different_ops_stop_naming_both():
     mesh = make_mesh(2)
     buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
@@ -126,7 +110,7 @@ def test_ranks_that_run_different_ops_stop_naming_both():
     x = jnp.ones((2 * T, H), jnp.bfloat16)
     i = jnp.tile(jnp.arange(K, dtype=jnp.int32), (2 * T, 1)) * (E // 2 - 1)
     start = time.perf_counter()
-    rows, ids, num_recv = run(mesh, _branching_dispatch(buf), x, i)
+    rows, ids, num_recv = run(mesh, branching_dispatch(buf), x, i)
     assert time.perf_counter() - start < 50, "a mismatch waited for the timeout"
     assert np.isnan(np.asarray(rows)).all() and (np.asarray(ids) == -1).all()
     assert (np.asarray(num_recv) == 0).all()
