@@ -50,7 +50,8 @@ def report():
         if platform == "gpu":
             lines.append(f"NCCL runtime: {nccl_version()}")
             engine = os.environ.get("JAX_EP_ENGINE", "auto")
-            lines.append(f"gpu engine: {engine} (JAX_EP_ENGINE; see docs/API.md)")
+            lines.append(f"gpu engine: JAX_EP_ENGINE={engine} (auto: NCCL where it serves, else "
+                         "CUDA IPC; docs/API.md)")
         else:
             lines.append("cpu engine: POSIX shared memory")
         lines.append(f"{platform} devices: {len(devices)} x {devices[0].device_kind}")
