@@ -10,10 +10,11 @@ whose first operand and first result are that token, so XLA cannot reorder or ov
 of one Buffer. Between programs JAX passes the token from one execution to the next one the
 same host thread launches (JAX keeps these runtime tokens per thread).
 
-A program that fails leaves its error in its output token, and PjRt hands that error on to the
-next program that takes the token, forever. An op that raised on purpose (check_invalid) must
-leave its Buffer usable, so a Buffer's token is dropped once it holds an error
-(`_token_input`); a Buffer stopped by a timeout raises on its next call by itself.
+Two JAX behaviours are mended here. An ahead-of-time compiled program's second call passes no
+token (`_create_cpp_call`). A program that fails leaves its error in its output token, which
+PjRt hands on to every later program that takes the token; an op that raised on purpose
+(check_invalid) must leave its Buffer usable, so a Buffer's token is dropped once it holds an
+error (`_token_input`); a Buffer stopped by a timeout raises on its next call by itself.
 
 None of this is public JAX API, so it fails loudly here, at import, naming the jax version,
 rather than as wrong results later.
@@ -26,7 +27,7 @@ import jax
 
 try:
     from jax._src import core, dispatch, effects
-    from jax._src.interpreters import ad, batching, mlir
+    from jax._src.interpreters import ad, batching, mlir, pxla
 except ImportError as e:  # pragma: no cover - only on a jax that moved its internals
     raise ImportError(f"jax_ep needs JAX's effect system (jax._src), which jax "
                       f"{jax.__version__} does not provide as expected: {e}") from e
@@ -39,6 +40,9 @@ _missing += [f"mlir.{name}" for name in ("TokenSet", "LoweringRuleContext")
              if not hasattr(mlir, name)]
 _missing += [] if hasattr(jax.ffi, "build_ffi_lowering_function") else [
     "jax.ffi.build_ffi_lowering_function"]
+_missing += [f"{owner.__name__}.{name}" for owner, name in (
+    (dispatch.RuntimeTokenSet, "get_token_input"), (pxla.MeshExecutable, "create_cpp_call"))
+    if not hasattr(owner, name)]
 if _missing:
     raise ImportError(f"jax_ep: jax {jax.__version__} lacks what jax_ep orders its calls with: "
                       f"{', '.join(_missing)}")
@@ -87,6 +91,21 @@ def _token_input(self, effect, devices):
 
 
 dispatch.RuntimeTokenSet.get_token_input = _token_input
+
+# An ahead-of-time compiled program (jit(f).lower(...).compile()) runs its second call through
+# JAX's C++ fast path, which passes no runtime tokens: XLA then refuses the call ("Execution
+# supplied N arguments but compiled program expected N + 1"). Programs that use a Buffer keep
+# JAX's Python path, which passes them (as jit's own calls do for ordered effects).
+_jax_create_cpp_call = pxla.MeshExecutable.create_cpp_call
+
+
+def _create_cpp_call(self, params):
+    if any(isinstance(e, BufferOrder) for e in getattr(self.unsafe_call, "ordered_effects", ())):
+        return None
+    return _jax_create_cpp_call(self, params)
+
+
+pxla.MeshExecutable.create_cpp_call = _create_cpp_call
 
 
 call_p = core.Primitive("jax_ep_call")
