@@ -8,6 +8,7 @@
 Both move FP8 rows plus scales when fp8=True (the same bytes as jax_ep) and route every token
 once per destination rank, like jax_ep. Call inside shard_map over `axis`.
 """
+
 from __future__ import annotations
 
 import jax
@@ -36,7 +37,7 @@ class AllToAll:
         """-> (list of [R, T, ...] blocks received from each source, routing)."""
         goes, slot = _route(topk_idx, self.num_ranks, self.num_experts)
         t = x.shape[0]
-        index = jnp.where(goes, slot, t)                                   # [T, R]
+        index = jnp.where(goes, slot, t)  # [T, R]
         out = []
         for part in _payload(x, fp8):
             blocks = jnp.zeros((self.num_ranks,) + part.shape, part.dtype)
@@ -51,7 +52,7 @@ class AllToAll:
         back = jax.lax.all_to_all(rows, self.axis, 0, 0)
         acc = jnp.zeros(rows.shape[1:], jnp.float32)
         for d in range(self.num_ranks):
-            acc = jnp.where(goes[:, d:d + 1], acc + back[d][slot[:, d]].astype(jnp.float32), acc)
+            acc = jnp.where(goes[:, d : d + 1], acc + back[d][slot[:, d]].astype(jnp.float32), acc)
         return acc.astype(rows.dtype)
 
 
@@ -63,35 +64,44 @@ class RaggedAllToAll:
         """-> (list of [R*T, ...] rows in (source rank, token) order, routing)."""
         goes, slot = _route(topk_idx, self.num_ranks, self.num_experts)
         t, r = x.shape[0], self.num_ranks
-        sizes = goes.sum(axis=0, dtype=jnp.int32)                          # rows to each rank
-        counts = jax.lax.all_gather(sizes, self.axis)                      # [src, dst]
+        sizes = goes.sum(axis=0, dtype=jnp.int32)  # rows to each rank
+        counts = jax.lax.all_gather(sizes, self.axis)  # [src, dst]
         me = jax.lax.axis_index(self.axis)
         send_offsets = layout.exclusive_cumsum(sizes)
-        packed = jnp.where(goes, send_offsets[None, :] + slot, r * t)      # [T, R]
-        token_of_row = jnp.zeros(r * t, jnp.int32).at[packed.reshape(-1)].set(
-            jnp.repeat(jnp.arange(t, dtype=jnp.int32), r), mode="drop")
-        recv_offsets = layout.exclusive_cumsum(counts, axis=0)[me]         # where mine land at d
+        packed = jnp.where(goes, send_offsets[None, :] + slot, r * t)  # [T, R]
+        token_of_row = (
+            jnp.zeros(r * t, jnp.int32)
+            .at[packed.reshape(-1)]
+            .set(jnp.repeat(jnp.arange(t, dtype=jnp.int32), r), mode="drop")
+        )
+        recv_offsets = layout.exclusive_cumsum(counts, axis=0)[me]  # where mine land at d
         recv_sizes = counts[:, me]
         out = []
         for part in _payload(x, fp8):
             send = part[token_of_row]
             output = jnp.zeros((r * t,) + part.shape[1:], part.dtype)
-            out.append(jax.lax.ragged_all_to_all(send, output, send_offsets, sizes, recv_offsets,
-                                                 recv_sizes, axis_name=self.axis))
+            out.append(
+                jax.lax.ragged_all_to_all(
+                    send, output, send_offsets, sizes, recv_offsets, recv_sizes, axis_name=self.axis
+                )
+            )
         routing = (goes, packed, counts, me, send_offsets, sizes)
         return out, routing
 
     def combine(self, rows, routing):
         """rows [R*T, H] in the received order -> [T, H]."""
         goes, packed, counts, me, send_offsets, sizes = routing
-        first_row = layout.exclusive_cumsum(counts[:, me])                 # rows from each source
-        back_to = layout.exclusive_cumsum(counts, axis=1)[:, me]           # at the source
+        first_row = layout.exclusive_cumsum(counts[:, me])  # rows from each source
+        back_to = layout.exclusive_cumsum(counts, axis=1)[:, me]  # at the source
         output = jnp.zeros_like(rows)
-        back = jax.lax.ragged_all_to_all(rows, output, first_row, counts[:, me], back_to, sizes,
-                                         axis_name=self.axis)
+        back = jax.lax.ragged_all_to_all(
+            rows, output, first_row, counts[:, me], back_to, sizes, axis_name=self.axis
+        )
         acc = jnp.zeros((goes.shape[0], rows.shape[1]), jnp.float32)
         for d in range(self.num_ranks):
-            acc = jnp.where(goes[:, d:d + 1],
-                            acc + back[jnp.minimum(packed[:, d], rows.shape[0] - 1)].astype(
-                                jnp.float32), acc)
+            acc = jnp.where(
+                goes[:, d : d + 1],
+                acc + back[jnp.minimum(packed[:, d], rows.shape[0] - 1)].astype(jnp.float32),
+                acc,
+            )
         return acc.astype(rows.dtype)

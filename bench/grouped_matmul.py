@@ -19,6 +19,7 @@ with the weights quantized beforehand (its TFLOP/s against the dense bf16 rate: 
 twice bf16's). The first case sweeps a few block sizes per product and the other cases use the
 best. Prints a table; writes bench/results/grouped-matmul-<machine>-<date>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,11 @@ from jax_ep.nn.grouped import Blocks
 EINSUMS = {"gmm": "gmk,gkn->gmn", "gmm_t": "gmn,gkn->gmk", "tgmm": "gmk,gmn->gkn"}
 SWEEP = {  # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n, programs_per_sm)
     "gmm": [Blocks(128, 128, 64, 4, 8), Blocks(128, 128, 128, 3, 8), Blocks(128, 128, 64, 2, 8, 2)],
-    "tgmm": [Blocks(128, 128, 64, 4, 8), Blocks(128, 128, 64, 2, 8, 2),
-             Blocks(64, 128, 64, 3, 8, 2)],
+    "tgmm": [
+        Blocks(128, 128, 64, 4, 8),
+        Blocks(128, 128, 64, 2, 8, 2),
+        Blocks(64, 128, 64, 3, 8, 2),
+    ],
 }
 SWEEP["gmm_t"] = SWEEP["gmm"]
 XLA_MEMORY_LIMIT = 20e9
@@ -60,10 +64,13 @@ def group_sizes(distribution, rows, groups, alignment):
 
 def operands(rows, k, n, groups):
     keys = jax.random.split(jax.random.key(0), 3)
-    make = jax.jit(lambda: (jax.random.normal(keys[0], (rows, k), jnp.bfloat16),
-                            (jax.random.normal(keys[1], (groups, k, n)) / np.sqrt(k)).astype(
-                                jnp.bfloat16),
-                            jax.random.normal(keys[2], (rows, n), jnp.bfloat16)))
+    make = jax.jit(
+        lambda: (
+            jax.random.normal(keys[0], (rows, k), jnp.bfloat16),
+            (jax.random.normal(keys[1], (groups, k, n)) / np.sqrt(k)).astype(jnp.bfloat16),
+            jax.random.normal(keys[2], (rows, n), jnp.bfloat16),
+        )
+    )
     return make()
 
 
@@ -73,8 +80,10 @@ def product_operands(kind, lhs, rhs, ct):
 
 def grouped_step(kind, impl, alignment, blocks=grouped.MOSAIC_BLOCKS):
     def step(a, b, sizes):
-        return grouped.product(kind, a, b, sizes, impl=impl, group_alignment=alignment,
-                               blocks=blocks)
+        return grouped.product(
+            kind, a, b, sizes, impl=impl, group_alignment=alignment, blocks=blocks
+        )
+
     return step
 
 
@@ -82,11 +91,20 @@ def fp8_step(alignment, prequantized):
     """grouped.fp8_grouped_matmul's forward as the MoE layer calls it (weights quantized in the
     call) or with the weights quantized beforehand (the kernel alone). The scales come first:
     loop_seconds perturbs them, so no call is loop-invariant."""
+
     def step(scales, lhs_q, rhs, rhs_q, rhs_scales, sizes):
         lhs = jnp.zeros(lhs_q.shape, jnp.bfloat16)  # read by the backward only
         return grouped.fp8_grouped_matmul(
-            lhs, lhs_q, scales, rhs, sizes, impl="mosaic", group_alignment=alignment,
-            rhs_fp8=(rhs_q, rhs_scales) if prequantized else None)
+            lhs,
+            lhs_q,
+            scales,
+            rhs,
+            sizes,
+            impl="mosaic",
+            group_alignment=alignment,
+            rhs_fp8=(rhs_q, rhs_scales) if prequantized else None,
+        )
+
     return step
 
 
@@ -100,6 +118,7 @@ def dense_step(kind, groups):
         split = lambda x: x.reshape((groups, -1) + x.shape[1:])
         out = jnp.einsum(EINSUMS[kind], split(a), split(b) if kind == "tgmm" else b)
         return out if kind == "tgmm" else out.reshape(-1, out.shape[-1])
+
     return step
 
 
@@ -127,8 +146,9 @@ def fp8_forward_rate(rows, k, n, sizes, alignment, prequantized, counts=(1, 4)):
     """TFLOP/s of the MoE layer's FP8 forward (the weights quantized in the call, or
     beforehand) with these group sizes (for bench.moe_layer)."""
     lhs, rhs, _ = operands(rows, k, n, len(sizes))
-    seconds = loop_seconds(fp8_step(alignment, prequantized),
-                           fp8_operands(lhs, rhs, jnp.asarray(sizes)), counts)
+    seconds = loop_seconds(
+        fp8_step(alignment, prequantized), fp8_operands(lhs, rhs, jnp.asarray(sizes)), counts
+    )
     return tflops(int(np.sum(sizes)), k, n, seconds)
 
 
@@ -139,8 +159,16 @@ def run_case(case, plan, sweep, counts, results):
     ranks, groups, rows, projection, k, n, distribution, alignment = case
     sizes = group_sizes(distribution, rows, groups, alignment)
     lhs, rhs, ct = operands(rows, k, n, groups)
-    base = dict(ranks=ranks, groups=groups, rows=rows, projection=projection, k=k, n=n,
-                distribution=distribution, nonempty_groups=int((sizes > 0).sum()))
+    base = dict(
+        ranks=ranks,
+        groups=groups,
+        rows=rows,
+        projection=projection,
+        k=k,
+        n=n,
+        distribution=distribution,
+        nonempty_groups=int((sizes > 0).sum()),
+    )
 
     def timed(kind, impl, step, args, blocks=None, repeats=5):
         """Seconds per call, recorded and printed (None, with the error, if it fails)."""
@@ -149,14 +177,27 @@ def run_case(case, plan, sweep, counts, results):
             seconds = loop_seconds(step, args, counts, repeats)
         except Exception as e:  # noqa: BLE001  (e.g. blocks the kernel cannot fit in memory)
             error = str(e).splitlines()[0][:200]
-        results.append(dict(base, product=kind, impl=impl, blocks=blocks, error=error,
-                            time_ms=None if error else seconds * 1e3,
-                            tflops=None if error else tflops(rows, k, n, seconds)))
-        print(f"  R={ranks} {projection:7s} {distribution:7s} {kind:5s} {impl:16s} "
-              f"{'' if blocks is None else blocks}: " + (
-                  f"failed ({error})" if error else
-                  f"{seconds * 1e3:8.3f} ms {tflops(rows, k, n, seconds):7.1f} TFLOP/s"),
-              flush=True)
+        results.append(
+            dict(
+                base,
+                product=kind,
+                impl=impl,
+                blocks=blocks,
+                error=error,
+                time_ms=None if error else seconds * 1e3,
+                tflops=None if error else tflops(rows, k, n, seconds),
+            )
+        )
+        print(
+            f"  R={ranks} {projection:7s} {distribution:7s} {kind:5s} {impl:16s} "
+            f"{'' if blocks is None else blocks}: "
+            + (
+                f"failed ({error})"
+                if error
+                else f"{seconds * 1e3:8.3f} ms {tflops(rows, k, n, seconds):7.1f} TFLOP/s"
+            ),
+            flush=True,
+        )
         return seconds
 
     mosaic = not grouped.mosaic_misfits((rows, k), (groups, k, n), jnp.bfloat16, plan)
@@ -170,8 +211,9 @@ def run_case(case, plan, sweep, counts, results):
                 if expansion > XLA_MEMORY_LIMIT:
                     error = f"skipped: a {expansion / 1e9:.0f} GB dense operand"
                     print(f"  xla {kind}: {error}", flush=True)
-                    results.append(dict(base, product=kind, impl="xla", error=error,
-                                        time_ms=None, tflops=None))
+                    results.append(
+                        dict(base, product=kind, impl="xla", error=error, time_ms=None, tflops=None)
+                    )
                 else:
                     timed(kind, "xla", grouped_step(kind, "xla", alignment), args, repeats=2)
         if not mosaic:
@@ -179,8 +221,9 @@ def run_case(case, plan, sweep, counts, results):
         candidates = SWEEP[kind] if sweep else [getattr(plan, kind)]
         times = []
         for blocks in candidates:
-            step = grouped_step(kind, "mosaic", alignment,
-                                dataclasses.replace(plan, **{kind: blocks}))
+            step = grouped_step(
+                kind, "mosaic", alignment, dataclasses.replace(plan, **{kind: blocks})
+            )
             seconds = timed(kind, "mosaic", step, args, list(blocks))
             if seconds is not None:
                 times.append((seconds, blocks))
@@ -189,31 +232,47 @@ def run_case(case, plan, sweep, counts, results):
         if kind == "gmm" and not grouped.fp8_misfits((rows, k), (groups, k, n), alignment):
             fp8_args = fp8_operands(lhs, rhs, args[-1])
             for prequantized in (True, False):
-                timed(kind, "mosaic_fp8" + ("_kernel" if prequantized else ""),
-                      fp8_step(alignment, prequantized), fp8_args, list(grouped.FP8_TILES))
+                timed(
+                    kind,
+                    "mosaic_fp8" + ("_kernel" if prequantized else ""),
+                    fp8_step(alignment, prequantized),
+                    fp8_args,
+                    list(grouped.FP8_TILES),
+                )
         if sweep:  # jax's kernels, for groups of any size
             blocks = best.get(kind, candidates[0])
-            timed(kind, "mosaic_unaligned", grouped_step(
-                kind, "mosaic", 1, dataclasses.replace(plan, **{kind: blocks})), args,
-                list(blocks))
+            timed(
+                kind,
+                "mosaic_unaligned",
+                grouped_step(kind, "mosaic", 1, dataclasses.replace(plan, **{kind: blocks})),
+                args,
+                list(blocks),
+            )
     return best
 
 
 def table(results):
-    dense = {(r["ranks"], r["projection"], r["product"]): r["tflops"] for r in results
-             if r["impl"] == "dense"}
+    dense = {
+        (r["ranks"], r["projection"], r["product"]): r["tflops"]
+        for r in results
+        if r["impl"] == "dense"
+    }
     best = {}
     for r in results:
         if r["tflops"] is not None and r["impl"] != "dense":
             key = (r["ranks"], r["projection"], r["distribution"], r["product"], r["impl"])
             best[key] = max(best.get(key, 0.0), r["tflops"])
-    lines = [f"{'R':>2s} {'projection':10s} {'groups':8s} {'product':7s} {'impl':16s} "
-             f"{'TFLOP/s':>8s} {'dense':>8s} {'share':>6s}"]
+    lines = [
+        f"{'R':>2s} {'projection':10s} {'groups':8s} {'product':7s} {'impl':16s} "
+        f"{'TFLOP/s':>8s} {'dense':>8s} {'share':>6s}"
+    ]
     for (ranks, projection, distribution, kind, impl), rate in sorted(best.items()):
         ref = dense.get((ranks, projection, kind))
-        lines.append(f"{ranks:2d} {projection:10s} {distribution:8s} {kind:7s} {impl:16s} "
-                     f"{rate:8.1f} {ref or float('nan'):8.1f} "
-                     f"{rate / ref if ref else float('nan'):6.0%}")
+        lines.append(
+            f"{ranks:2d} {projection:10s} {distribution:8s} {kind:7s} {impl:16s} "
+            f"{rate:8.1f} {ref or float('nan'):8.1f} "
+            f"{rate / ref if ref else float('nan'):6.0%}"
+        )
     return "\n".join(lines)
 
 
@@ -232,13 +291,18 @@ def main(argv=None):
     args = parser.parse_args(argv)
     counts = tuple(int(c) for c in args.counts.split(","))
     rows = args.tokens * args.topk
-    cases = [(ranks, args.experts // ranks, rows, projection, k, n, distribution, args.alignment)
-             for ranks in (int(r) for r in args.ranks.split(","))
-             for projection, (k, n) in (("gate_up", (args.hidden, args.ffn)),
-                                        ("down", (args.ffn, args.hidden)))
-             for distribution in ("uniform", "zipf")]
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {rows} rows per rank",
-          flush=True)
+    cases = [
+        (ranks, args.experts // ranks, rows, projection, k, n, distribution, args.alignment)
+        for ranks in (int(r) for r in args.ranks.split(","))
+        for projection, (k, n) in (
+            ("gate_up", (args.hidden, args.ffn)),
+            ("down", (args.ffn, args.hidden)),
+        )
+        for distribution in ("uniform", "zipf")
+    ]
+    print(
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {rows} rows per rank", flush=True
+    )
     _, groups, rows, _, k, n, _, _ = cases[0]
     problems = grouped.mosaic_misfits((rows, k), (groups, k, n), jnp.bfloat16)
     if problems:
@@ -246,21 +310,31 @@ def main(argv=None):
     results, blocks = [], {}  # the best blocks per projection, from its first case
     for case in cases:
         projection = case[3]
-        found = run_case(case, dataclasses.replace(grouped.MOSAIC_BLOCKS,
-                                                   **blocks.get(projection, {})),
-                         not args.no_sweep and projection not in blocks, counts, results)
+        found = run_case(
+            case,
+            dataclasses.replace(grouped.MOSAIC_BLOCKS, **blocks.get(projection, {})),
+            not args.no_sweep and projection not in blocks,
+            counts,
+            results,
+        )
         blocks.setdefault(projection, found)
     print(table(results))
     best_blocks = {p: {kind: list(b) for kind, b in found.items()} for p, found in blocks.items()}
     print("best blocks:", best_blocks)
-    record = dict(machine=args.machine, date=datetime.date.today().isoformat(),
-                  command="python -m bench.grouped_matmul " + " ".join(
-                      sys.argv[1:] if argv is None else argv),
-                  config="grouped_matmul", device=jax.devices()[0].device_kind,
-                  jax_version=jax.__version__, default_blocks={
-                      kind: list(getattr(grouped.MOSAIC_BLOCKS, kind))
-                      for kind in grouped.PRODUCTS},
-                  best_blocks=best_blocks, results=results)
+    record = dict(
+        machine=args.machine,
+        date=datetime.date.today().isoformat(),
+        command="python -m bench.grouped_matmul "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        config="grouped_matmul",
+        device=jax.devices()[0].device_kind,
+        jax_version=jax.__version__,
+        default_blocks={
+            kind: list(getattr(grouped.MOSAIC_BLOCKS, kind)) for kind in grouped.PRODUCTS
+        },
+        best_blocks=best_blocks,
+        results=results,
+    )
     print(f"wrote {save_record(record, args.out, 'grouped-matmul')}.json")
 
 

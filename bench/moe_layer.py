@@ -32,6 +32,7 @@ matmul of the same FLOPs, and with --fp8 --fp8-experts call|once on Hopper the F
 rate ("fp8_tflops", the weights quantized as the layer does).
 Writes bench/results/moe-layer-<machine>-<date>[-fp8-<fp8 experts>].json and a PNG.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from bench.ep import common_arguments, loop_seconds, save_record
@@ -70,30 +72,47 @@ class JaxEpLayer:
 
     def dispatch(self, x, routed):
         capacity = moe.expert_capacity(self.cfg, x.shape[0], self.buffer.num_ranks)
-        return self.buffer.dispatch(x, *routed, layout="expert", fp8=self.cfg.fp8,
-                                    expert_alignment=self.cfg.expert_alignment,
-                                    capacity=capacity)
+        return self.buffer.dispatch(
+            x,
+            *routed,
+            layout="expert",
+            fp8=self.cfg.fp8,
+            expert_alignment=self.cfg.expert_alignment,
+            capacity=capacity,
+        )
 
     def matmuls(self, d, x, weights):
         rows = self.buffer.dequantize(d, x) if self.cfg.fp8 else d.x
         fp8_weights = weights.get(FP8_WEIGHTS)
-        return (moe.expert_ffn(weights, rows, d.group_sizes, self.cfg,
-                               fp8_rows=moe.fp8_rows(d, self.cfg, fp8_weights),
-                               fp8_weights=fp8_weights),
-                moe.shared_expert(weights, x).astype(x.dtype))
+        return (
+            moe.expert_ffn(
+                weights,
+                rows,
+                d.group_sizes,
+                self.cfg,
+                fp8_rows=moe.fp8_rows(d, self.cfg, fp8_weights),
+                fp8_weights=fp8_weights,
+            ),
+            moe.shared_expert(weights, x).astype(x.dtype),
+        )
 
     def for_combine(self, d):
         return d._replace(x=None, scales=None)  # the rows themselves are not combined
 
     def combine(self, out, x, routed, d):
         rows, shared = out
-        return self.buffer.combine(rows.astype(x.dtype), d.handle, topk_weights=d.topk_weights,
-                                   bias=shared,
-                                   partial_dtype=self.cfg.combine_partial_dtype)
+        return self.buffer.combine(
+            rows.astype(x.dtype),
+            d.handle,
+            topk_weights=d.topk_weights,
+            bias=shared,
+            partial_dtype=self.cfg.combine_partial_dtype,
+        )
 
     def total(self, x, params):
-        return moe.moe_block(self.buffer, params, x, self.cfg, (AXIS,),
-                             fp8_weights=params.get(FP8_WEIGHTS))[0]
+        return moe.moe_block(
+            self.buffer, params, x, self.cfg, (AXIS,), fp8_weights=params.get(FP8_WEIGHTS)
+        )[0]
 
 
 class MaxTextLayer:
@@ -106,34 +125,44 @@ class MaxTextLayer:
     def routing(self, x, router):
         idx, weights = moe.route(x, router, self.cfg)[:2]
         experts = idx.reshape(-1)
-        order = jnp.argsort(experts, stable=True)        # rows by expert, then (token, slot)
+        order = jnp.argsort(experts, stable=True)  # rows by expert, then (token, slot)
         counts = jnp.zeros(self.cfg.num_experts, jnp.int32).at[experts].add(1)
         return weights, order, counts
 
     def dispatch(self, x, routed):
         _, order, counts = routed
         r, k = self.num_ranks, self.cfg.num_topk
-        rows = x[order // k]                                               # [T*K, H] sorted
-        everyone = jax.lax.all_gather(counts, AXIS)                        # [src, E]
+        rows = x[order // k]  # [T*K, H] sorted
+        everyone = jax.lax.all_gather(counts, AXIS)  # [src, E]
         me = jax.lax.axis_index(AXIS)
-        by_rank = everyone.reshape(r, r, self.local).sum(-1)               # [src, dst]
+        by_rank = everyone.reshape(r, r, self.local).sum(-1)  # [src, dst]
         # The output operand varies like the rows (its type is the result's inside shard_map).
         received = jax.lax.ragged_all_to_all(
-            rows, varying_like(jnp.zeros((r * rows.shape[0], rows.shape[1]), rows.dtype), rows),
-            layout.exclusive_cumsum(by_rank[me]), by_rank[me],
-            layout.exclusive_cumsum(by_rank, axis=0)[me], by_rank[:, me], axis_name=AXIS)
+            rows,
+            varying_like(jnp.zeros((r * rows.shape[0], rows.shape[1]), rows.dtype), rows),
+            layout.exclusive_cumsum(by_rank[me]),
+            by_rank[me],
+            layout.exclusive_cumsum(by_rank, axis=0)[me],
+            by_rank[:, me],
+            axis_name=AXIS,
+        )
         # Received rows come by (source rank, local expert): sort them by local expert.
         mine = jax.lax.dynamic_slice_in_dim(everyone, me * self.local, self.local, axis=1)
-        expert_of_row = jnp.repeat(jnp.tile(jnp.arange(self.local), r), mine.reshape(-1),
-                                   total_repeat_length=received.shape[0])
+        expert_of_row = jnp.repeat(
+            jnp.tile(jnp.arange(self.local), r),
+            mine.reshape(-1),
+            total_repeat_length=received.shape[0],
+        )
         valid = jnp.arange(received.shape[0]) < mine.sum()
         local_order = jnp.argsort(jnp.where(valid, expert_of_row, self.local), stable=True)
         return received[local_order], local_order, mine.sum(axis=0), by_rank
 
     def matmuls(self, sent, x, weights):
         rows, _, group_sizes, _ = sent
-        return (moe.expert_ffn(weights, rows, group_sizes, self.cfg, group_alignment=1),
-                moe.shared_expert(weights, x).astype(x.dtype))
+        return (
+            moe.expert_ffn(weights, rows, group_sizes, self.cfg, group_alignment=1),
+            moe.shared_expert(weights, x).astype(x.dtype),
+        )
 
     def for_combine(self, sent):
         return sent[1:]
@@ -145,10 +174,16 @@ class MaxTextLayer:
         me = jax.lax.axis_index(AXIS)
         unsorted = jnp.zeros_like(rows).at[local_order].set(rows)
         back = jax.lax.ragged_all_to_all(
-            unsorted, varying_like(jnp.zeros((x.shape[0] * self.cfg.num_topk, x.shape[1]),
-                                             rows.dtype), unsorted),
-            layout.exclusive_cumsum(by_rank[:, me]), by_rank[:, me],
-            layout.exclusive_cumsum(by_rank, axis=1)[:, me], by_rank[me], axis_name=AXIS)
+            unsorted,
+            varying_like(
+                jnp.zeros((x.shape[0] * self.cfg.num_topk, x.shape[1]), rows.dtype), unsorted
+            ),
+            layout.exclusive_cumsum(by_rank[:, me]),
+            by_rank[:, me],
+            layout.exclusive_cumsum(by_rank, axis=1)[:, me],
+            by_rank[me],
+            axis_name=AXIS,
+        )
         per_slot = jnp.zeros_like(back).at[order].set(back).reshape(x.shape[0], -1, x.shape[1])
         y = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), weights)
         return (y + shared.astype(jnp.float32)).astype(x.dtype)
@@ -160,30 +195,35 @@ class PaddedAllToAllLayer:
     def __init__(self, cfg, num_ranks, tokens, capacity_factor):
         self.cfg, self.num_ranks = cfg, num_ranks
         self.local = cfg.num_experts // num_ranks
-        self.capacity = max(1, math.ceil(capacity_factor * tokens * cfg.num_topk
-                                         / cfg.num_experts))
+        self.capacity = max(1, math.ceil(capacity_factor * tokens * cfg.num_topk / cfg.num_experts))
 
     def routing(self, x, router):
         idx, weights = moe.route(x, router, self.cfg)[:2]
         hits = jax.nn.one_hot(idx.reshape(-1), self.cfg.num_experts, dtype=jnp.int32)
-        slot = (jnp.cumsum(hits, axis=0) * hits).sum(-1) - 1              # row within expert
+        slot = (jnp.cumsum(hits, axis=0) * hits).sum(-1) - 1  # row within expert
         return weights, idx.reshape(-1), slot
 
     def dispatch(self, x, routed):
         _, experts, slot = routed
         k, c = self.cfg.num_topk, self.capacity
         tokens = jnp.arange(experts.shape[0]) // k
-        blocks = jnp.zeros((self.cfg.num_experts, c, x.shape[1]), x.dtype).at[
-            experts, slot].set(x[tokens], mode="drop")                     # slot >= C drops
-        received = jax.lax.all_to_all(blocks, AXIS, 0, 0, tiled=True)    # [R * E_l, C, H]
+        blocks = (
+            jnp.zeros((self.cfg.num_experts, c, x.shape[1]), x.dtype)
+            .at[experts, slot]
+            .set(x[tokens], mode="drop")
+        )  # slot >= C drops
+        received = jax.lax.all_to_all(blocks, AXIS, 0, 0, tiled=True)  # [R * E_l, C, H]
         received = received.reshape(self.num_ranks, self.local, c, -1).swapaxes(0, 1)
-        return received.reshape(-1, x.shape[1])                            # by expert, source
+        return received.reshape(-1, x.shape[1])  # by expert, source
 
     def matmuls(self, rows, x, weights):
         sizes = jnp.full(self.local, self.num_ranks * self.capacity, jnp.int32)
-        return (moe.expert_ffn(weights, rows, sizes, self.cfg,
-                               group_alignment=self.num_ranks * self.capacity),
-                moe.shared_expert(weights, x).astype(x.dtype))
+        return (
+            moe.expert_ffn(
+                weights, rows, sizes, self.cfg, group_alignment=self.num_ranks * self.capacity
+            ),
+            moe.shared_expert(weights, x).astype(x.dtype),
+        )
 
     def for_combine(self, rows):
         return None
@@ -193,11 +233,12 @@ class PaddedAllToAllLayer:
         out, shared = out
         c, r = self.capacity, self.num_ranks
         blocks = out.reshape(self.local, r, c, -1).swapaxes(0, 1).reshape(-1, c, out.shape[-1])
-        back = jax.lax.all_to_all(blocks, AXIS, 0, 0, tiled=True)         # [E, C, H]
+        back = jax.lax.all_to_all(blocks, AXIS, 0, 0, tiled=True)  # [E, C, H]
         in_capacity = (slot < c).reshape(weights.shape)
         per_slot = back[experts, jnp.minimum(slot, c - 1)].reshape(weights.shape + (-1,))
-        y = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32),
-                       jnp.where(in_capacity, weights, 0))
+        y = jnp.einsum(
+            "tkh,tk->th", per_slot.astype(jnp.float32), jnp.where(in_capacity, weights, 0)
+        )
         return (y + shared.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -223,8 +264,10 @@ def stages(layer):
     return {
         "routing": (lambda x, params: (x, params["router"]), layer.routing),
         "dispatch": (lambda x, params: (x, routed(x, params)), layer.dispatch),
-        "matmuls": (lambda x, params: (sent(x, params), x, _experts_weights(params)),
-                    layer.matmuls),
+        "matmuls": (
+            lambda x, params: (sent(x, params), x, _experts_weights(params)),
+            layer.matmuls,
+        ),
         "combine": (combine_inputs, layer.combine),
     }
 
@@ -236,14 +279,17 @@ def total(layer):
     def forward(x, params):
         r = layer.routing(x, params["router"])
         s = layer.dispatch(x, r)
-        return layer.combine(layer.matmuls(s, x, _experts_weights(params)), x, r,
-                             layer.for_combine(s))
+        return layer.combine(
+            layer.matmuls(s, x, _experts_weights(params)), x, r, layer.for_combine(s)
+        )
+
     return forward
 
 
 def trained(fn):
     """fn's value and gradient, sum of its floating-point outputs, with respect to its
     floating-point inputs (the train step of fn alone)."""
+
     def step(*args):
         leaves, tree = jax.tree.flatten(args)
         where = [i for i, leaf in enumerate(leaves) if jnp.dtype(leaf.dtype) in _FLOATS]
@@ -253,10 +299,14 @@ def trained(fn):
             for i, value in zip(where, floats):
                 full[i] = value
             out = fn(*jax.tree.unflatten(tree, full))
-            return sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree.leaves(out)
-                       if jnp.dtype(o.dtype) in _FLOATS)
+            return sum(
+                jnp.sum(o.astype(jnp.float32))
+                for o in jax.tree.leaves(out)
+                if jnp.dtype(o.dtype) in _FLOATS
+            )
 
         return jax.value_and_grad(objective)([leaves[i] for i in where])
+
     return step
 
 
@@ -270,9 +320,15 @@ def unavailable(impl, platform):
 def build(impl, mesh, cfg, tokens, capacity_factor, buffer_impl):
     r = mesh.shape[AXIS]
     if impl == "jax_ep":
-        buffer = jax_ep.Buffer(mesh, AXIS, num_experts=cfg.num_experts, hidden=cfg.hidden,
-                               num_topk=cfg.num_topk, max_tokens_per_rank=tokens,
-                               impl=buffer_impl)
+        buffer = jax_ep.Buffer(
+            mesh,
+            AXIS,
+            num_experts=cfg.num_experts,
+            hidden=cfg.hidden,
+            num_topk=cfg.num_topk,
+            max_tokens_per_rank=tokens,
+            impl=buffer_impl,
+        )
         return JaxEpLayer(buffer, cfg)
     if impl == "maxtext":
         return MaxTextLayer(cfg, r)
@@ -293,39 +349,67 @@ def bench_layer(impl, layer, mesh, x, params, counts, repeats, phases):
     tokens = x.shape[0]
     results = []
     for phase in phases:
+
         def seconds(step, prologue=None):
-            return loop_seconds(trained(step) if phase == "train" else step, args, counts,
-                                repeats, mesh, specs, prologue)
+            return loop_seconds(
+                trained(step) if phase == "train" else step,
+                args,
+                counts,
+                repeats,
+                mesh,
+                specs,
+                prologue,
+            )
 
         parts = {}
         for name, (prologue, part) in stages(layer).items():
             parts[name] = seconds(part, prologue) * 1e3
         whole = seconds(total(layer))
-        results.append(dict(impl=impl, phase=phase, tokens_per_rank=tokens // mesh.size,
-                            time_ms=whole * 1e3, tokens_per_s=tokens / whole, parts=parts))
-        print(f"  {impl:15s} {phase:7s} total {whole * 1e3:9.3f} ms  " + "  ".join(
-            f"{name} {ms:8.3f}" for name, ms in parts.items()), flush=True)
+        results.append(
+            dict(
+                impl=impl,
+                phase=phase,
+                tokens_per_rank=tokens // mesh.size,
+                time_ms=whole * 1e3,
+                tokens_per_s=tokens / whole,
+                parts=parts,
+            )
+        )
+        print(
+            f"  {impl:15s} {phase:7s} total {whole * 1e3:9.3f} ms  "
+            + "  ".join(f"{name} {ms:8.3f}" for name, ms in parts.items()),
+            flush=True,
+        )
     return results
 
 
 def outputs(layer, mesh, x, params):
     specs = layer_specs(params)
-    return np.asarray(jax.jit(jax.shard_map(total(layer), mesh=mesh, in_specs=specs,
-                                            out_specs=P(AXIS)))(x, params), np.float32)
+    return np.asarray(
+        jax.jit(jax.shard_map(total(layer), mesh=mesh, in_specs=specs, out_specs=P(AXIS)))(
+            x, params
+        ),
+        np.float32,
+    )
 
 
 def table(results):
-    lines = [f"{'impl':15s} {'phase':7s} {'tokens':>7s} {'total ms':>9s} {'tokens/s':>11s} "
-             + " ".join(f"{p:>9s}" for p in PARTS)]
+    lines = [
+        f"{'impl':15s} {'phase':7s} {'tokens':>7s} {'total ms':>9s} {'tokens/s':>11s} "
+        + " ".join(f"{p:>9s}" for p in PARTS)
+    ]
     for r in results:
-        lines.append(f"{r['impl']:15s} {r['phase']:7s} {r['tokens_per_rank']:7d} "
-                     f"{r['time_ms']:9.3f} {r['tokens_per_s']:11.4g} "
-                     + " ".join(f"{r['parts'][p]:9.3f}" for p in PARTS))
+        lines.append(
+            f"{r['impl']:15s} {r['phase']:7s} {r['tokens_per_rank']:7d} "
+            f"{r['time_ms']:9.3f} {r['tokens_per_s']:11.4g} "
+            + " ".join(f"{r['parts'][p]:9.3f}" for p in PARTS)
+        )
     return "\n".join(lines)
 
 
 def plot(record, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -339,15 +423,18 @@ def plot(record, path):
             values = np.array([r["parts"][part] for r in rows])
             ax.bar(names, values, bottom=bottom, label=part)
             bottom += values
-        ax.scatter(names, [r["time_ms"] for r in rows], color="black", zorder=3,
-                   label="whole layer")
+        ax.scatter(
+            names, [r["time_ms"] for r in rows], color="black", zorder=3, label="whole layer"
+        )
         ax.set_ylabel("ms per layer (parts stacked)")
         ax.set_title(f"{phase}, {record['num_ranks']} x {record['device']}")
         ax.legend()
-    fig.suptitle(f"MoE layer: H={record['hidden']}, {record['num_experts']} experts, "
-                 f"top-{record['num_topk']}, ffn {record['ffn']}, "
-                 f"{record['results'][0]['tokens_per_rank']} tokens/rank, {record['machine']}, "
-                 f"{record['date']}")
+    fig.suptitle(
+        f"MoE layer: H={record['hidden']}, {record['num_experts']} experts, "
+        f"top-{record['num_topk']}, ffn {record['ffn']}, "
+        f"{record['results'][0]['tokens_per_rank']} tokens/rank, {record['machine']}, "
+        f"{record['date']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -362,12 +449,20 @@ def main(argv=None):
     parser.add_argument("--shared-ffn", type=int, default=2048)
     parser.add_argument("--alignment", type=int, default=128, help="jax_ep's expert_alignment")
     parser.add_argument("--fp8", action="store_true", help="jax_ep dispatches FP8 rows")
-    parser.add_argument("--fp8-experts", choices=("off", "call", "once"), default="off",
-                        help="with --fp8: the gate/up projections dequantize the rows (off) or "
-                             "multiply them in FP8, the weights quantized in each call (call) or "
-                             "once beforehand, outside the timed loop (once)")
-    parser.add_argument("--capacity-factor", type=float, default=1.0,
-                        help="rows per expert of the padded layer, x the balanced count")
+    parser.add_argument(
+        "--fp8-experts",
+        choices=("off", "call", "once"),
+        default="off",
+        help="with --fp8: the gate/up projections dequantize the rows (off) or "
+        "multiply them in FP8, the weights quantized in each call (call) or "
+        "once beforehand, outside the timed loop (once)",
+    )
+    parser.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=1.0,
+        help="rows per expert of the padded layer, x the balanced count",
+    )
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--phases", default="forward,train")
     parser.add_argument("--buffer-impl", default="auto", help="jax_ep.Buffer impl")
@@ -379,23 +474,34 @@ def main(argv=None):
     devices = jax.devices()
     mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
     num_ranks, platform = mesh.size, devices[0].platform
-    cfg = moe.MoEConfig(num_experts=args.experts, num_topk=args.topk, hidden=args.hidden,
-                        ffn_hidden=args.ffn, shared_ffn_hidden=args.shared_ffn,
-                        expert_alignment=args.alignment, fp8=args.fp8,
-                        fp8_experts=args.fp8_experts == "call",
-                        combine_partial_dtype=jnp.bfloat16)
+    cfg = moe.MoEConfig(
+        num_experts=args.experts,
+        num_topk=args.topk,
+        hidden=args.hidden,
+        ffn_hidden=args.ffn,
+        shared_ffn_hidden=args.shared_ffn,
+        expert_alignment=args.alignment,
+        fp8=args.fp8,
+        fp8_experts=args.fp8_experts == "call",
+        combine_partial_dtype=jnp.bfloat16,
+    )
     params = moe.init_params(jax.random.key(0), cfg, jnp.bfloat16, mesh=mesh, expert_axis=AXIS)
     jax_ep_params = params
     if args.fp8 and args.fp8_experts == "once":
         jax_ep_params = dict(params, **{FP8_WEIGHTS: jax.jit(moe.quantize_expert_weights)(params)})
-    x = jax.device_put(jax.random.normal(jax.random.key(1), (num_ranks * args.tokens,
-                                                             args.hidden), jnp.bfloat16),
-                       NamedSharding(mesh, P(AXIS)))
+    x = jax.device_put(
+        jax.random.normal(jax.random.key(1), (num_ranks * args.tokens, args.hidden), jnp.bfloat16),
+        NamedSharding(mesh, P(AXIS)),
+    )
     paths = moe.grouped_matmul_path(
-        dataclasses.replace(cfg, fp8_experts=args.fp8_experts != "off"), num_ranks, args.tokens)
-    print(f"{num_ranks} x {devices[0].device_kind}, jax {jax.__version__}: {args.tokens} "
-          f"tokens/rank, H {args.hidden}, {args.experts} experts, top-{args.topk}, ffn "
-          f"{args.ffn}; jax_ep grouped matmuls: {paths}", flush=True)
+        dataclasses.replace(cfg, fp8_experts=args.fp8_experts != "off"), num_ranks, args.tokens
+    )
+    print(
+        f"{num_ranks} x {devices[0].device_kind}, jax {jax.__version__}: {args.tokens} "
+        f"tokens/rank, H {args.hidden}, {args.experts} experts, top-{args.topk}, ffn "
+        f"{args.ffn}; jax_ep grouped matmuls: {paths}",
+        flush=True,
+    )
     results, skipped, checks, reference = [], {}, {}, None
     for impl in args.impls.split(","):
         if unavailable(impl, platform):
@@ -408,45 +514,69 @@ def main(argv=None):
             y = outputs(layer, mesh, x, layer_params)
             if reference is None:
                 reference = y
-            checks[impl] = float(np.linalg.norm(y - reference)
-                                 / max(np.linalg.norm(reference), 1e-30))
-            print(f"  {impl}: relative difference of y from {args.impls.split(',')[0]}'s: "
-                  f"{checks[impl]:.3g}", flush=True)
-            results += bench_layer(impl, layer, mesh, x, layer_params, counts, args.repeats,
-                                   args.phases.split(","))
+            checks[impl] = float(
+                np.linalg.norm(y - reference) / max(np.linalg.norm(reference), 1e-30)
+            )
+            print(
+                f"  {impl}: relative difference of y from {args.impls.split(',')[0]}'s: "
+                f"{checks[impl]:.3g}",
+                flush=True,
+            )
+            results += bench_layer(
+                impl, layer, mesh, x, layer_params, counts, args.repeats, args.phases.split(",")
+            )
         except Exception as e:  # noqa: BLE001  (one layer failing leaves the others' numbers)
             skipped[impl] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
             print(f"  {impl}: {skipped[impl]}", flush=True)
     print(table(results))
     local = args.experts // num_ranks
-    balanced = np.full(local, layout.align_up(args.tokens * args.topk // local, args.alignment),
-                       np.int32)
+    balanced = np.full(
+        local, layout.align_up(args.tokens * args.topk // local, args.alignment), np.int32
+    )
     rows = int(balanced.sum())
-    rate, dense_rate = forward_rates(rows, args.hidden, args.ffn, balanced, "auto",
-                                     args.alignment)
+    rate, dense_rate = forward_rates(rows, args.hidden, args.ffn, balanced, "auto", args.alignment)
     matmul = dict(impl=paths["down"], tflops=rate, dense_tflops=dense_rate)
-    print(f"grouped matmul ({paths['down']}, {local} groups of {balanced[0]} rows, "
-          f"{args.hidden} x {args.ffn}): {rate:.1f} TFLOP/s, dense batched {dense_rate:.1f}")
+    print(
+        f"grouped matmul ({paths['down']}, {local} groups of {balanced[0]} rows, "
+        f"{args.hidden} x {args.ffn}): {rate:.1f} TFLOP/s, dense batched {dense_rate:.1f}"
+    )
     if paths["gate_up"] == "mosaic_fp8":
         once = args.fp8_experts == "once"
-        matmul["fp8_tflops"] = fp8_forward_rate(rows, args.hidden, args.ffn, balanced,
-                                                args.alignment, prequantized=once)
-        print(f"  FP8 forward (weights quantized {'beforehand' if once else 'in the call'}): "
-              f"{matmul['fp8_tflops']:.1f} TFLOP/s")
-    record = dict(machine=args.machine, date=datetime.date.today().isoformat(),
-                  command="python -m bench.moe_layer " + " ".join(
-                      sys.argv[1:] if argv is None else argv),
-                  config="moe_layer", num_ranks=num_ranks, device=devices[0].device_kind,
-                  jax_version=jax.__version__, tokens_per_rank=args.tokens, hidden=args.hidden,
-                  num_experts=args.experts, num_topk=args.topk, ffn=args.ffn,
-                  shared_ffn=args.shared_ffn, expert_alignment=args.alignment, fp8=args.fp8,
-                  fp8_experts=args.fp8_experts if args.fp8 else None,
-                  capacity_factor=args.capacity_factor, buffer_impl=args.buffer_impl,
-                  combine_partial_dtype=jnp.dtype(cfg.combine_partial_dtype).name,
-                  results=results, skipped=skipped, relative_difference_of_y=checks,
-                  grouped_matmul=matmul)
-    stem = save_record(record, args.out, "moe-layer",
-                       f"-fp8-{args.fp8_experts}" if args.fp8 else "")
+        matmul["fp8_tflops"] = fp8_forward_rate(
+            rows, args.hidden, args.ffn, balanced, args.alignment, prequantized=once
+        )
+        print(
+            f"  FP8 forward (weights quantized {'beforehand' if once else 'in the call'}): "
+            f"{matmul['fp8_tflops']:.1f} TFLOP/s"
+        )
+    record = dict(
+        machine=args.machine,
+        date=datetime.date.today().isoformat(),
+        command="python -m bench.moe_layer " + " ".join(sys.argv[1:] if argv is None else argv),
+        config="moe_layer",
+        num_ranks=num_ranks,
+        device=devices[0].device_kind,
+        jax_version=jax.__version__,
+        tokens_per_rank=args.tokens,
+        hidden=args.hidden,
+        num_experts=args.experts,
+        num_topk=args.topk,
+        ffn=args.ffn,
+        shared_ffn=args.shared_ffn,
+        expert_alignment=args.alignment,
+        fp8=args.fp8,
+        fp8_experts=args.fp8_experts if args.fp8 else None,
+        capacity_factor=args.capacity_factor,
+        buffer_impl=args.buffer_impl,
+        combine_partial_dtype=jnp.dtype(cfg.combine_partial_dtype).name,
+        results=results,
+        skipped=skipped,
+        relative_difference_of_y=checks,
+        grouped_matmul=matmul,
+    )
+    stem = save_record(
+        record, args.out, "moe-layer", f"-fp8-{args.fp8_experts}" if args.fp8 else ""
+    )
     if not args.no_plot and results:
         try:
             plot(record, stem + ".png")

@@ -1,7 +1,8 @@
 """Time per op against tokens per rank, one line per implementation, from results JSON files.
 
-    python -m bench.plot bench/results/v3-*.json -o bench/results/v3.png
+python -m bench.plot bench/results/v3-*.json -o bench/results/v3.png
 """
+
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,7 @@ import json
 
 def plot(records, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -28,13 +30,18 @@ def plot(records, path):
         ax.set_yscale("log")
         ax.set_xlabel("tokens per rank")
         ax.set_ylabel("time per op (us)")
-        dtype = "FP8" if op == "dispatch" and any(
-            r.get("dtype") == "fp8" for r in first["results"]) else "BF16"
+        dtype = (
+            "FP8"
+            if op == "dispatch" and any(r.get("dtype") == "fp8" for r in first["results"])
+            else "BF16"
+        )
         ax.set_title(f"{op} ({dtype}), {first['num_ranks']} x {first.get('device', '')}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{first['config']} config: H={first['hidden']}, {first['num_experts']} experts, "
-                 f"top-{first['num_topk']}, {first['machine']}, {first['date']}")
+    fig.suptitle(
+        f"{first['config']} config: H={first['hidden']}, {first['num_experts']} experts, "
+        f"top-{first['num_topk']}, {first['machine']}, {first['date']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -3,6 +3,7 @@ each GPU, free of launch, host and harness costs (bench.ep's times include those
 
     python -m bench.ep --config ll --tokens 128 --trace    # adds `kernels` to each result
 """
+
 from __future__ import annotations
 
 import collections
@@ -48,14 +49,20 @@ def kernel_summary(planes, steps, top=8):
         summary[plane] = dict(
             busy_us_per_step=sum(d for _, _, d in events) / 1e3 / steps,
             span_us_per_step=span / steps,
-            kernels={n: dict(calls_per_step=len(d) / steps, median_us=float(np.median(d)))
-                     for n, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]})
+            kernels={
+                n: dict(calls_per_step=len(d) / steps, median_us=float(np.median(d)))
+                for n, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+            },
+        )
     return summary
 
 
 def print_summary(summary, top=6):
     for plane, s in summary.items():
-        print(f"    {plane}: busy {s['busy_us_per_step']:.1f} us/step, span "
-              f"{s['span_us_per_step']:.1f} us/step", flush=True)
+        print(
+            f"    {plane}: busy {s['busy_us_per_step']:.1f} us/step, span "
+            f"{s['span_us_per_step']:.1f} us/step",
+            flush=True,
+        )
         for name, k in list(s["kernels"].items())[:top]:
             print(f"      {k['median_us']:8.1f} us x{k['calls_per_step']:.2f}  {name}", flush=True)

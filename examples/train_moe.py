@@ -7,20 +7,23 @@ Runs on the devices JAX sees (8 CPU devices when there is no accelerator), on a 
 compute in bfloat16 at widths of 128, so that Hopper GPUs take the Mosaic grouped matmuls. The
 task is a fixed random next-token permutation, so the loss falls from log(vocab) towards zero.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 from jax_ep import nn  # noqa: E402
 
@@ -35,8 +38,10 @@ def rms_norm(x, scale):
 
 def attention(p, x):
     b, s, d = x.shape
-    q, k, v = (jnp.einsum("bsd,de->bse", x, p[n]).reshape(b, s, HEADS, d // HEADS)
-               for n in ("wq", "wk", "wv"))
+    q, k, v = (
+        jnp.einsum("bsd,de->bse", x, p[n]).reshape(b, s, HEADS, d // HEADS)
+        for n in ("wq", "wk", "wv")
+    )
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // HEADS)
     logits = jnp.where(jnp.tril(jnp.ones((s, s), bool)), logits, -1e9)
     out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
@@ -45,14 +50,18 @@ def attention(p, x):
 
 def init(key, cfg):
     keys = jax.random.split(key, 2 + LAYERS)
-    params = dict(embed=jax.random.normal(keys[0], (VOCAB, DIM)) * 0.1,
-                  final_norm=jnp.ones(DIM), layers=[])
+    params = dict(
+        embed=jax.random.normal(keys[0], (VOCAB, DIM)) * 0.1, final_norm=jnp.ones(DIM), layers=[]
+    )
     for layer in range(LAYERS):
         k = jax.random.split(keys[2 + layer], 5)
-        attn = {n: jax.random.normal(kk, (DIM, DIM)) / np.sqrt(DIM)
-                for n, kk in zip(("wq", "wk", "wv", "wo"), k[:4])}
-        params["layers"].append(dict(attn=attn, norm1=jnp.ones(DIM), norm2=jnp.ones(DIM),
-                                     moe=nn.init_params(k[4], cfg)))
+        attn = {
+            n: jax.random.normal(kk, (DIM, DIM)) / np.sqrt(DIM)
+            for n, kk in zip(("wq", "wk", "wv", "wo"), k[:4])
+        }
+        params["layers"].append(
+            dict(attn=attn, norm1=jnp.ones(DIM), norm2=jnp.ones(DIM), moe=nn.init_params(k[4], cfg))
+        )
     return params
 
 
@@ -71,10 +80,22 @@ def train(steps=200, impl="auto", batch_per_device=2, log_every=20, seed=0):
     dp = 2 if len(devices) % 2 == 0 and len(devices) >= 4 else 1
     mesh = jax.sharding.Mesh(devices.reshape(dp, -1), ("dp", "ep"))
     batch = batch_per_device * mesh.size
-    cfg = nn.MoEConfig(num_experts=4 * mesh.shape["ep"], num_topk=2, hidden=DIM, ffn_hidden=DIM,
-                       shared_ffn_hidden=64, expert_alignment=128 if GPU else 1)
-    moe = nn.MoELayer(cfg, mesh, data_axis="dp", expert_axis="ep",
-                      tokens_per_rank=batch_per_device * SEQ, impl=impl)
+    cfg = nn.MoEConfig(
+        num_experts=4 * mesh.shape["ep"],
+        num_topk=2,
+        hidden=DIM,
+        ffn_hidden=DIM,
+        shared_ffn_hidden=64,
+        expert_alignment=128 if GPU else 1,
+    )
+    moe = nn.MoELayer(
+        cfg,
+        mesh,
+        data_axis="dp",
+        expert_axis="ep",
+        tokens_per_rank=batch_per_device * SEQ,
+        impl=impl,
+    )
     print(f"grouped matmuls: {moe.grouped_matmul_path(MOE_DTYPE)}")
 
     def sharding_of(path, _):
@@ -94,6 +115,7 @@ def train(steps=200, impl="auto", batch_per_device=2, log_every=20, seed=0):
             targets = tokens[:, 1:]
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
             return ce + 0.01 * aux, ce
+
         (_, ce), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, ce

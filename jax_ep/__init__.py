@@ -1,4 +1,5 @@
 """jax_ep: expert-parallel dispatch and combine for JAX (docs/API.md)."""
+
 import importlib.metadata
 import importlib.util
 import os

@@ -19,6 +19,7 @@ error (`_token_input`); a Buffer stopped by a timeout raises on its next call by
 None of this is public JAX API, so it fails loudly here, at import, naming the jax version,
 rather than as wrong results later.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,23 +30,41 @@ try:
     from jax._src import core, dispatch, effects
     from jax._src.interpreters import ad, batching, mlir, pxla
 except ImportError as e:  # pragma: no cover - only on a jax that moved its internals
-    raise ImportError(f"jax_ep needs JAX's effect system (jax._src), which jax "
-                      f"{jax.__version__} does not provide as expected: {e}") from e
+    raise ImportError(
+        f"jax_ep needs JAX's effect system (jax._src), which jax "
+        f"{jax.__version__} does not provide as expected: {e}"
+    ) from e
 
-_EFFECT_SETS = ("ordered_effects", "shardable_ordered_effects", "lowerable_effects",
-                "control_flow_allowed_effects", "custom_derivatives_allowed_effects",
-                "remat_allowed_effects")
+_EFFECT_SETS = (
+    "ordered_effects",
+    "shardable_ordered_effects",
+    "lowerable_effects",
+    "control_flow_allowed_effects",
+    "custom_derivatives_allowed_effects",
+    "remat_allowed_effects",
+)
 _missing = [f"effects.{name}" for name in _EFFECT_SETS if not hasattr(effects, name)]
-_missing += [f"mlir.{name}" for name in ("TokenSet", "LoweringRuleContext")
-             if not hasattr(mlir, name)]
-_missing += [] if hasattr(jax.ffi, "build_ffi_lowering_function") else [
-    "jax.ffi.build_ffi_lowering_function"]
-_missing += [f"{owner.__name__}.{name}" for owner, name in (
-    (dispatch.RuntimeTokenSet, "get_token_input"), (pxla.MeshExecutable, "create_cpp_call"))
-    if not hasattr(owner, name)]
+_missing += [
+    f"mlir.{name}" for name in ("TokenSet", "LoweringRuleContext") if not hasattr(mlir, name)
+]
+_missing += (
+    []
+    if hasattr(jax.ffi, "build_ffi_lowering_function")
+    else ["jax.ffi.build_ffi_lowering_function"]
+)
+_missing += [
+    f"{owner.__name__}.{name}"
+    for owner, name in (
+        (dispatch.RuntimeTokenSet, "get_token_input"),
+        (pxla.MeshExecutable, "create_cpp_call"),
+    )
+    if not hasattr(owner, name)
+]
 if _missing:
-    raise ImportError(f"jax_ep: jax {jax.__version__} lacks what jax_ep orders its calls with: "
-                      f"{', '.join(_missing)}")
+    raise ImportError(
+        f"jax_ep: jax {jax.__version__} lacks what jax_ep orders its calls with: "
+        f"{', '.join(_missing)}"
+    )
 
 
 class BufferOrder(effects.Effect):
@@ -113,14 +132,26 @@ call_p.multiple_results = True
 dispatch.simple_impl(call_p)
 
 
-def ordered_ffi_call(target: str, result_shapes, *operands, order: BufferOrder,
-                     halves: bool, attributes: dict[str, Any]):
+def ordered_ffi_call(
+    target: str,
+    result_shapes,
+    *operands,
+    order: BufferOrder,
+    halves: bool,
+    attributes: dict[str, Any],
+):
     """The results of custom call `target` on `operands`, in `order` with the Buffer's other
     calls. Whole ops may be batched by vmap (one call per element, in order); halves cannot
     (a batch's sends would all come before its recvs)."""
     result_avals = tuple(core.ShapedArray(s.shape, s.dtype) for s in result_shapes)
-    return call_p.bind(*operands, target=target, result_avals=result_avals, order=order,
-                       halves=halves, attributes=tuple(sorted(attributes.items())))
+    return call_p.bind(
+        *operands,
+        target=target,
+        result_avals=result_avals,
+        order=order,
+        halves=halves,
+        attributes=tuple(sorted(attributes.items())),
+    )
 
 
 def _abstract_eval(*avals_in, result_avals, order, **_):
@@ -132,8 +163,10 @@ def _abstract_eval(*avals_in, result_avals, order, **_):
 def _lowering(ctx, *operands, target, result_avals, order, halves, attributes):
     del result_avals
     token = ctx.tokens_in.get(order)
-    inner = ctx.replace(avals_in=[core.abstract_token, *ctx.avals_in],
-                        avals_out=[core.abstract_token, *ctx.avals_out])
+    inner = ctx.replace(
+        avals_in=[core.abstract_token, *ctx.avals_in],
+        avals_out=[core.abstract_token, *ctx.avals_out],
+    )
     call = jax.ffi.build_ffi_lowering_function(target, has_side_effect=halves)
     op = call(inner, token, *operands, **dict(attributes))
     ctx.set_tokens_out(mlir.TokenSet({order: op.results[0]}))
@@ -143,8 +176,9 @@ def _lowering(ctx, *operands, target, result_avals, order, halves, attributes):
 def _batch(args, dims, *, target, result_avals, order, halves, attributes):
     """vmap: a whole op once per batch element, in order (jax.lax.map)."""
     if halves:
-        raise ValueError(f"jax_ep: the halves of an op cannot be batched by vmap ({target}); "
-                         "vmap the whole ops")
+        raise ValueError(
+            f"jax_ep: the halves of an op cannot be batched by vmap ({target}); vmap the whole ops"
+        )
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     moved = [a if d is None else batching.moveaxis(a, d, 0) for a, d in zip(args, dims)]
     batched = [d is not None for d in dims]
@@ -152,8 +186,14 @@ def _batch(args, dims, *, target, result_avals, order, halves, attributes):
     def one(elements):
         it = iter(elements)
         ins = [next(it) if b else a for a, b in zip(moved, batched)]
-        return call_p.bind(*ins, target=target, result_avals=result_avals, order=order,
-                           halves=halves, attributes=attributes)
+        return call_p.bind(
+            *ins,
+            target=target,
+            result_avals=result_avals,
+            order=order,
+            halves=halves,
+            attributes=attributes,
+        )
 
     outs = jax.lax.map(one, [a for a, b in zip(moved, batched) if b])
     assert all(o.shape[0] == size for o in outs)
@@ -161,8 +201,10 @@ def _batch(args, dims, *, target, result_avals, order, halves, attributes):
 
 
 def _not_differentiable(primals, tangents, *, target, **_):
-    raise ValueError(f"jax_ep: {target} is not differentiable by itself (the halves of an op "
-                     "are not differentiable: use the whole ops under jax.grad)")
+    raise ValueError(
+        f"jax_ep: {target} is not differentiable by itself (the halves of an op "
+        "are not differentiable: use the whole ops under jax.grad)"
+    )
 
 
 call_p.def_effectful_abstract_eval(_abstract_eval)

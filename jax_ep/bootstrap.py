@@ -4,17 +4,19 @@ A Buffer owns the communication window of every EP group of its axis: the device
 at one coordinate of the other mesh axes, in axis order (their position is their rank). Each
 process builds the windows of its own devices; processes meet in jax.distributed's key-value
 store between the steps (one process draws what must be shared: NCCL's unique id, shared-memory
-and socket names; every process publishes its GPUs, from which all choose the GPU engine) and check that they all asked for the same Buffer. Nothing of this depends on what else a
-process traced or compiled: the Buffer's key is the same on every process as long as every
+and socket names; every process publishes its GPUs, from which all choose the GPU engine) and
+check that they all asked for the same Buffer. Nothing of this depends on what else a process
+traced or compiled: the Buffer's key is the same on every process as long as every
 process of the mesh creates the mesh's Buffers in the same order (like any collective).
 """
+
 from __future__ import annotations
 
 import atexit
 import dataclasses
 import functools
-import importlib.util
 import hashlib
+import importlib.util
 import json
 import os
 import secrets
@@ -26,13 +28,13 @@ _created: dict[tuple, int] = {}  # Buffers created so far, per set of processes
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    key: int                  # names the Buffer in compiled programs: the same on every process
-    seq: int                  # the Buffer's number among those of its processes
-    platform: str             # "cpu" or "cuda"
-    local: tuple              # (device number, group, rank) of this process's devices
-    group_owners: tuple       # per group: the process that draws what the group shares
-    processes: tuple          # the processes holding devices of the mesh, sorted
-    process: int              # this process
+    key: int  # names the Buffer in compiled programs: the same on every process
+    seq: int  # the Buffer's number among those of its processes
+    platform: str  # "cpu" or "cuda"
+    local: tuple  # (device number, group, rank) of this process's devices
+    group_owners: tuple  # per group: the process that draws what the group shares
+    processes: tuple  # the processes holding devices of the mesh, sorted
+    process: int  # this process
 
     @property
     def multi_process(self):
@@ -52,16 +54,21 @@ def plan(mesh, axis_name):
     me = jax.process_index()
     # The device number XLA gives a custom call: the device's id on CPUs, its local ordinal on GPUs.
     ordinal = (lambda d: d.id) if platform == "cpu" else (lambda d: d.local_hardware_id)
-    local = tuple((ordinal(d), g, r) for g, row in enumerate(groups)
-                  for r, d in enumerate(row) if d.process_index == me)
+    local = tuple(
+        (ordinal(d), g, r)
+        for g, row in enumerate(groups)
+        for r, d in enumerate(row)
+        if d.process_index == me
+    )
     processes = tuple(sorted({d.process_index for d in groups.flat}))
     if me not in processes:
         raise ValueError("jax_ep: this process holds no device of the Buffer's mesh")
     seq = _created.get(processes, 0) + 1  # counted by commit(), once the local checks passed
     digest = hashlib.sha256(repr((processes, seq)).encode()).digest()
     key = int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
-    return Plan(key, seq, platform, local,
-                tuple(int(row[0].process_index) for row in groups), processes, me)
+    return Plan(
+        key, seq, platform, local, tuple(int(row[0].process_index) for row in groups), processes, me
+    )
 
 
 def commit(p: Plan):
@@ -69,8 +76,10 @@ def commit(p: Plan):
     only must not shift the keys of the later ones), before the first step every process takes
     together (from there on, all processes either create the Buffer or raise alike)."""
     if _created.get(p.processes, 0) != p.seq - 1:
-        raise RuntimeError("jax_ep: Buffers were created concurrently on several threads; create "
-                           "them one at a time, in the same order on every process")
+        raise RuntimeError(
+            "jax_ep: Buffers were created concurrently on several threads; create "
+            "them one at a time, in the same order on every process"
+        )
     _created[p.processes] = p.seq
 
 
@@ -89,8 +98,10 @@ def _client():
 
     client = distributed.global_state.client
     if client is None:
-        raise ValueError("jax_ep: the mesh spans several processes but jax.distributed is not "
-                         "initialized (call jax.distributed.initialize() first)")
+        raise ValueError(
+            "jax_ep: the mesh spans several processes but jax.distributed is not "
+            "initialized (call jax.distributed.initialize() first)"
+        )
     return client
 
 
@@ -104,9 +115,11 @@ def _wait_all(p: Plan, step: str, timeout_s: float):
             client.blocking_key_value_get(f"{prefix}/{q}", int(timeout_s * 1000))
     except Exception:
         missing = [q for q in p.processes if not _try_get(client, f"{prefix}/{q}")]
-        raise RuntimeError(f"jax_ep: process(es) {missing} did not reach '{step}' of creating "
-                           f"a Buffer within {timeout_s} s (every process of the mesh must "
-                           f"create the same Buffers in the same order)") from None
+        raise RuntimeError(
+            f"jax_ep: process(es) {missing} did not reach '{step}' of creating "
+            f"a Buffer within {timeout_s} s (every process of the mesh must "
+            f"create the same Buffers in the same order)"
+        ) from None
 
 
 def _try_get(client, key):
@@ -135,14 +148,17 @@ def share(p: Plan, name: str, make, owner: int, timeout_s: float) -> bytes:
     try:
         return client.blocking_key_value_get_bytes(key, int(timeout_s * 1000))
     except Exception:
-        raise RuntimeError(f"jax_ep: process {owner} did not share '{name}' within {timeout_s} s "
-                           f"while creating a Buffer") from None
+        raise RuntimeError(
+            f"jax_ep: process {owner} did not share '{name}' within {timeout_s} s "
+            f"while creating a Buffer"
+        ) from None
 
 
 def nonce(p: Plan, timeout_s: float) -> str:
     """Random, the same on every process: names the Buffer's shared memory on each host."""
-    return share(p, "nonce", lambda: secrets.token_hex(8).encode(), p.processes[0],
-                 timeout_s).decode()
+    return share(
+        p, "nonce", lambda: secrets.token_hex(8).encode(), p.processes[0], timeout_s
+    ).decode()
 
 
 def check_same_arguments(p: Plan, arguments: dict, timeout_s: float):
@@ -165,8 +181,10 @@ def check_same_arguments(p: Plan, arguments: dict, timeout_s: float):
             if theirs != mine:
                 asked = json.loads(theirs)
                 diff = {k: (v, asked.get(k)) for k, v in arguments.items() if asked.get(k) != v}
-                verdict = (f"process {q} asked for another Buffer than process {first}: "
-                           + ", ".join(f"{k}={b!r} there, {a!r} here" for k, (a, b) in diff.items()))
+                verdict = (
+                    f"process {q} asked for another Buffer than process {first}: "
+                    + ", ".join(f"{k}={b!r} there, {a!r} here" for k, (a, b) in diff.items())
+                )
                 break
         client.key_value_set(f"{prefix}/verdict", verdict)
     else:
@@ -201,16 +219,16 @@ def requested_engine() -> str:
     """$JAX_EP_ENGINE: auto (the default), nccl or cuda_ipc."""
     value = os.environ.get("JAX_EP_ENGINE", "").strip().lower() or "auto"
     if value not in ENGINES:
-        raise ValueError(f"jax_ep: JAX_EP_ENGINE must be one of {', '.join(ENGINES)}, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"jax_ep: JAX_EP_ENGINE must be one of {', '.join(ENGINES)}, got {value!r}"
+        )
     return value
 
 
 def nccl_serves(library_version: int, built_version: int) -> bool:
     """Whether NCCL's library can serve the engine: the device API, and the minor version this
     build's device code was compiled against (its windows' layout comes from the headers)."""
-    return (library_version >= NCCL_DEVICE_API
-            and library_version // 100 == built_version // 100)
+    return library_version >= NCCL_DEVICE_API and library_version // 100 == built_version // 100
 
 
 def choose_engine(requested: str, processes: dict) -> tuple[str, str]:
@@ -223,8 +241,10 @@ def choose_engine(requested: str, processes: dict) -> tuple[str, str]:
     ranks of a group on one GPU), else CUDA IPC (every group on one host)."""
     asked = {p: info["engine"] for p, info in processes.items()}
     if len(set(asked.values())) > 1:
-        raise ValueError("jax_ep: the processes set JAX_EP_ENGINE differently: " + ", ".join(
-            f"process {p}: {e}" for p, e in sorted(asked.items())))
+        raise ValueError(
+            "jax_ep: the processes set JAX_EP_ENGINE differently: "
+            + ", ".join(f"process {p}: {e}" for p, e in sorted(asked.items()))
+        )
     where = {}  # (group, rank) -> (host, uuid)
     for info in processes.values():
         for group, rank, uuid in info["ranks"]:
@@ -232,22 +252,29 @@ def choose_engine(requested: str, processes: dict) -> tuple[str, str]:
     shared, hosts = [], {}
     for (group, rank), place in sorted(where.items()):
         hosts.setdefault(group, set()).add(place[0])
-        twin = [r for (g, r), other in sorted(where.items()) if g == group and r < rank
-                and other == place]
+        twin = [
+            r
+            for (g, r), other in sorted(where.items())
+            if g == group and r < rank and other == place
+        ]
         if twin:
             shared.append(f"ranks {twin[0]} and {rank} of EP group {group}")
     spread = [g for g, h in sorted(hosts.items()) if len(h) > 1]
     old = sorted(p for p, info in processes.items() if not nccl_serves(*info["nccl"]))
 
     def no_ipc(why):
-        return ValueError(f"jax_ep: {why}; the cuda_ipc engine needs every rank of an EP group "
-                          f"on one host, but EP group {spread[0]} spans "
-                          f"{len(hosts[spread[0]])} hosts")
+        return ValueError(
+            f"jax_ep: {why}; the cuda_ipc engine needs every rank of an EP group "
+            f"on one host, but EP group {spread[0]} spans "
+            f"{len(hosts[spread[0]])} hosts"
+        )
 
     if requested == "nccl":
         if shared:
-            raise ValueError(f"jax_ep: JAX_EP_ENGINE=nccl, but {shared[0]} share a GPU, which "
-                             f"NCCL refuses; use JAX_EP_ENGINE=cuda_ipc (or auto)")
+            raise ValueError(
+                f"jax_ep: JAX_EP_ENGINE=nccl, but {shared[0]} share a GPU, which "
+                f"NCCL refuses; use JAX_EP_ENGINE=cuda_ipc (or auto)"
+            )
         return "nccl", "JAX_EP_ENGINE=nccl"
     if requested == "cuda_ipc":
         if spread:
@@ -259,9 +286,11 @@ def choose_engine(requested: str, processes: dict) -> tuple[str, str]:
         why = f"{shared[0]} share a GPU (NCCL refuses that)"
     else:
         library, built = processes[old[0]]["nccl"]
-        why = (f"process {old[0]} has no NCCL with the device API this build needs (found "
-               f"{library or 'none'}, built against {built}; {NCCL_DEVICE_API} or newer, "
-               f"same minor version)")
+        why = (
+            f"process {old[0]} has no NCCL with the device API this build needs (found "
+            f"{library or 'none'}, built against {built}; {NCCL_DEVICE_API} or newer, "
+            f"same minor version)"
+        )
     if spread:
         raise no_ipc(why)
     return "cuda_ipc", why
@@ -270,6 +299,7 @@ def choose_engine(requested: str, processes: dict) -> tuple[str, str]:
 def host_id() -> str:
     """This host: its name and boot id (two containers of one name on two machines differ)."""
     import socket
+
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -288,13 +318,17 @@ def exchange(p: Plan, name: str, mine: dict, timeout_s: float) -> dict:
     out = {}
     for q in p.processes:
         try:
-            out[q] = json.loads(client.blocking_key_value_get(f"{prefix}/{q}",
-                                                              int(timeout_s * 1000)))
+            out[q] = json.loads(
+                client.blocking_key_value_get(f"{prefix}/{q}", int(timeout_s * 1000))
+            )
         except Exception:
-            missing = [q for q in p.processes if q not in out and not _try_get(
-                client, f"{prefix}/{q}")]
-            raise RuntimeError(f"jax_ep: process(es) {missing} did not publish '{name}' within "
-                               f"{timeout_s} s while creating a Buffer") from None
+            missing = [
+                q for q in p.processes if q not in out and not _try_get(client, f"{prefix}/{q}")
+            ]
+            raise RuntimeError(
+                f"jax_ep: process(es) {missing} did not publish '{name}' within "
+                f"{timeout_s} s while creating a Buffer"
+            ) from None
     return out
 
 
@@ -304,10 +338,12 @@ def gpu_engine(p: Plan, timeout_s: float) -> tuple[str, str]:
 
     requested = requested_engine()
     library = nccl_library()
-    mine = dict(engine=requested, host=host_id(),
-                nccl=[_native.nccl_library_version(library), _native.nccl_built_version()],
-                ranks=[[group, rank, _native.cuda_device_uuid(device)]
-                       for device, group, rank in p.local])
+    mine = dict(
+        engine=requested,
+        host=host_id(),
+        nccl=[_native.nccl_library_version(library), _native.nccl_built_version()],
+        ranks=[[group, rank, _native.cuda_device_uuid(device)] for device, group, rank in p.local],
+    )
     return choose_engine(requested, exchange(p, "engine", mine, timeout_s))
 
 
@@ -324,8 +360,9 @@ def connect(p: Plan, window, *, timeout_s, num_sms, direct_local):
     forget()  # Buffers collected since: their memory first
 
     if p.platform == "cpu":
-        native = _native.CpuBuffer(window, f"/jax_ep_{nonce(p, timeout_s)}", timeout_s,
-                                   list(p.local), first_op())
+        native = _native.CpuBuffer(
+            window, f"/jax_ep_{nonce(p, timeout_s)}", timeout_s, list(p.local), first_op()
+        )
         native.create()
         meet(p, "created", timeout_s)
         native.connect()
@@ -334,22 +371,40 @@ def connect(p: Plan, window, *, timeout_s, num_sms, direct_local):
         engines[p.key] = "shm"
     else:
         if not _native.has_cuda:
-            raise ValueError("jax_ep: this build has no CUDA backend, so a Buffer cannot run on "
-                             "GPUs. Reinstall where the CUDA toolkit (nvcc) is found, e.g. "
-                             "JAX_EP_CUDA=ON pip install --no-build-isolation . (or use "
-                             "impl='reference')")
+            raise ValueError(
+                "jax_ep: this build has no CUDA backend, so a Buffer cannot run on "
+                "GPUs. Reinstall where the CUDA toolkit (nvcc) is found, e.g. "
+                "JAX_EP_CUDA=ON pip install --no-build-isolation . (or use "
+                "impl='reference')"
+            )
         engine, _ = gpu_engine(p, timeout_s)
         if engine == "nccl":
             library = nccl_library()
-            ids = {g: share(p, f"nccl/{g}", lambda: _native.nccl_unique_id(library),
-                            p.group_owners[g], timeout_s)
-                   for g in sorted({group for _, group, _ in p.local})}
-            native = _native.CudaBuffer(window, library, timeout_s, num_sms, list(p.local), ids,
-                                        direct_local, first_op())
+            ids = {
+                g: share(
+                    p,
+                    f"nccl/{g}",
+                    lambda: _native.nccl_unique_id(library),
+                    p.group_owners[g],
+                    timeout_s,
+                )
+                for g in sorted({group for _, group, _ in p.local})
+            }
+            native = _native.CudaBuffer(
+                window, library, timeout_s, num_sms, list(p.local), ids, direct_local, first_op()
+            )
             meet(p, "connected", timeout_s)
         else:
-            native = _native.CudaIpcBuffer(window, ipc_prefix(p, timeout_s), p.key, timeout_s,
-                                           num_sms, list(p.local), direct_local, first_op())
+            native = _native.CudaIpcBuffer(
+                window,
+                ipc_prefix(p, timeout_s),
+                p.key,
+                timeout_s,
+                num_sms,
+                list(p.local),
+                direct_local,
+                first_op(),
+            )
             meet(p, "created", timeout_s)  # every window is zeroed and served
             native.connect()
             meet(p, "connected", timeout_s)
@@ -384,4 +439,5 @@ def forget(key=None):
 def _forget_at_exit():
     """The registry holds the native Buffers: let them go before the interpreter does."""
     from jax_ep import _native
+
     atexit.register(_native.forget_all_buffers)

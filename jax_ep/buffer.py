@@ -1,4 +1,5 @@
 """jax_ep.Buffer: dispatch and combine (docs/API.md), built from the primitives of a backend."""
+
 from __future__ import annotations
 
 import functools
@@ -30,14 +31,17 @@ def _is_integer(value):
 def limits():
     """The backends' limits (kernels/limits.h)."""
     from jax_ep import _native
+
     return _native.limits()
 
 
 def _raise_if_invalid(here, everywhere, num_experts):
     if int(everywhere):
-        raise ValueError(f"jax_ep: topk_idx holds {int(everywhere)} expert id(s) outside "
-                         f"[-1, {num_experts}) ({int(here)} on this rank); they were excluded "
-                         f"from the dispatch")
+        raise ValueError(
+            f"jax_ep: topk_idx holds {int(everywhere)} expert id(s) outside "
+            f"[-1, {num_experts}) ({int(here)} on this rank); they were excluded "
+            f"from the dispatch"
+        )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -63,14 +67,20 @@ def _fail(message):
 
 def _check(array, name, shape, dtypes):
     """Shape and dtype of an argument; None in `shape` matches any size."""
-    if not hasattr(array, "shape") or len(array.shape) != len(shape) or any(
-            want is not None and got != want for got, want in zip(array.shape, shape)):
+    if (
+        not hasattr(array, "shape")
+        or len(array.shape) != len(shape)
+        or any(want is not None and got != want for got, want in zip(array.shape, shape))
+    ):
         want = ", ".join("*" if s is None else str(s) for s in shape)
-        _fail(f"{name} must have shape ({want}), "
-              f"got {getattr(array, 'shape', type(array).__name__)}")
+        _fail(
+            f"{name} must have shape ({want}), got {getattr(array, 'shape', type(array).__name__)}"
+        )
     if jnp.dtype(array.dtype) not in tuple(jnp.dtype(d) for d in dtypes):
-        _fail(f"{name} must have dtype {' or '.join(jnp.dtype(d).name for d in dtypes)}, "
-              f"got {jnp.dtype(array.dtype).name}")
+        _fail(
+            f"{name} must have dtype {' or '.join(jnp.dtype(d).name for d in dtypes)}, "
+            f"got {jnp.dtype(array.dtype).name}"
+        )
 
 
 class Buffer:
@@ -93,22 +103,42 @@ class Buffer:
     docs/API.md says when each applies), "shm" on CPUs, None for impl="reference".
     """
 
-    def __init__(self, mesh, axis_name, *, num_experts, hidden, num_topk, max_tokens_per_rank,
-                 impl="auto", num_sms=24, timeout_s=100.0, low_latency_tokens=None,
-                 check_invalid=False, max_row_dtype=jnp.float32, direct_local=True):
+    def __init__(
+        self,
+        mesh,
+        axis_name,
+        *,
+        num_experts,
+        hidden,
+        num_topk,
+        max_tokens_per_rank,
+        impl="auto",
+        num_sms=24,
+        timeout_s=100.0,
+        low_latency_tokens=None,
+        check_invalid=False,
+        max_row_dtype=jnp.float32,
+        direct_local=True,
+    ):
         if axis_name not in mesh.axis_names:
             _fail(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
         num_ranks = mesh.shape[axis_name]
-        for name, value in (("num_experts", num_experts), ("hidden", hidden),
-                            ("num_topk", num_topk), ("max_tokens_per_rank", max_tokens_per_rank),
-                            ("num_sms", num_sms)):
+        for name, value in (
+            ("num_experts", num_experts),
+            ("hidden", hidden),
+            ("num_topk", num_topk),
+            ("max_tokens_per_rank", max_tokens_per_rank),
+            ("num_sms", num_sms),
+        ):
             if not _is_integer(value) or value < 1:
                 _fail(f"{name} must be a positive integer, got {value!r}")
         num_experts, hidden, num_topk = int(num_experts), int(hidden), int(num_topk)
         max_tokens_per_rank, num_sms = int(max_tokens_per_rank), int(num_sms)
         if num_experts % num_ranks:
-            _fail(f"num_experts={num_experts} must be divisible by the {num_ranks} ranks of "
-                  f"axis {axis_name!r}")
+            _fail(
+                f"num_experts={num_experts} must be divisible by the {num_ranks} ranks of "
+                f"axis {axis_name!r}"
+            )
         if low_latency_tokens is None:
             low_latency_tokens = min(max_tokens_per_rank, 256)
         if impl not in ("auto", "ffi", "reference"):
@@ -134,13 +164,21 @@ class Buffer:
         if self.impl == "reference":
             self._ops = self._reference
         else:
-            self._ops = self._connect(num_sms, float(timeout_s), low_latency_tokens,
-                                      bool(direct_local))
+            self._ops = self._connect(
+                num_sms, float(timeout_s), low_latency_tokens, bool(direct_local)
+            )
 
     def _window(self):
         from jax_ep import _native
-        return _native.Window(self.num_ranks, self.num_local_experts, self.hidden, self.num_topk,
-                              self.max_tokens_per_rank, self.max_row_dtype.itemsize)
+
+        return _native.Window(
+            self.num_ranks,
+            self.num_local_experts,
+            self.hidden,
+            self.num_topk,
+            self.max_tokens_per_rank,
+            self.max_row_dtype.itemsize,
+        )
 
     @property
     def memory_bytes(self):
@@ -151,41 +189,62 @@ class Buffer:
         try:
             from jax_ep import ffi_path
         except ImportError as e:
-            raise ValueError("jax_ep: the custom calls need jax_ep's compiled extension, which "
-                             "this installation lacks (pip install . builds it); "
-                             "impl='reference' runs without it") from e
+            raise ValueError(
+                "jax_ep: the custom calls need jax_ep's compiled extension, which "
+                "this installation lacks (pip install . builds it); "
+                "impl='reference' runs without it"
+            ) from e
         bounds = limits()
         if self.max_tokens_per_rank > bounds["max_tokens_per_rank"]:
-            _fail(f"max_tokens_per_rank must be at most {bounds['max_tokens_per_rank']}, got "
-                  f"{self.max_tokens_per_rank}")
+            _fail(
+                f"max_tokens_per_rank must be at most {bounds['max_tokens_per_rank']}, got "
+                f"{self.max_tokens_per_rank}"
+            )
         if not _is_integer(low_latency_tokens) or not 0 <= low_latency_tokens <= min(
-                self.max_tokens_per_rank, bounds["max_in_block_tokens"]):
-            _fail(f"low_latency_tokens must be an integer in [0, min(max_tokens_per_rank, "
-                  f"{bounds['max_in_block_tokens']})], got {low_latency_tokens!r}")
+            self.max_tokens_per_rank, bounds["max_in_block_tokens"]
+        ):
+            _fail(
+                f"low_latency_tokens must be an integer in [0, min(max_tokens_per_rank, "
+                f"{bounds['max_in_block_tokens']})], got {low_latency_tokens!r}"
+            )
         plan = bootstrap.plan(self.mesh, self.axis_name)
         if plan.platform is None:
-            _fail(f"the custom calls run on CPU and CUDA devices, not on "
-                  f"{self.mesh.devices.flat[0].platform}: use impl='reference' there")
+            _fail(
+                f"the custom calls run on CPU and CUDA devices, not on "
+                f"{self.mesh.devices.flat[0].platform}: use impl='reference' there"
+            )
         bound = bounds["max_gpu_ranks" if plan.platform == "cuda" else "max_cpu_ranks"]
         if self.num_ranks > bound:
-            _fail(f"axis {self.axis_name!r} has {self.num_ranks} ranks; the {plan.platform} "
-                  f"backend takes at most {bound}")
+            _fail(
+                f"axis {self.axis_name!r} has {self.num_ranks} ranks; the {plan.platform} "
+                f"backend takes at most {bound}"
+            )
         if plan.platform == "cuda":
             self._low_latency_tokens = int(low_latency_tokens)
-        arguments = dict(num_experts=self.num_experts, hidden=self.hidden,
-                         num_topk=self.num_topk, max_tokens_per_rank=self.max_tokens_per_rank,
-                         max_row_dtype=self.max_row_dtype.name, num_sms=num_sms,
-                         low_latency_tokens=low_latency_tokens, timeout_s=timeout_s,
-                         direct_local=direct_local, axis_name=self.axis_name,
-                         check_invalid=self.check_invalid,
-                         mesh=dict(axis_names=list(self.mesh.axis_names),
-                                   shape=list(self.mesh.devices.shape),
-                                   device_ids=[d.id for d in self.mesh.devices.flat]))
+        arguments = dict(
+            num_experts=self.num_experts,
+            hidden=self.hidden,
+            num_topk=self.num_topk,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+            max_row_dtype=self.max_row_dtype.name,
+            num_sms=num_sms,
+            low_latency_tokens=low_latency_tokens,
+            timeout_s=timeout_s,
+            direct_local=direct_local,
+            axis_name=self.axis_name,
+            check_invalid=self.check_invalid,
+            mesh=dict(
+                axis_names=list(self.mesh.axis_names),
+                shape=list(self.mesh.devices.shape),
+                device_ids=[d.id for d in self.mesh.devices.flat],
+            ),
+        )
         arguments["first_op"] = bootstrap.first_op()
         bootstrap.commit(plan)
         bootstrap.check_same_arguments(plan, arguments, timeout_s)
-        self._native = bootstrap.connect(plan, self._window(), timeout_s=timeout_s,
-                                         num_sms=num_sms, direct_local=direct_local)
+        self._native = bootstrap.connect(
+            plan, self._window(), timeout_s=timeout_s, num_sms=num_sms, direct_local=direct_local
+        )
         self._key = plan.key
         self.engine = bootstrap.engines[plan.key]  # "nccl", "cuda_ipc" or "shm" (CPUs)
         ffi_path.register_targets()
@@ -220,8 +279,20 @@ class Buffer:
 
     # ------------------------------------------------------------ dispatch
 
-    def dispatch(self, x, topk_idx=None, topk_weights=None, *, handle=None, layout=None,
-                 expert_alignment=None, fp8=False, round_scale=False, capacity=None, mode=None):
+    def dispatch(
+        self,
+        x,
+        topk_idx=None,
+        topk_weights=None,
+        *,
+        handle=None,
+        layout=None,
+        expert_alignment=None,
+        fp8=False,
+        round_scale=False,
+        capacity=None,
+        mode=None,
+    ):
         """Sends every token to the ranks of its experts (docs/API.md has every field).
 
         layout: "rank" (default), "expert" or "expert_padded" (x [E_l, capacity, H], capacity
@@ -230,13 +301,35 @@ class Buffer:
         low_latency_tokens), "normal" or "low_latency". handle=: the routes, layout and capacity
         of an earlier dispatch (then only x, fp8 and round_scale may be given).
         """
-        arrays, finish = self._dispatch_start(False, x, topk_idx, topk_weights, handle, layout,
-                                              expert_alignment, fp8, round_scale, capacity, mode)
+        arrays, finish = self._dispatch_start(
+            False,
+            x,
+            topk_idx,
+            topk_weights,
+            handle,
+            layout,
+            expert_alignment,
+            fp8,
+            round_scale,
+            capacity,
+            mode,
+        )
         return finish(arrays)
 
-    def dispatch_send(self, x, topk_idx=None, topk_weights=None, *, handle=None, layout=None,
-                      expert_alignment=None, fp8=False, round_scale=False, capacity=None,
-                      mode=None):
+    def dispatch_send(
+        self,
+        x,
+        topk_idx=None,
+        topk_weights=None,
+        *,
+        handle=None,
+        layout=None,
+        expert_alignment=None,
+        fp8=False,
+        round_scale=False,
+        capacity=None,
+        mode=None,
+    ):
         """The first half of dispatch: returns once the tokens are on their way. Run other work
         (`pending, out = pending.run_between(work, *args)` makes XLA put it between the halves),
         then dispatch_recv(pending). On GPUs the work runs beside the send under command buffers
@@ -246,26 +339,61 @@ class Buffer:
         or combine) may await their recv at once (their two slots), in either order; a third
         send would wait for the first recv and end in the timeout error. The Buffer's ordered
         effect keeps its calls in program order (docs/ARCHITECTURE.md)."""
-        return self._pending("dispatch", self._dispatch_start(
-            True, x, topk_idx, topk_weights, handle, layout, expert_alignment, fp8, round_scale,
-            capacity, mode))
+        return self._pending(
+            "dispatch",
+            self._dispatch_start(
+                True,
+                x,
+                topk_idx,
+                topk_weights,
+                handle,
+                layout,
+                expert_alignment,
+                fp8,
+                round_scale,
+                capacity,
+                mode,
+            ),
+        )
 
     def dispatch_recv(self, pending):
         """Waits for the tokens of dispatch_send(...) and returns its DispatchResult."""
         return self._finish(pending, "dispatch")
 
-    def _dispatch_start(self, split, x, topk_idx, topk_weights, handle, layout_name, alignment,
-                        fp8, round_scale, capacity, mode):
+    def _dispatch_start(
+        self,
+        split,
+        x,
+        topk_idx,
+        topk_weights,
+        handle,
+        layout_name,
+        alignment,
+        fp8,
+        round_scale,
+        capacity,
+        mode,
+    ):
         self._require_shard_map()
         tokens = self._check_x(x, fp8, round_scale)
         if handle is not None:
-            given = [name for name, value in (
-                ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("layout", layout_name),
-                ("expert_alignment", alignment), ("capacity", capacity), ("mode", mode))
-                if value is not None]
+            given = [
+                name
+                for name, value in (
+                    ("topk_idx", topk_idx),
+                    ("topk_weights", topk_weights),
+                    ("layout", layout_name),
+                    ("expert_alignment", alignment),
+                    ("capacity", capacity),
+                    ("mode", mode),
+                )
+                if value is not None
+            ]
             if given:
-                _fail(f"dispatch with handle= follows the handle's routes, layout and capacity: "
-                      f"{', '.join(given)} must not be given")
+                _fail(
+                    f"dispatch with handle= follows the handle's routes, layout and capacity: "
+                    f"{', '.join(given)} must not be given"
+                )
             return self._dispatch_cached(split, x, handle, fp8, round_scale, tokens)
         layout_name = "rank" if layout_name is None else layout_name
         alignment = 1 if alignment is None else alignment
@@ -284,11 +412,23 @@ class Buffer:
             _fail(f"expert_alignment must be a positive integer, got {alignment!r}")
         alignment = int(alignment)
         if layout_name == "expert_padded" and alignment != 1:
-            _fail(f"expert_alignment must be 1 in the expert_padded layout (every expert's block "
-                  f"has `capacity` rows), got {alignment!r}")
+            _fail(
+                f"expert_alignment must be 1 in the expert_padded layout (every expert's block "
+                f"has `capacity` rows), got {alignment!r}"
+            )
         capacity = self._capacity(layout_name, alignment, capacity)
-        args = (x, topk_idx, topk_weights, has_weights, alignment, capacity, fp8, round_scale,
-                low_latency, split)
+        args = (
+            x,
+            topk_idx,
+            topk_weights,
+            has_weights,
+            alignment,
+            capacity,
+            fp8,
+            round_scale,
+            low_latency,
+            split,
+        )
         if layout_name == "rank":
             return self._dispatch_rank(*args)
         return self._dispatch_expert(layout_name, *args)
@@ -306,50 +446,128 @@ class Buffer:
             return getattr(ops, name + "_send")(*args, **kwargs)
         return getattr(ops, name)(*args, **kwargs), done
 
-    def _dispatch_rank(self, x, topk_idx, topk_weights, has_weights, alignment, capacity, fp8,
-                       round_scale, low_latency, split):
-        arrays, moved = self._run(split, "dispatch", x.shape[0], x, topk_idx, topk_weights,
-                                  rows=capacity, fp8=fp8, round_scale=round_scale,
-                                  low_latency=low_latency)
+    def _dispatch_rank(
+        self,
+        x,
+        topk_idx,
+        topk_weights,
+        has_weights,
+        alignment,
+        capacity,
+        fp8,
+        round_scale,
+        low_latency,
+        split,
+    ):
+        arrays, moved = self._run(
+            split,
+            "dispatch",
+            x.shape[0],
+            x,
+            topk_idx,
+            topk_weights,
+            rows=capacity,
+            fp8=fp8,
+            round_scale=round_scale,
+            low_latency=low_latency,
+        )
 
         def finish(arrays):
             rows, routing = self._checked(*moved(arrays))
-            result = (rows.topk_idx, rows.topk_weights if has_weights else None,
-                      routing.tokens_per_expert,
-                      layout.align_up(routing.tokens_per_expert, alignment),
-                      routing.num_recv, routing.num_dropped, routing.num_invalid)
-            handle = Handle(routing.send_pos, routing.recv_counts, routing.num_recv, None, None,
-                            result, layout="rank", rows=capacity, capacity=capacity,
-                            buffer=self._serial)
+            result = (
+                rows.topk_idx,
+                rows.topk_weights if has_weights else None,
+                routing.tokens_per_expert,
+                layout.align_up(routing.tokens_per_expert, alignment),
+                routing.num_recv,
+                routing.num_dropped,
+                routing.num_invalid,
+            )
+            handle = Handle(
+                routing.send_pos,
+                routing.recv_counts,
+                routing.num_recv,
+                None,
+                None,
+                result,
+                layout="rank",
+                rows=capacity,
+                capacity=capacity,
+                buffer=self._serial,
+            )
             return DispatchResult(rows.x, rows.scales, *result, handle)
 
         return arrays, finish
 
-    def _dispatch_expert(self, layout_name, x, topk_idx, topk_weights, has_weights, alignment,
-                         capacity, fp8, round_scale, low_latency, split):
+    def _dispatch_expert(
+        self,
+        layout_name,
+        x,
+        topk_idx,
+        topk_weights,
+        has_weights,
+        alignment,
+        capacity,
+        fp8,
+        round_scale,
+        low_latency,
+        split,
+    ):
         # On the wire a token goes once per rank; the receiver expands it to its experts' rows.
         staging = self.num_ranks * x.shape[0]
-        arrays, moved = self._run(split, "dispatch", x.shape[0], x, topk_idx, topk_weights,
-                                  rows=staging, fp8=fp8, round_scale=round_scale,
-                                  low_latency=low_latency)
+        arrays, moved = self._run(
+            split,
+            "dispatch",
+            x.shape[0],
+            x,
+            topk_idx,
+            topk_weights,
+            rows=staging,
+            fp8=fp8,
+            round_scale=round_scale,
+            low_latency=low_latency,
+        )
         padded = layout_name == "expert_padded"
         rows_out = capacity * self.num_local_experts if padded else capacity
 
         def finish(arrays):
             rows, routing = self._checked(*moved(arrays))
             maps = self._ops_for(staging).expert_layout(
-                rows.topk_idx, experts_per_rank=self.num_local_experts, alignment=alignment,
-                capacity=rows_out, block_rows=capacity if padded else 0)
+                rows.topk_idx,
+                experts_per_rank=self.num_local_experts,
+                alignment=alignment,
+                capacity=rows_out,
+                block_rows=capacity if padded else 0,
+            )
             group_sizes = layout.align_up(maps.tokens_per_expert, alignment)
-            weights = (layout.expert_weights(rows.topk_weights, rows.topk_idx, maps.expert_src,
-                                             maps.expert_of_row) if has_weights else None)
-            result = (self._blocks(layout_name, maps.expert_of_row),
-                      self._blocks(layout_name, weights), maps.tokens_per_expert, group_sizes,
-                      group_sizes.sum(dtype=jnp.int32), routing.num_dropped + maps.num_dropped,
-                      routing.num_invalid)
-            handle = Handle(routing.send_pos, routing.recv_counts, routing.num_recv,
-                            maps.expert_src, maps.expert_rows, result, layout=layout_name,
-                            rows=staging, capacity=rows_out, buffer=self._serial)
+            weights = (
+                layout.expert_weights(
+                    rows.topk_weights, rows.topk_idx, maps.expert_src, maps.expert_of_row
+                )
+                if has_weights
+                else None
+            )
+            result = (
+                self._blocks(layout_name, maps.expert_of_row),
+                self._blocks(layout_name, weights),
+                maps.tokens_per_expert,
+                group_sizes,
+                group_sizes.sum(dtype=jnp.int32),
+                routing.num_dropped + maps.num_dropped,
+                routing.num_invalid,
+            )
+            handle = Handle(
+                routing.send_pos,
+                routing.recv_counts,
+                routing.num_recv,
+                maps.expert_src,
+                maps.expert_rows,
+                result,
+                layout=layout_name,
+                rows=staging,
+                capacity=rows_out,
+                buffer=self._serial,
+            )
             return DispatchResult(*self._expand(rows.x, rows.scales, handle), *result, handle)
 
         return arrays, finish
@@ -360,8 +578,7 @@ class Buffer:
             # while the others are still in one of them.
             rows, routing = jax.lax.optimization_barrier((rows, routing))
             everywhere = jax.lax.psum(routing.num_invalid, self._bound_axes())
-            jax.debug.callback(_raise_if_invalid, routing.num_invalid, everywhere,
-                               self.num_experts)
+            jax.debug.callback(_raise_if_invalid, routing.num_invalid, everywhere, self.num_experts)
         return rows, routing
 
     def _bound_axes(self):
@@ -393,9 +610,18 @@ class Buffer:
         self._check_handle(handle, "cached dispatch")
         if handle.send_pos.shape != (tokens, self.num_ranks):
             _fail(f"x has {tokens} tokens but the handle routed {handle.send_pos.shape[0]}")
-        arrays, moved = self._run(split, "dispatch_cached", tokens, x, handle.send_pos,
-                                  handle.num_rows, handle.recv_counts, rows=handle.rows, fp8=fp8,
-                                  round_scale=round_scale)
+        arrays, moved = self._run(
+            split,
+            "dispatch_cached",
+            tokens,
+            x,
+            handle.send_pos,
+            handle.num_rows,
+            handle.recv_counts,
+            rows=handle.rows,
+            fp8=fp8,
+            round_scale=round_scale,
+        )
 
         def finish(arrays):
             x_rows, scales = moved(arrays)
@@ -410,8 +636,9 @@ class Buffer:
         summed in float32 in a fixed order and rounded once. In the expert layouts each rank
         first sums a token's rows of its own experts and sends that partial sum in
         partial_dtype (float32, or bfloat16 when the Buffer's rows are: half the bytes)."""
-        arrays, finish = self._combine_start(False, expert_out, handle, topk_weights, bias,
-                                             partial_dtype)
+        arrays, finish = self._combine_start(
+            False, expert_out, handle, topk_weights, bias, partial_dtype
+        )
         return finish(arrays)
 
     def dequantize(self, d, x):
@@ -423,14 +650,15 @@ class Buffer:
             _fail("dequantize needs the result of an fp8 dispatch")
         return _straight_through_rows(self.combine, *all_varying(x, d.x, d.scales), d.handle)
 
-    def combine_send(self, expert_out, handle, topk_weights=None, bias=None, *,
-                     partial_dtype=None):
+    def combine_send(self, expert_out, handle, topk_weights=None, bias=None, *, partial_dtype=None):
         """The first half of combine: returns once the rows are on their way back. Run other
         work (pending.run_between), then combine_recv(pending); as for dispatch_send. Not
         differentiable (use combine under grad). At most two sent combines may await their recv
         at once, in either order."""
-        return self._pending("combine", self._combine_start(
-            True, expert_out, handle, topk_weights, bias, partial_dtype))
+        return self._pending(
+            "combine",
+            self._combine_start(True, expert_out, handle, topk_weights, bias, partial_dtype),
+        )
 
     def combine_recv(self, pending):
         """Waits for the rows of combine_send(...) and returns y [T, H]."""
@@ -448,11 +676,15 @@ class Buffer:
             _check(bias, "bias", (tokens, self.hidden), FLOAT_ROWS)
         if handle.layout == "rank":
             if topk_weights is not None:
-                _fail("combine in the rank layout is unweighted (the caller mixes its local "
-                      "experts): topk_weights must be None")
+                _fail(
+                    "combine in the rank layout is unweighted (the caller mixes its local "
+                    "experts): topk_weights must be None"
+                )
             if partial_dtype is not None:
-                _fail("partial_dtype applies to the expert layouts (the rank layout sends "
-                      "expert_out as it is)")
+                _fail(
+                    "partial_dtype applies to the expert layouts (the rank layout sends "
+                    "expert_out as it is)"
+                )
             self._check_row_dtype(expert_out, "expert_out")
             row_data = expert_out
         else:
@@ -463,12 +695,25 @@ class Buffer:
                 partial_dtype = self.max_row_dtype
             if jnp.dtype(partial_dtype) not in FLOAT_ROWS:
                 _fail(f"partial_dtype must be float32 or bfloat16, got {partial_dtype!r}")
-            row_data = layout.reduce_expert_rows(expert_out.reshape(-1, self.hidden), topk_weights,
-                                                 handle.expert_src, handle.expert_rows)
+            row_data = layout.reduce_expert_rows(
+                expert_out.reshape(-1, self.hidden),
+                topk_weights,
+                handle.expert_src,
+                handle.expert_rows,
+            )
             row_data = row_data.astype(partial_dtype)
             self._check_row_dtype(row_data, "partial_dtype")
-        return self._run(split, "combine", tokens, row_data, handle.send_pos, handle.num_rows,
-                         handle.recv_counts, bias, out_dtype=expert_out.dtype)
+        return self._run(
+            split,
+            "combine",
+            tokens,
+            row_data,
+            handle.send_pos,
+            handle.num_rows,
+            handle.recv_counts,
+            bias,
+            out_dtype=expert_out.dtype,
+        )
 
     def _pending(self, kind, started):
         return Pending(*started, kind=kind, buffer=self._serial, receipt=Receipt())
@@ -477,8 +722,10 @@ class Buffer:
         if not isinstance(pending, Pending) or pending.kind != kind:
             _fail(f"{kind}_recv needs the result of {kind}_send, got {type(pending).__name__}")
         if pending.buffer != self._serial:
-            _fail(f"{kind}_recv: pending is another Buffer's op (Buffer {pending.buffer}, this "
-                  f"is Buffer {self._serial})")
+            _fail(
+                f"{kind}_recv: pending is another Buffer's op (Buffer {pending.buffer}, this "
+                f"is Buffer {self._serial})"
+            )
         if pending.receipt.received:
             _fail(f"{kind}_recv: pending was received already (each send has one recv)")
         pending.receipt.received = True
@@ -486,11 +733,15 @@ class Buffer:
 
     def _check_handle(self, handle, op):
         if not isinstance(handle, Handle):
-            _fail(f"handle must be the handle of an earlier dispatch ({op}), got "
-                  f"{type(handle).__name__}")
+            _fail(
+                f"handle must be the handle of an earlier dispatch ({op}), got "
+                f"{type(handle).__name__}"
+            )
         if handle.buffer != self._serial:
-            _fail(f"handle belongs to another Buffer (Buffer {handle.buffer}, this is Buffer "
-                  f"{self._serial}): {op} follows the routes of this Buffer's dispatches only")
+            _fail(
+                f"handle belongs to another Buffer (Buffer {handle.buffer}, this is Buffer "
+                f"{self._serial}): {op} follows the routes of this Buffer's dispatches only"
+            )
 
     # ------------------------------------------------------------ checks
 
@@ -500,16 +751,22 @@ class Buffer:
         except NameError:
             size = None
         if size is None:
-            _fail(f"dispatch and combine must be called inside jax.shard_map(..., mesh=mesh) "
-                  f"over the axis {self.axis_name!r}")
+            _fail(
+                f"dispatch and combine must be called inside jax.shard_map(..., mesh=mesh) "
+                f"over the axis {self.axis_name!r}"
+            )
         if size != self.num_ranks:
-            _fail(f"axis {self.axis_name!r} has size {size} here but the Buffer was built for "
-                  f"{self.num_ranks} ranks")
+            _fail(
+                f"axis {self.axis_name!r} has size {size} here but the Buffer was built for "
+                f"{self.num_ranks} ranks"
+            )
 
     def _check_row_dtype(self, rows, name):
         if rows.dtype.itemsize > self.max_row_dtype.itemsize:
-            _fail(f"{name} is {rows.dtype.name}, wider than this Buffer's rows "
-                  f"(max_row_dtype={self.max_row_dtype.name})")
+            _fail(
+                f"{name} is {rows.dtype.name}, wider than this Buffer's rows "
+                f"(max_row_dtype={self.max_row_dtype.name})"
+            )
 
     def _check_x(self, x, fp8, round_scale):
         _check(x, "x", (None, self.hidden), FLOAT_ROWS)
@@ -517,8 +774,10 @@ class Buffer:
             self._check_row_dtype(x, "x")
         tokens = x.shape[0]
         if tokens > self.max_tokens_per_rank:
-            _fail(f"x has {tokens} tokens per rank, more than max_tokens_per_rank="
-                  f"{self.max_tokens_per_rank}")
+            _fail(
+                f"x has {tokens} tokens per rank, more than max_tokens_per_rank="
+                f"{self.max_tokens_per_rank}"
+            )
         if fp8 and self.hidden % layout.FP8_BLOCK:
             _fail(f"fp8 needs hidden % 128 == 0, got hidden={self.hidden}")
         if round_scale and not fp8:
@@ -531,17 +790,27 @@ class Buffer:
         if self._low_latency_tokens is None:  # no single-kernel path: every mode is the same
             return False
         if mode == "low_latency" and tokens > self._low_latency_tokens:
-            _fail(f"mode='low_latency' takes at most low_latency_tokens="
-                  f"{self._low_latency_tokens} tokens per rank, x has {tokens}")
+            _fail(
+                f"mode='low_latency' takes at most low_latency_tokens="
+                f"{self._low_latency_tokens} tokens per rank, x has {tokens}"
+            )
         return mode != "normal" and tokens <= self._low_latency_tokens
 
     def _capacity(self, layout_name, alignment, capacity):
         if capacity is None:
-            return layout.default_capacity(layout_name, self.num_ranks, self.max_tokens_per_rank,
-                                           self.num_topk, self.num_local_experts, alignment)
+            return layout.default_capacity(
+                layout_name,
+                self.num_ranks,
+                self.max_tokens_per_rank,
+                self.num_topk,
+                self.num_local_experts,
+                alignment,
+            )
         if not _is_integer(capacity) or capacity < 1:
             _fail(f"capacity must be a positive integer, got {capacity!r}")
         if layout_name == "expert" and capacity % alignment:
-            _fail(f"capacity={capacity} must be a multiple of expert_alignment={alignment} in the "
-                  f"expert layout")
+            _fail(
+                f"capacity={capacity} must be a multiple of expert_alignment={alignment} in the "
+                f"expert layout"
+            )
         return int(capacity)

@@ -3,6 +3,7 @@
 ordered effect (jax_ep/_jax.py: JAX threads one XLA token through them in program order), made
 differentiable with custom_vjp: the backward of dispatch is one combine of the rows' and the
 weights' cotangents, the backward of combine is a cached dispatch."""
+
 from __future__ import annotations
 
 import functools
@@ -37,23 +38,28 @@ def register_targets():
 
 class _Config(NamedTuple):
     """A Buffer's calls: what they share, and one call's static configuration."""
-    buffer: int               # the Buffer's key (its native side, found at instantiation)
+
+    buffer: int  # the Buffer's key (its native side, found at instantiation)
     order: BufferOrder
     num_ranks: int
     experts_per_rank: int
     fp8: bool = False
     round_scale: bool = False
     low_latency: bool = False  # a fresh dispatch's kernels (CUDA)
-    x_dtype: str = "float32"   # a dispatch's x
+    x_dtype: str = "float32"  # a dispatch's x
     rows_dtype: str = "float32"  # a combine's rows
-    out_dtype: str = "float32"   # a combine's result
+    out_dtype: str = "float32"  # a combine's result
     bias_dtype: str | None = None  # a combine's bias, if any
 
     def attributes(self):
         """What the instantiate stage decodes (the same for every target)."""
-        return dict(buffer=np.int64(self.buffer), fp8=bool(self.fp8),
-                    round_scale=bool(self.round_scale), low_latency=bool(self.low_latency),
-                    rows_dtype=np.int32(ROWS_DTYPES[jnp.dtype(self.rows_dtype)]))
+        return dict(
+            buffer=np.int64(self.buffer),
+            fp8=bool(self.fp8),
+            round_scale=bool(self.round_scale),
+            low_latency=bool(self.low_latency),
+            rows_dtype=np.int32(ROWS_DTYPES[jnp.dtype(self.rows_dtype)]),
+        )
 
 
 def _call(cfg: _Config, target, shapes, *operands, halves=False):
@@ -62,8 +68,14 @@ def _call(cfg: _Config, target, shapes, *operands, halves=False):
     whole op in the backward pass (a new op, on every rank alike). Halves are also side effects
     for XLA: a recv half whose results go unused must still run (it releases its send's slot)."""
     operands = [o for o in operands if o is not None]
-    out = ordered_ffi_call(f"jax_ep_{target}", (_TICKET, *shapes), *operands, order=cfg.order,
-                           halves=halves, attributes=cfg.attributes())
+    out = ordered_ffi_call(
+        f"jax_ep_{target}",
+        (_TICKET, *shapes),
+        *operands,
+        order=cfg.order,
+        halves=halves,
+        attributes=cfg.attributes(),
+    )
     out = varying_like(out, *operands)
     return out[0], out[1:]
 
@@ -74,22 +86,31 @@ def _i32(*shape):
 
 def _rows_shapes(cfg: _Config, rows, hidden):
     x = jax.ShapeDtypeStruct((rows, hidden), jnp.float8_e4m3fn if cfg.fp8 else cfg.x_dtype)
-    scales = jax.ShapeDtypeStruct((rows, hidden // layout.FP8_BLOCK) if cfg.fp8 else (0,),
-                                  jnp.float32)
+    scales = jax.ShapeDtypeStruct(
+        (rows, hidden // layout.FP8_BLOCK) if cfg.fp8 else (0,), jnp.float32
+    )
     return x, scales
 
 
 def _received_shapes(cfg: _Config, rows, hidden, k):
     """What the recv half of a fresh dispatch returns."""
-    return (*_rows_shapes(cfg, rows, hidden), _i32(rows, k),
-            jax.ShapeDtypeStruct((rows, k), jnp.float32), _i32(cfg.num_ranks),
-            _i32(cfg.experts_per_rank), _i32(), _i32())
+    return (
+        *_rows_shapes(cfg, rows, hidden),
+        _i32(rows, k),
+        jax.ShapeDtypeStruct((rows, k), jnp.float32),
+        _i32(cfg.num_ranks),
+        _i32(cfg.experts_per_rank),
+        _i32(),
+        _i32(),
+    )
 
 
 def _received(cfg: _Config, received, send_pos, num_invalid):
     x_rows, scales, topk_rows, weight_rows, recv_counts, per_expert, num_recv, dropped = received
-    return (RankRows(x_rows, _scales(cfg, scales), topk_rows, weight_rows),
-            Routing(send_pos, recv_counts, per_expert, num_recv, dropped, num_invalid))
+    return (
+        RankRows(x_rows, _scales(cfg, scales), topk_rows, weight_rows),
+        Routing(send_pos, recv_counts, per_expert, num_recv, dropped, num_invalid),
+    )
 
 
 def _scales(cfg: _Config, scales):
@@ -97,6 +118,7 @@ def _scales(cfg: _Config, scales):
 
 
 # ---------------------------------------------------------------- differentiable whole ops
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _dispatch(cfg, rows, x, topk_idx, topk_weights):
@@ -111,8 +133,12 @@ def _dispatch(cfg, rows, x, topk_idx, topk_weights):
 # pass can be differentiated again (second order).
 def _dispatch_fwd(cfg, rows, *args):
     moved, routing = _dispatch(cfg, rows, *custom_vjp_primal_tree_values(args))
-    return (moved, routing), (routing.send_pos, routing.recv_counts, routing.num_recv,
-                              moved.topk_idx)
+    return (moved, routing), (
+        routing.send_pos,
+        routing.recv_counts,
+        routing.num_recv,
+        moved.topk_idx,
+    )
 
 
 def _dispatch_bwd(cfg, rows, res, ct):
@@ -132,11 +158,13 @@ def _dispatch_bwd(cfg, rows, res, ct):
     if has_x and has_w:
         grad_x, grad_w = _adjoint(cfg, ct_x, ct_w, *handle)
     elif has_x:
-        grad_x = _combine(cfg._replace(rows_dtype=cfg.x_dtype, out_dtype=cfg.x_dtype), ct_x,
-                          *handle, None)
+        grad_x = _combine(
+            cfg._replace(rows_dtype=cfg.x_dtype, out_dtype=cfg.x_dtype), ct_x, *handle, None
+        )
     elif has_w:
-        grad_w = _combine(cfg._replace(rows_dtype="float32", out_dtype="float32"), ct_w, *handle,
-                          None)
+        grad_w = _combine(
+            cfg._replace(rows_dtype="float32", out_dtype="float32"), ct_w, *handle, None
+        )
     return grad_x, None, grad_w
 
 
@@ -148,9 +176,18 @@ def _adjoint(cfg, ct_x, ct_w, send_pos, recv_counts, num_rows):
     """The adjoint of a dispatch: (d x, d topk_weights), both moved by one combine."""
     t = send_pos.shape[0]
     _, (grad_x, grad_w) = _call(
-        cfg, "dispatch_adjoint", (jax.ShapeDtypeStruct((t, ct_x.shape[1]), ct_x.dtype),
-                                  jax.ShapeDtypeStruct((t, ct_w.shape[1]), jnp.float32)),
-        ct_x, ct_w, send_pos, recv_counts, num_rows)
+        cfg,
+        "dispatch_adjoint",
+        (
+            jax.ShapeDtypeStruct((t, ct_x.shape[1]), ct_x.dtype),
+            jax.ShapeDtypeStruct((t, ct_w.shape[1]), jnp.float32),
+        ),
+        ct_x,
+        ct_w,
+        send_pos,
+        recv_counts,
+        num_rows,
+    )
     return grad_x, grad_w
 
 
@@ -165,8 +202,11 @@ def _adjoint_bwd(cfg, res, ct):
     rows, *handle = res
     grads = []
     for value, dtype in zip(ct, (cfg.x_dtype, "float32")):
-        grads.append(None if isinstance(value, SymbolicZero) else _dispatch_cached(
-            cfg._replace(fp8=False, x_dtype=dtype), rows, value, *handle)[0])
+        grads.append(
+            None
+            if isinstance(value, SymbolicZero)
+            else _dispatch_cached(cfg._replace(fp8=False, x_dtype=dtype), rows, value, *handle)[0]
+        )
     return (*grads, None, None, None)
 
 
@@ -176,8 +216,9 @@ _adjoint.defvjp(_adjoint_fwd, _adjoint_bwd, symbolic_zeros=True)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _dispatch_cached(cfg, rows, x, send_pos, recv_counts, num_rows):
     """x along a handle's routes: (x rows, scales)."""
-    _, (x_rows, scales) = _call(cfg, "dispatch_cached", _rows_shapes(cfg, rows, x.shape[1]), x,
-                                send_pos)
+    _, (x_rows, scales) = _call(
+        cfg, "dispatch_cached", _rows_shapes(cfg, rows, x.shape[1]), x, send_pos
+    )
     return x_rows, _scales(cfg, scales)
 
 
@@ -187,8 +228,12 @@ def _dispatch_cached_fwd(cfg, rows, x, send_pos, recv_counts, num_rows):
 
 
 def _dispatch_cached_bwd(cfg, rows, handle, ct):
-    grad_x = _combine(cfg._replace(rows_dtype=cfg.x_dtype, out_dtype=cfg.x_dtype),
-                      ct[0].astype(cfg.x_dtype), *handle, None)
+    grad_x = _combine(
+        cfg._replace(rows_dtype=cfg.x_dtype, out_dtype=cfg.x_dtype),
+        ct[0].astype(cfg.x_dtype),
+        *handle,
+        None,
+    )
     return grad_x, None, None, None
 
 
@@ -210,8 +255,14 @@ def _combine_fwd(cfg, row_data, send_pos, recv_counts, num_rows, bias):
 
 def _combine_bwd(cfg, res, ct_out):
     rows, send_pos, recv_counts, num_rows = res
-    ct_rows, _ = _dispatch_cached(cfg._replace(fp8=False, x_dtype=ct_out.dtype.name), rows,
-                                  ct_out, send_pos, recv_counts, num_rows)
+    ct_rows, _ = _dispatch_cached(
+        cfg._replace(fp8=False, x_dtype=ct_out.dtype.name),
+        rows,
+        ct_out,
+        send_pos,
+        recv_counts,
+        num_rows,
+    )
     ct_bias = None if cfg.bias_dtype is None else ct_out.astype(cfg.bias_dtype)
     return ct_rows.astype(cfg.rows_dtype), None, None, None, ct_bias
 
@@ -220,6 +271,7 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 # ---------------------------------------------------------------- the primitives
+
 
 def _send(cfg: _Config, target, shapes, *operands):
     """A send half: its ticket (naming its op) and results."""
@@ -237,70 +289,91 @@ class Ffi:
     """Custom-call implementations of the primitives (see primitives.py), on one Buffer."""
 
     def __init__(self, buffer_key, num_ranks, num_experts):
-        self._cfg = _Config(buffer_key, BufferOrder(buffer_key), num_ranks,
-                            num_experts // num_ranks)
+        self._cfg = _Config(
+            buffer_key, BufferOrder(buffer_key), num_ranks, num_experts // num_ranks
+        )
 
     def _move(self, x, fp8=False, round_scale=False, low_latency=False):
-        return self._cfg._replace(fp8=bool(fp8), round_scale=bool(round_scale),
-                                  low_latency=bool(low_latency), x_dtype=x.dtype.name)
+        return self._cfg._replace(
+            fp8=bool(fp8),
+            round_scale=bool(round_scale),
+            low_latency=bool(low_latency),
+            x_dtype=x.dtype.name,
+        )
 
     def _sum(self, row_data, out_dtype, bias=None):
-        return self._cfg._replace(rows_dtype=row_data.dtype.name,
-                                  out_dtype=jnp.dtype(out_dtype).name,
-                                  bias_dtype=None if bias is None else bias.dtype.name)
+        return self._cfg._replace(
+            rows_dtype=row_data.dtype.name,
+            out_dtype=jnp.dtype(out_dtype).name,
+            bias_dtype=None if bias is None else bias.dtype.name,
+        )
 
     def dispatch(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):
-        return _dispatch(self._move(x, fp8, round_scale, low_latency), rows,
-                         *all_varying(x, topk_idx, topk_weights))
+        return _dispatch(
+            self._move(x, fp8, round_scale, low_latency),
+            rows,
+            *all_varying(x, topk_idx, topk_weights),
+        )
 
     def dispatch_cached(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale):
-        return _dispatch_cached(self._move(x, fp8, round_scale), rows,
-                                *all_varying(x, send_pos, recv_counts, num_rows))
+        return _dispatch_cached(
+            self._move(x, fp8, round_scale), rows, *all_varying(x, send_pos, recv_counts, num_rows)
+        )
 
     def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype):
-        return _combine(self._sum(row_data, out_dtype, bias),
-                        *all_varying(row_data, send_pos, recv_counts, num_rows, bias))
+        return _combine(
+            self._sum(row_data, out_dtype, bias),
+            *all_varying(row_data, send_pos, recv_counts, num_rows, bias),
+        )
 
     # Halves: not differentiable (under grad use the whole ops). The send half returns its
     # ticket with its results; finish(them) runs the recv half.
 
-    def dispatch_send(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale,
-                      low_latency=False):
+    def dispatch_send(
+        self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False
+    ):
         cfg = self._move(x, fp8, round_scale, low_latency)
         t, k = topk_idx.shape
-        sent = _send(cfg, "dispatch_send", (_i32(t, cfg.num_ranks), _i32()),
-                     *all_varying(x, topk_idx, topk_weights))
+        sent = _send(
+            cfg,
+            "dispatch_send",
+            (_i32(t, cfg.num_ranks), _i32()),
+            *all_varying(x, topk_idx, topk_weights),
+        )
 
         def finish(sent):
             ticket, send_pos, num_invalid = sent
-            received = _recv(cfg, "dispatch_recv", _received_shapes(cfg, rows, x.shape[1], k),
-                             ticket)
+            received = _recv(
+                cfg, "dispatch_recv", _received_shapes(cfg, rows, x.shape[1], k), ticket
+            )
             return _received(cfg, received, send_pos, num_invalid)
 
         return sent, finish
 
-    def dispatch_cached_send(self, x, send_pos, num_rows, recv_counts, *, rows, fp8,
-                             round_scale):
+    def dispatch_cached_send(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale):
         cfg = self._move(x, fp8, round_scale)
         sent = _send(cfg, "dispatch_cached_send", (), *all_varying(x, send_pos))
 
         def finish(sent):
-            x_rows, scales = _recv(cfg, "dispatch_cached_recv",
-                                   _rows_shapes(cfg, rows, x.shape[1]), sent[0])
+            x_rows, scales = _recv(
+                cfg, "dispatch_cached_recv", _rows_shapes(cfg, rows, x.shape[1]), sent[0]
+            )
             return x_rows, _scales(cfg, scales)
 
         return sent, finish
 
     def combine_send(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype):
         cfg = self._sum(row_data, out_dtype, bias)
-        row_data, send_pos, recv_counts, num_rows = all_varying(row_data, send_pos, recv_counts,
-                                                                num_rows)
+        row_data, send_pos, recv_counts, num_rows = all_varying(
+            row_data, send_pos, recv_counts, num_rows
+        )
         sent = _send(cfg, "combine_send", (), row_data, recv_counts, num_rows)
         shape = jax.ShapeDtypeStruct((send_pos.shape[0], row_data.shape[1]), cfg.out_dtype)
 
         def finish(sent):
-            out, = _recv(cfg, "combine_recv", (shape,), sent[0], send_pos,
-                         *(() if bias is None else (bias,)))
+            (out,) = _recv(
+                cfg, "combine_recv", (shape,), sent[0], send_pos, *(() if bias is None else (bias,))
+            )
             return out
 
         return sent, finish
@@ -308,14 +381,18 @@ class Ffi:
     def expert_layout(self, topk_rows, *, experts_per_rank, alignment, capacity, block_rows=0):
         rows, k = topk_rows.shape
         i32 = jnp.int32
-        shapes = (jax.ShapeDtypeStruct((capacity,), i32),
-                  jax.ShapeDtypeStruct((rows, layout.max_experts_per_row(k, experts_per_rank)), i32),
-                  jax.ShapeDtypeStruct((capacity,), i32),
-                  jax.ShapeDtypeStruct((experts_per_rank,), i32),
-                  jax.ShapeDtypeStruct((), i32),
-                  jax.ShapeDtypeStruct((experts_per_rank,), i32))  # counts before capacity
+        shapes = (
+            jax.ShapeDtypeStruct((capacity,), i32),
+            jax.ShapeDtypeStruct((rows, layout.max_experts_per_row(k, experts_per_rank)), i32),
+            jax.ShapeDtypeStruct((capacity,), i32),
+            jax.ShapeDtypeStruct((experts_per_rank,), i32),
+            jax.ShapeDtypeStruct((), i32),
+            jax.ShapeDtypeStruct((experts_per_rank,), i32),
+        )  # counts before capacity
         topk_rows = jax.lax.stop_gradient(topk_rows)  # integers: nothing to differentiate
         call = jax.ffi.ffi_call("jax_ep_expert_layout", shapes, vmap_method="sequential")
-        out = varying_like(call(topk_rows, alignment=np.int32(alignment),
-                                block_rows=np.int32(block_rows)), topk_rows)
+        out = varying_like(
+            call(topk_rows, alignment=np.int32(alignment), block_rows=np.int32(block_rows)),
+            topk_rows,
+        )
         return layout.ExpertMaps(*out[:5])

@@ -1,6 +1,7 @@
 """`python -m jax_ep.info`: what a bug report needs to say about this machine: jax_ep, jax,
 jaxlib and the CUDA plugin, the NCCL runtime (and whether its device API is there), the engine
 each platform would use, and the devices."""
+
 from __future__ import annotations
 
 import ctypes
@@ -22,6 +23,7 @@ def _version(distribution):
 def nccl_version():
     """The NCCL runtime jax_ep would load, as 'major.minor.patch', or why there is none."""
     from jax_ep.bootstrap import nccl_library
+
     library = nccl_library()
     try:
         nccl = ctypes.CDLL(library)
@@ -37,11 +39,15 @@ def nccl_version():
 def report():
     """The lines `python -m jax_ep.info` prints."""
     from jax_ep import _native
-    lines = [f"jax_ep {jax_ep.__version__} (CUDA backend built: {_native.has_cuda})",
-             f"jax {jax.__version__}, jaxlib {_version('jaxlib')}"]
+
+    lines = [
+        f"jax_ep {jax_ep.__version__} (CUDA backend built: {_native.has_cuda})",
+        f"jax {jax.__version__}, jaxlib {_version('jaxlib')}",
+    ]
     plugins = {name: _version(name) for name in ("jax-cuda13-plugin", "jax-cuda12-plugin")}
-    lines.append("CUDA plugin: " + (", ".join(f"{n} {v}" for n, v in plugins.items() if v)
-                                    or "none"))
+    lines.append(
+        "CUDA plugin: " + (", ".join(f"{n} {v}" for n, v in plugins.items() if v) or "none")
+    )
     for platform in ("cpu", "gpu"):
         try:
             devices = jax.devices(platform)
@@ -50,8 +56,10 @@ def report():
         if platform == "gpu":
             lines.append(f"NCCL runtime: {nccl_version()}")
             engine = os.environ.get("JAX_EP_ENGINE", "auto")
-            lines.append(f"gpu engine: JAX_EP_ENGINE={engine} (auto: NCCL where it serves, else "
-                         "CUDA IPC; docs/API.md)")
+            lines.append(
+                f"gpu engine: JAX_EP_ENGINE={engine} (auto: NCCL where it serves, else "
+                "CUDA IPC; docs/API.md)"
+            )
         else:
             lines.append("cpu engine: POSIX shared memory")
         lines.append(f"{platform} devices: {len(devices)} x {devices[0].device_kind}")

@@ -3,6 +3,7 @@ backend follows.
 
 The CUDA and CPU kernels implement the same rules in kernels/; the tests compare them bitwise.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,6 +43,7 @@ def max_experts_per_row(num_topk, experts_per_rank):
 
 # ---------------------------------------------------------------- routing (sender side)
 
+
 def routed(topk_idx, num_experts):
     return (topk_idx >= 0) & (topk_idx < num_experts)
 
@@ -62,8 +64,10 @@ def local_topk(topk_idx, topk_weights, rank, num_ranks, num_experts):
     """The token's slots as rank `rank` sees them: local expert id or -1, weight or 0."""
     experts_per_rank = num_experts // num_ranks
     mine = routed(topk_idx, num_experts) & (topk_idx // experts_per_rank == rank)
-    return (jnp.where(mine, topk_idx - rank * experts_per_rank, -1),
-            jnp.where(mine, topk_weights, 0.0).astype(jnp.float32))
+    return (
+        jnp.where(mine, topk_idx - rank * experts_per_rank, -1),
+        jnp.where(mine, topk_weights, 0.0).astype(jnp.float32),
+    )
 
 
 def tokens_per_expert(topk_rows, experts_per_rank):
@@ -78,12 +82,14 @@ def has_expert(topk_rows, experts_per_rank):
 
 # ---------------------------------------------------------------- FP8 (fused into dispatch)
 
+
 def quantize_fp8(x, round_scale):
     """[T, H] -> (e4m3fn [T, H], float32 scales [T, H/128]); straight-through for gradients."""
     t, h = x.shape
     blocks = x.astype(jnp.float32).reshape(t, h // FP8_BLOCK, FP8_BLOCK)
-    q, scale = quantize_blocks(blocks, jnp.max(jnp.abs(blocks), axis=-1, keepdims=True),
-                               round_scale)
+    q, scale = quantize_blocks(
+        blocks, jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), round_scale
+    )
     return _straight_through(x.dtype, x, q.reshape(t, h)), jax.lax.stop_gradient(scale[..., 0])
 
 
@@ -117,17 +123,17 @@ def divide_rounded(a, b):
     implicit = np.uint32(1 << 23)
     ma, mb = (ua & np.uint32(0x7FFFFF)) | implicit, (ub & np.uint32(0x7FFFFF)) | implicit
     exponent = ((ua >> 23) & 0xFF).astype(jnp.int32) - ((ub >> 23) & 0xFF).astype(jnp.int32) + 127
-    below_one = ma < mb                      # quotient significand < 1: shift in one more bit
+    below_one = ma < mb  # quotient significand < 1: shift in one more bit
     rest = jnp.where(below_one, ma << 1, ma)
     exponent = exponent - below_one.astype(jnp.int32)
     quotient = jnp.zeros_like(ma)
-    for _ in range(25):                      # 24 significand bits and one guard bit
+    for _ in range(25):  # 24 significand bits and one guard bit
         bit = rest >= mb
         quotient = (quotient << 1) | bit.astype(jnp.uint32)
         rest = jnp.where(bit, rest - mb, rest) << 1
     guard, quotient = quotient & 1, quotient >> 1
     quotient = quotient + (guard & ((rest != 0) | (quotient & 1)).astype(jnp.uint32))  # to even
-    carry = quotient >> 24                   # rounding overflowed into the next power of two
+    carry = quotient >> 24  # rounding overflowed into the next power of two
     quotient, exponent = quotient >> carry, exponent + carry.astype(jnp.int32)
     bits = (exponent.astype(jnp.uint32) << 23) | (quotient & np.uint32(0x7FFFFF))
     exact = jax.lax.bitcast_convert_type(bits, jnp.float32)
@@ -174,12 +180,13 @@ def dequantize_fp8(q, scales):
 
 # ---------------------------------------------------------------- expert layout (receiver side)
 
+
 class ExpertMaps(NamedTuple):
-    expert_src: jax.Array         # [C] rank-level row of each expert row, -1 on padding
-    expert_rows: jax.Array        # [S, M] expert rows of each rank-level row, by expert, -1
-    expert_of_row: jax.Array      # [C] local expert of each expert row, -1 on padding
+    expert_src: jax.Array  # [C] rank-level row of each expert row, -1 on padding
+    expert_rows: jax.Array  # [S, M] expert rows of each rank-level row, by expert, -1
+    expert_of_row: jax.Array  # [C] local expert of each expert row, -1 on padding
     tokens_per_expert: jax.Array  # [E_l] rows present per expert
-    num_dropped: jax.Array        # [] (row, expert) items beyond the capacity
+    num_dropped: jax.Array  # [] (row, expert) items beyond the capacity
 
 
 def expert_layout(topk_rows, experts_per_rank, alignment, capacity, block_rows=0):
@@ -192,9 +199,9 @@ def expert_layout(topk_rows, experts_per_rank, alignment, capacity, block_rows=0
     """
     rows, num_topk = topk_rows.shape
     per_row = max_experts_per_row(num_topk, experts_per_rank)
-    has = has_expert(topk_rows, experts_per_rank)                     # [S, E_l]
+    has = has_expert(topk_rows, experts_per_rank)  # [S, E_l]
     count = has.sum(axis=0, dtype=jnp.int32)
-    within = exclusive_cumsum(has, axis=0)                            # [S, E_l]
+    within = exclusive_cumsum(has, axis=0)  # [S, E_l]
     if block_rows:
         start = jnp.arange(experts_per_rank, dtype=jnp.int32) * block_rows
         kept = has & (within < block_rows)
@@ -202,14 +209,15 @@ def expert_layout(topk_rows, experts_per_rank, alignment, capacity, block_rows=0
         start = exclusive_cumsum(align_up(count, alignment))
         kept = has & (start[None, :] + within < capacity)
     pos = start[None, :] + within
-    target = jnp.where(kept, pos, capacity)                           # capacity = dropped
+    target = jnp.where(kept, pos, capacity)  # capacity = dropped
     row_id = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], has.shape)
     expert_id = jnp.broadcast_to(jnp.arange(experts_per_rank, dtype=jnp.int32), has.shape)
     column = jnp.where(kept, exclusive_cumsum(has, axis=1), per_row)  # m-th expert of the row
     return ExpertMaps(
         expert_src=jnp.full(capacity, -1, jnp.int32).at[target].set(row_id, mode="drop"),
         expert_rows=jnp.full((rows, per_row), -1, jnp.int32)
-        .at[row_id, column].set(pos.astype(jnp.int32), mode="drop"),
+        .at[row_id, column]
+        .set(pos.astype(jnp.int32), mode="drop"),
         expert_of_row=jnp.full(capacity, -1, jnp.int32).at[target].set(expert_id, mode="drop"),
         tokens_per_expert=kept.sum(axis=0, dtype=jnp.int32),
         num_dropped=(has & ~kept).sum(dtype=jnp.int32),
@@ -233,8 +241,9 @@ def _take(rows, index):
     if rows.shape[0] == 0:
         return varying_like(jnp.zeros(index.shape + rows.shape[1:], rows.dtype), rows, index)
     picked = rows[jnp.maximum(index, 0)]
-    return jnp.where((index >= 0).reshape((-1,) + (1,) * (rows.ndim - 1)), picked,
-                     jnp.zeros((), rows.dtype))
+    return jnp.where(
+        (index >= 0).reshape((-1,) + (1,) * (rows.ndim - 1)), picked, jnp.zeros((), rows.dtype)
+    )
 
 
 def _expand_rows_fwd(*args):
@@ -267,13 +276,15 @@ def reduce_expert_rows(expert_out, weights, expert_src, expert_rows):
 
 
 def _reduce_fwd(expert_out, weights, expert_src, expert_rows):
-    return (reduce_expert_rows(expert_out, weights, expert_src, expert_rows),
-            (expert_out, weights, expert_src))
+    return (
+        reduce_expert_rows(expert_out, weights, expert_src, expert_rows),
+        (expert_out, weights, expert_src),
+    )
 
 
 def _reduce_bwd(res, ct):
     expert_out, weights, expert_src = res
-    ct_rows = _take(ct, expert_src)                                   # [C, W] float32
+    ct_rows = _take(ct, expert_src)  # [C, W] float32
     ct_out = ct_rows if weights is None else ct_rows * weights[:, None]
     ct_weights = None
     if weights is not None:

@@ -15,6 +15,7 @@ are identical.
 
 Two backends: reference.Reference (jax.lax.all_to_all) and ffi_path.Ffi (custom calls).
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -51,19 +52,19 @@ def all_varying(*args):
 
 
 class RankRows(NamedTuple):
-    x: Array            # [S, H] x dtype, or e4m3fn when fp8
+    x: Array  # [S, H] x dtype, or e4m3fn when fp8
     scales: Array | None  # [S, H / 128] float32 when fp8
-    topk_idx: Array     # [S, K] local expert ids or -1
+    topk_idx: Array  # [S, K] local expert ids or -1
     topk_weights: Array  # [S, K] float32, 0 where -1
 
 
 class Routing(NamedTuple):
-    send_pos: Array           # [T, R]
-    recv_counts: Array        # [R]
+    send_pos: Array  # [T, R]
+    recv_counts: Array  # [R]
     tokens_per_expert: Array  # [E_l]
-    num_recv: Array           # []
-    num_dropped: Array        # []
-    num_invalid: Array        # []
+    num_recv: Array  # []
+    num_dropped: Array  # []
+    num_invalid: Array  # []
 
 
 def done(result):

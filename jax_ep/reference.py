@@ -2,6 +2,7 @@
 one [R, T] block per peer). It is the readable statement of the row order, the capacity drops
 and the combine order. JAX differentiates it natively, except that x's rows go back as docs/API.md
 says, by a combine (float32 sums, rounded once)."""
+
 from __future__ import annotations
 
 import functools
@@ -72,27 +73,33 @@ class Reference(Unsplit):
 
     def dispatch(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):
         num_ranks, axis = self.num_ranks, self.axis
-        goes = layout.dest_ranks(topk_idx, num_ranks, self.num_experts)         # [T, R]
-        counts = jax.lax.all_gather(goes.sum(axis=0, dtype=jnp.int32), axis)   # [src, dst]
+        goes = layout.dest_ranks(topk_idx, num_ranks, self.num_experts)  # [T, R]
+        counts = jax.lax.all_gather(goes.sum(axis=0, dtype=jnp.int32), axis)  # [src, dst]
         me = jax.lax.axis_index(axis)
-        first_row = layout.exclusive_cumsum(counts, axis=0)[me]                 # [R] at each dst
+        first_row = layout.exclusive_cumsum(counts, axis=0)[me]  # [R] at each dst
         pos = first_row[None, :] + layout.exclusive_cumsum(goes, axis=0)
         send_pos = jnp.where(goes & (pos < rows), pos, -1).astype(jnp.int32)
         recv_counts = counts[:, me]
         x_rows, scales = self._move_x(x, send_pos, recv_counts, rows, fp8, round_scale)
 
-        local = [layout.local_topk(topk_idx, topk_weights, d, num_ranks, self.num_experts)
-                 for d in range(num_ranks)]
+        local = [
+            layout.local_topk(topk_idx, topk_weights, d, num_ranks, self.num_experts)
+            for d in range(num_ranks)
+        ]
         topk_rows = _place(_send(axis, lambda d: local[d][0], send_pos, -1), recv_counts, rows, -1)
-        weight_rows = _place(_send(axis, lambda d: local[d][1], send_pos, 0.0), recv_counts, rows,
-                             0.0)
+        weight_rows = _place(
+            _send(axis, lambda d: local[d][1], send_pos, 0.0), recv_counts, rows, 0.0
+        )
         received = recv_counts.sum()
         num_recv = jnp.minimum(received, rows)
         routing = Routing(
-            send_pos=send_pos, recv_counts=recv_counts,
+            send_pos=send_pos,
+            recv_counts=recv_counts,
             tokens_per_expert=layout.tokens_per_expert(topk_rows, self.num_experts // num_ranks),
-            num_recv=num_recv, num_dropped=received - num_recv,
-            num_invalid=layout.num_invalid(topk_idx, self.num_experts))
+            num_recv=num_recv,
+            num_dropped=received - num_recv,
+            num_invalid=layout.num_invalid(topk_idx, self.num_experts),
+        )
         return RankRows(x_rows, scales, topk_rows, weight_rows), routing
 
     def dispatch_cached(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale):
@@ -101,9 +108,10 @@ class Reference(Unsplit):
     def _move_x(self, x, send_pos, recv_counts, rows, fp8, round_scale):
         if fp8:
             q, scales = layout.quantize_fp8(x, round_scale)
-            return (_place(_send(self.axis, lambda d: q, send_pos, 0), recv_counts, rows, 0),
-                    _place(_send(self.axis, lambda d: scales, send_pos, 0.0), recv_counts, rows,
-                           0.0))
+            return (
+                _place(_send(self.axis, lambda d: q, send_pos, 0), recv_counts, rows, 0),
+                _place(_send(self.axis, lambda d: scales, send_pos, 0.0), recv_counts, rows, 0.0),
+            )
         return _move_rows(self, *all_varying(x, send_pos, recv_counts), rows), None
 
     def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype):
@@ -112,10 +120,13 @@ class Reference(Unsplit):
         pos = layout.exclusive_cumsum(recv_counts)[:, None] + jnp.arange(t)
         ok = (jnp.arange(t) < recv_counts[:, None]) & (pos < rows)
         back = jnp.where(ok[..., None], row_data[jnp.where(ok, pos, 0)], 0)
-        got = jax.lax.all_to_all(back, self.axis, 0, 0)                        # [dst, T, W]
+        got = jax.lax.all_to_all(back, self.axis, 0, 0)  # [dst, T, W]
         slot = _kept_slot(send_pos)
-        acc = (jnp.zeros((t, row_data.shape[1]), jnp.float32) if bias is None
-               else bias.astype(jnp.float32))
+        acc = (
+            jnp.zeros((t, row_data.shape[1]), jnp.float32)
+            if bias is None
+            else bias.astype(jnp.float32)
+        )
         for d in range(self.num_ranks):  # fixed order: rank 0 first
             sent = slot[:, d] >= 0
             value = got[d][jnp.maximum(slot[:, d], 0)].astype(jnp.float32)

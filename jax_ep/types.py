@@ -1,8 +1,11 @@
-"""The pytrees dispatch returns: DispatchResult and the Handle that combine and cached dispatch use."""
+"""The pytrees dispatch returns: DispatchResult and the Handle that combine and cached dispatch
+use."""
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 
@@ -18,32 +21,32 @@ class Handle:
     expert layout the rows it is expanded from.
     """
 
-    send_pos: Array        # [T, R] int32: where token t went on rank d, -1 if not sent (the
-                           # custom calls: its row in this rank's block there; the reference
-                           # path: its rank-level row there, -1 also if dropped)
-    recv_counts: Array     # [R] int32: rows each source rank sent here, before capacity
-    num_rows: Array        # [] int32: rank-level rows present here
-    expert_src: Array | None   # [C] int32 (expert layout): rank-level row of each expert row, -1
+    send_pos: Array  # [T, R] int32: where token t went on rank d, -1 if not sent (the
+    # custom calls: its row in this rank's block there; the reference
+    # path: its rank-level row there, -1 also if dropped)
+    recv_counts: Array  # [R] int32: rows each source rank sent here, before capacity
+    num_rows: Array  # [] int32: rank-level rows present here
+    expert_src: Array | None  # [C] int32 (expert layout): rank-level row of each expert row, -1
     expert_rows: Array | None  # [S, M] int32 (expert layout): expert rows of each rank-level row
-    result: tuple          # the routing fields of the DispatchResult, returned again by a cached dispatch
+    result: tuple  # the routing fields of the DispatchResult, returned again by a cached dispatch
     layout: str = dataclasses.field(metadata=dict(static=True))
-    rows: int = dataclasses.field(metadata=dict(static=True))       # S: rank-level rows
-    capacity: int = dataclasses.field(metadata=dict(static=True))   # C: rows of the output
-    buffer: int = dataclasses.field(metadata=dict(static=True))     # the Buffer's serial
+    rows: int = dataclasses.field(metadata=dict(static=True))  # S: rank-level rows
+    capacity: int = dataclasses.field(metadata=dict(static=True))  # C: rows of the output
+    buffer: int = dataclasses.field(metadata=dict(static=True))  # the Buffer's serial
 
 
 class DispatchResult(NamedTuple):
     """What dispatch returns (docs/API.md). Padding rows hold zeros, expert -1 and weight 0."""
 
-    x: Array                  # [C, H]
-    scales: Array | None      # [C, H / 128] float32 when fp8
-    topk_idx: Array           # rank: [C, K] local expert or -1; expert: [C] local expert or -1
+    x: Array  # [C, H]
+    scales: Array | None  # [C, H / 128] float32 when fp8
+    topk_idx: Array  # rank: [C, K] local expert or -1; expert: [C] local expert or -1
     topk_weights: Array | None  # rank: [C, K]; expert: [C]; None when dispatch got none
     tokens_per_expert: Array  # [E_l] int32
-    group_sizes: Array        # [E_l] int32: tokens_per_expert rounded up to expert_alignment
-    num_recv: Array           # [] int32
-    num_dropped: Array        # [] int32
-    num_invalid: Array        # [] int32
+    group_sizes: Array  # [E_l] int32: tokens_per_expert rounded up to expert_alignment
+    num_recv: Array  # [] int32
+    num_dropped: Array  # [] int32
+    num_invalid: Array  # [] int32
     handle: Handle
 
 
@@ -62,9 +65,9 @@ class Pending:
 
     arrays: tuple
     finish: Callable = dataclasses.field(metadata=dict(static=True))
-    kind: str = dataclasses.field(metadata=dict(static=True))   # "dispatch" | "combine"
+    kind: str = dataclasses.field(metadata=dict(static=True))  # "dispatch" | "combine"
     buffer: int = dataclasses.field(metadata=dict(static=True))  # the Buffer's serial
-    receipt: "Receipt" = dataclasses.field(metadata=dict(static=True))
+    receipt: Receipt = dataclasses.field(metadata=dict(static=True))
 
     def run_between(self, work, *args):
         """(pending, work(*args)) with XLA made to run the work after this send and before its

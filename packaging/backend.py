@@ -1,6 +1,7 @@
 """jax_ep's build backend: scikit-build-core, asking in addition for NCCL's headers (the
 nvidia-nccl wheel of the CUDA toolkit's major version) when the CUDA backend will be built, so
 that `pip install .` builds it with build isolation too."""
+
 import os
 import re
 import shutil
@@ -13,11 +14,13 @@ from scikit_build_core.build import *  # noqa: F401,F403  (the other PEP 517 hoo
 def _nccl_requirement():
     if os.environ.get("JAX_EP_CUDA", "AUTO").upper() == "OFF":
         return []
-    nvcc = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"),
-                                                "bin", "nvcc")
+    nvcc = shutil.which("nvcc") or os.path.join(
+        os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"
+    )
     try:
-        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
-                                 timeout=60).stdout
+        version = subprocess.run(
+            [nvcc, "--version"], capture_output=True, text=True, timeout=60
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []  # no CUDA toolkit: the CPU backend alone
     major = re.search(r"release (\d+)\.", version)

@@ -42,8 +42,10 @@ def pytest_xdist_auto_num_workers(config):
 
 def pytest_report_header(config):
     devices = jax.devices()
-    return (f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
-            f"{len(devices)} x {devices[0].device_kind}")
+    return (
+        f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+        f"{len(devices)} x {devices[0].device_kind}"
+    )
 
 
 # Files of the longest tests (several processes each), run first: with pytest-xdist's worksteal

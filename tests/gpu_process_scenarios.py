@@ -7,6 +7,7 @@ suite() runs every case on fresh Buffers and prints one line per case, "CASE <na
 "CASE <name> FAIL <why>", and goes on after a failure (the processes stay in step: every process
 runs the same ops); its last two cases break a Buffer on purpose (a rank that skips an op, then a
 process that exits)."""
+
 from __future__ import annotations
 
 import os
@@ -15,12 +16,12 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
-
-import jax_ep
 import oracle
 from helpers import bits, calc_diff, pipeline, random_inputs, relative_error
+from jax.sharding import PartitionSpec as P
 from process_scenarios import global_mesh, run, shard
+
+import jax_ep
 
 E, K = 16, 4
 
@@ -41,14 +42,19 @@ LOW_LATENCY = [
     (128, 2048, "rank", False, 1, None, False),
 ]
 KINDS = {"normal": ("random", "one_expert"), "low_latency": ("random", "sparse", "empty")}
-GRADIENTS = [("rank", "normal", False), ("expert", "low_latency", False),
-             ("expert", "normal", True)]  # layout, mode, fp8
+GRADIENTS = [
+    ("rank", "normal", False),
+    ("expert", "low_latency", False),
+    ("expert", "normal", True),
+]  # layout, mode, fp8
 
 
 def layer_name(case, mode, direct_local):
     tokens, hidden, lay, fp8, alignment, capacity, split = case
-    return (f"{mode}-{tokens}-{hidden}-{lay}-fp8={fp8}-align={alignment}-cap={capacity}"
-            f"-{'halves' if split else 'whole'}-{'direct' if direct_local else 'window'}")
+    return (
+        f"{mode}-{tokens}-{hidden}-{lay}-fp8={fp8}-align={alignment}-cap={capacity}"
+        f"-{'halves' if split else 'whole'}-{'direct' if direct_local else 'window'}"
+    )
 
 
 def layer_cases():
@@ -56,27 +62,30 @@ def layer_cases():
     out = []
     for mode, cases in (("normal", NORMAL), ("low_latency", LOW_LATENCY)):
         for case in cases:
-            for direct_local in ((False,) if case[-1] else (True, False)):
+            for direct_local in (False,) if case[-1] else (True, False):
                 out.append((layer_name(case, mode, direct_local), case, mode, direct_local))
     return out
 
 
 def case_names():
     """Every case suite() reports, in order (test ids of tests/test_gpu_processes.py)."""
-    return ([name for name, *_ in layer_cases()]
-            + [f"gradients-{lay}-{mode}-fp8={fp8}" for lay, mode, fp8 in GRADIENTS]
-            + ["invalid-ids-normal", "invalid-ids-low_latency", "timing", "timeout",
-               "early-exit"])
+    return (
+        [name for name, *_ in layer_cases()]
+        + [f"gradients-{lay}-{mode}-fp8={fp8}" for lay, mode, fp8 in GRADIENTS]
+        + ["invalid-ids-normal", "invalid-ids-low_latency", "timing", "timeout", "early-exit"]
+    )
 
 
 # ---- this process's shards
+
 
 def mine(mesh, tree):
     """{rank: this rank's shard of every leaf (numpy)} for the ranks of this process."""
     rank_of = {d: r for r, d in enumerate(mesh.devices.flat)}
     leaves, treedef = jax.tree.flatten(tree)
-    shards = [{rank_of[s.device]: np.asarray(s.data) for s in leaf.addressable_shards}
-              for leaf in leaves]
+    shards = [
+        {rank_of[s.device]: np.asarray(s.data) for s in leaf.addressable_shards} for leaf in leaves
+    ]
     return {r: jax.tree.unflatten(treedef, [s[r] for s in shards]) for r in shards[0]}
 
 
@@ -94,6 +103,7 @@ def dequantized(want, fp8):
 
 # ---- a MoE step (helpers.pipeline) against the oracle
 
+
 def check_pipeline(mesh, out, x, idx, w, bias, x2, tokens, lay, alignment, fp8, capacity):
     R, H = mesh.size, x.shape[-1]
     el, dtype = E // R, x.dtype
@@ -102,8 +112,7 @@ def check_pipeline(mesh, out, x, idx, w, bias, x2, tokens, lay, alignment, fp8, 
     want = oracle.dispatch_rank(per(x), per(idx), per(w), E, rows, fp8)
     again = oracle.dispatch_rank(per(x2), per(idx), per(w), E, rows, fp8)
     values = dequantized(want, fp8)
-    local = mine(mesh, {k: out[k] for k in ("d", "y", "expert_out", "cached_x",
-                                            "cached_scales")})
+    local = mine(mesh, {k: out[k] for k in ("d", "y", "expert_out", "cached_x", "cached_scales")})
     partial, checks = [], []
     for dest in range(R):
         if lay == "rank":
@@ -118,10 +127,12 @@ def check_pipeline(mesh, out, x, idx, w, bias, x2, tokens, lay, alignment, fp8, 
         block = got_x.shape[1] if padded else 0
         cap = got_x.shape[0] * got_x.shape[1] if padded else got_x.shape[0]
         src, expert, weight, present, dropped = oracle.expert_layout(
-            want["topk_idx"][dest], want["topk_weights"][dest], el, alignment, cap, block)
+            want["topk_idx"][dest], want["topk_weights"][dest], el, alignment, cap, block
+        )
         kept = (src >= 0)[:, None]
-        expert_out = (np.where(kept, values[dest][np.maximum(src, 0)], 0)
-                      * (1 + expert)[:, None]).astype(dtype)
+        expert_out = (
+            np.where(kept, values[dest][np.maximum(src, 0)], 0) * (1 + expert)[:, None]
+        ).astype(dtype)
         acc = np.zeros((rows, H), np.float32)
         for i in np.flatnonzero(src >= 0):
             acc[src[i]] += weight[i] * expert_out[i].astype(np.float32)
@@ -131,9 +142,15 @@ def check_pipeline(mesh, out, x, idx, w, bias, x2, tokens, lay, alignment, fp8, 
     want_y = oracle.combine(partial, want["send_pos"], per(bias))
     for r, expert_out, maps, kept in checks:
         got = local[r]
-        d = {k: (v.reshape((-1,) + v.shape[2:]) if lay == "expert_padded" and k in
-                 ("x", "scales", "topk_idx", "topk_weights") else v)
-             for k, v in got["d"]._asdict().items() if v is not None}
+        d = {
+            k: (
+                v.reshape((-1,) + v.shape[2:])
+                if lay == "expert_padded" and k in ("x", "scales", "topk_idx", "topk_weights")
+                else v
+            )
+            for k, v in got["d"]._asdict().items()
+            if v is not None
+        }
         equal(d["num_invalid"][0], want["num_invalid"][r], f"rank {r} num_invalid")
         if lay == "rank":
             for f in ("topk_idx", "topk_weights", "tokens_per_expert"):
@@ -152,40 +169,50 @@ def check_pipeline(mesh, out, x, idx, w, bias, x2, tokens, lay, alignment, fp8, 
             np.testing.assert_allclose(d["topk_weights"], weight, rtol=1e-6)
             equal(d["tokens_per_expert"], present, f"rank {r} tokens_per_expert")
             equal(d["num_dropped"][0], dropped, f"rank {r} num_dropped")
-            equal(d["num_recv"][0], (-(-present // alignment) * alignment).sum(),
-                  f"rank {r} num_recv")
+            equal(
+                d["num_recv"][0], (-(-present // alignment) * alignment).sum(), f"rank {r} num_recv"
+            )
             equal(d["x"], gather(want["x"][r]), f"rank {r} x")
             cached = got["cached_x"].reshape((-1,) + got["cached_x"].shape[-1:])
             equal(cached, gather(again["x"][r]), f"rank {r} cached x")
             if fp8:
                 equal(d["scales"], gather(want["scales"][r]), f"rank {r} scales")
         equal(got["expert_out"].reshape(expert_out.shape), expert_out, f"rank {r} expert_out")
-        diff = calc_diff(got["y"].astype(np.float32),
-                         want_y[r].astype(dtype).astype(np.float32))
+        diff = calc_diff(got["y"].astype(np.float32), want_y[r].astype(dtype).astype(np.float32))
         assert diff < 5e-6, f"rank {r} combine: calc_diff {diff}"
 
 
 def layer_case(mesh, case, mode, direct_local):
     tokens, hidden, lay, fp8, alignment, capacity, split = case
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=hidden, num_topk=K,
-                        max_tokens_per_rank=tokens, timeout_s=20.0, direct_local=direct_local)
+    buf = jax_ep.Buffer(
+        mesh,
+        "ep",
+        num_experts=E,
+        hidden=hidden,
+        num_topk=K,
+        max_tokens_per_rank=tokens,
+        timeout_s=20.0,
+        direct_local=direct_local,
+    )
     assert buf.engine == "cuda_ipc", buf.engine
     step = pipeline(buf, lay, alignment, fp8, False, capacity, split=split, mode=mode)
     for kind in KINDS[mode]:
         rng = np.random.default_rng(tokens + hidden)  # the same on every process
-        x, idx, w = (np.asarray(a) for a in random_inputs(rng, mesh.size, tokens, hidden, E, K,
-                                                           mesh.size, kind))
+        x, idx, w = (
+            np.asarray(a)
+            for a in random_inputs(rng, mesh.size, tokens, hidden, E, K, mesh.size, kind)
+        )
         bias = np.asarray(rng.standard_normal(x.shape), np.float32).astype(x.dtype)
         x2 = np.asarray(rng.standard_normal(x.shape), np.float32).astype(x.dtype)
         out = run(mesh, step, x, idx, w, bias, x2)
         try:
-            check_pipeline(mesh, out, x, idx, w, bias, x2, tokens, lay, alignment, fp8,
-                           capacity)
+            check_pipeline(mesh, out, x, idx, w, bias, x2, tokens, lay, alignment, fp8, capacity)
         except AssertionError as e:
             raise AssertionError(f"routing {kind}: {e}") from None
 
 
 # ---- gradients against their closed form
+
 
 def gradient_case(mesh, lay, mode, fp8):
     """d/dx and d/dw of vdot(combine(tanh(dispatch(x))), c): every token's rows come back
@@ -194,17 +221,26 @@ def gradient_case(mesh, lay, mode, fp8):
     through)."""
     R, tokens, hidden = mesh.size, 8, 256
     rng = np.random.default_rng(21)
-    x, idx, w = (np.asarray(a) for a in random_inputs(rng, R, tokens, hidden, E, K, R, "random",
-                                                      jnp.float32))
+    x, idx, w = (
+        np.asarray(a) for a in random_inputs(rng, R, tokens, hidden, E, K, R, "random", jnp.float32)
+    )
     c = rng.standard_normal(x.shape).astype(np.float32)
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=hidden, num_topk=K,
-                        max_tokens_per_rank=tokens, timeout_s=20.0)
+    buf = jax_ep.Buffer(
+        mesh,
+        "ep",
+        num_experts=E,
+        hidden=hidden,
+        num_topk=K,
+        max_tokens_per_rank=tokens,
+        timeout_s=20.0,
+    )
 
     def layer(x, idx, w):
         d = buf.dispatch(x, idx, w, layout=lay, mode=mode, fp8=fp8)
         rows = buf.dequantize(d, x) if fp8 else d.x
-        return buf.combine(jnp.tanh(rows), d.handle,
-                           topk_weights=d.topk_weights if lay != "rank" else None)
+        return buf.combine(
+            jnp.tanh(rows), d.handle, topk_weights=d.topk_weights if lay != "rank" else None
+        )
 
     def pulled(x, idx, w, c):  # the vjp per rank: a loss summed over ranks would be an
         _, pull = jax.vjp(lambda x, w: layer(x, idx, w), x, w)  # XLA collective
@@ -212,15 +248,21 @@ def gradient_case(mesh, lay, mode, fp8):
 
     spec = P("ep")
     grads = jax.jit(jax.shard_map(pulled, mesh=mesh, in_specs=spec, out_specs=spec))(
-        *(shard(mesh, v) for v in (x, idx, w, c)))
+        *(shard(mesh, v) for v in (x, idx, w, c))
+    )
     xq = x  # what the rows hold: FP8, dequantized
     if fp8:
-        xq = np.stack([(q.astype(np.float32).reshape(-1, 128) * s[:, None]).reshape(-1)
-                       for q, s in (oracle.quantize(row, False) for row in x)])
+        xq = np.stack(
+            [
+                (q.astype(np.float32).reshape(-1, 128) * s[:, None]).reshape(-1)
+                for q, s in (oracle.quantize(row, False) for row in x)
+            ]
+        )
     valid = (idx >= 0) & (idx < E)
     if lay == "rank":
-        scale = np.array([len({e // (E // R) for e in row[ok]}) for row, ok in zip(idx, valid)],
-                         np.float32)
+        scale = np.array(
+            [len({e // (E // R) for e in row[ok]}) for row, ok in zip(idx, valid)], np.float32
+        )
         want_w = np.zeros_like(w)
     else:
         scale = (w * valid).sum(1)
@@ -229,13 +271,15 @@ def gradient_case(mesh, lay, mode, fp8):
     per = lambda a: a.reshape((R, tokens) + a.shape[1:])  # noqa: E731
     for r, (gx, gw) in mine(mesh, grads).items():
         assert relative_error(gx, per(want_x)[r]) < 1e-5, f"rank {r} d/dx"
-        assert relative_error(gw, per(want_w)[r]) < 1e-5 or not np.abs(want_w).max(), \
+        assert relative_error(gw, per(want_w)[r]) < 1e-5 or not np.abs(want_w).max(), (
             f"rank {r} d/dw"
+        )
         if lay == "rank":
             assert not np.abs(gw).max(), f"rank {r} d/dw of an unweighted combine"
 
 
 # ---- invalid ids, a rank that skips an op, a process that exits
+
 
 def invalid_ids_case(mesh, mode, checking=False):
     """Ids outside [-1, E) on the first and the last rank: excluded and counted on every rank;
@@ -245,8 +289,9 @@ def invalid_ids_case(mesh, mode, checking=False):
     x, idx, w = (np.asarray(a) for a in random_inputs(rng, R, tokens, hidden, E, K, R, "random"))
     bad = idx.copy()
     bad[3, 1], bad[-1, 0] = E, -9  # on the first and the last rank
-    kwargs = dict(num_experts=E, hidden=hidden, num_topk=K, max_tokens_per_rank=tokens,
-                  timeout_s=20.0)
+    kwargs = dict(
+        num_experts=E, hidden=hidden, num_topk=K, max_tokens_per_rank=tokens, timeout_s=20.0
+    )
     per = lambda a: a.reshape((R, tokens) + a.shape[1:])  # noqa: E731
 
     def counts(buf):
@@ -284,8 +329,11 @@ def check_invalid_suite():
             invalid_ids_case(mesh, mode, checking=True)
             print(f"CASE check-invalid-{mode} OK", flush=True)
         except Exception as e:
-            print(f"CASE check-invalid-{mode} FAIL {type(e).__name__}: "
-                  + " | ".join(str(e).splitlines()[:6])[:1500], flush=True)
+            print(
+                f"CASE check-invalid-{mode} FAIL {type(e).__name__}: "
+                + " | ".join(str(e).splitlines()[:6])[:1500],
+                flush=True,
+            )
     print("SCENARIO OK", flush=True)
     os._exit(0)
 
@@ -299,20 +347,31 @@ def timing_case(mesh):
 
     def measure(mesh, label):
         R, tokens, hidden, experts, topk = mesh.size, 128, 7168, 64, 8
-        buf = jax_ep.Buffer(mesh, "ep", num_experts=experts, hidden=hidden, num_topk=topk,
-                            max_tokens_per_rank=tokens, timeout_s=20.0)
+        buf = jax_ep.Buffer(
+            mesh,
+            "ep",
+            num_experts=experts,
+            hidden=hidden,
+            num_topk=topk,
+            max_tokens_per_rank=tokens,
+            timeout_s=20.0,
+        )
         rng = np.random.default_rng(1)
-        x, idx, w = (np.asarray(a) for a in random_inputs(rng, R, tokens, hidden, experts, topk,
-                                                           R, "random"))
+        x, idx, w = (
+            np.asarray(a) for a in random_inputs(rng, R, tokens, hidden, experts, topk, R, "random")
+        )
 
         def steps(x, i, w):
             def one(_, y):
                 d = buf.dispatch(y, i, w, layout="expert_padded", fp8=True, mode="low_latency")
-                rows = jax_ep.dequantize_fp8(d.x.reshape(-1, hidden),
-                                             d.scales.reshape(-1, hidden // 128))
-                out = buf.combine(rows.reshape(d.x.shape).astype(y.dtype), d.handle,
-                                  topk_weights=d.topk_weights)
+                rows = jax_ep.dequantize_fp8(
+                    d.x.reshape(-1, hidden), d.scales.reshape(-1, hidden // 128)
+                )
+                out = buf.combine(
+                    rows.reshape(d.x.shape).astype(y.dtype), d.handle, topk_weights=d.topk_weights
+                )
                 return (out * 0.01).astype(y.dtype) + y
+
             return jax.lax.fori_loop(0, 10, one, x)
 
         spec = P("ep")
@@ -324,8 +383,11 @@ def timing_case(mesh):
             start = time.perf_counter()
             jax.block_until_ready(program(*args))
             times.append((time.perf_counter() - start) / 10)
-        print(f"TIME {label} engine={buf.engine}: {np.median(times) * 1e6:.1f} us per decode "
-              f"step (dispatch + combine), process {jax.process_index()}", flush=True)
+        print(
+            f"TIME {label} engine={buf.engine}: {np.median(times) * 1e6:.1f} us per decode "
+            f"step (dispatch + combine), process {jax.process_index()}",
+            flush=True,
+        )
 
     measure(mesh, f"EP={mesh.size} on one GPU")
     if jax.process_index() == 0:
@@ -333,8 +395,15 @@ def timing_case(mesh):
 
 
 def tiny(mesh, timeout_s):
-    return jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=128, num_topk=2,
-                         max_tokens_per_rank=4, timeout_s=timeout_s)
+    return jax_ep.Buffer(
+        mesh,
+        "ep",
+        num_experts=E,
+        hidden=128,
+        num_topk=2,
+        max_tokens_per_rank=4,
+        timeout_s=timeout_s,
+    )
 
 
 def tiny_dispatch(mesh, buf):
@@ -347,8 +416,9 @@ def tiny_dispatch(mesh, buf):
     spec = P("ep")
 
     def body(x, i):
-        return jax.tree.map(lambda v: v[None] if v.ndim == 0 else v,
-                            buf.dispatch(x, i)._replace(handle=None))
+        return jax.tree.map(
+            lambda v: v[None] if v.ndim == 0 else v, buf.dispatch(x, i)._replace(handle=None)
+        )
 
     args = [shard(mesh, v) for v in (x, idx)]
     program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
@@ -363,8 +433,10 @@ def expect_peer_error(program, args, peer):
             jax.block_until_ready(program(*args))
         except Exception as e:
             message = str(e)
-            assert f"rank {peer}" in message and ("waited too long" in message  # GPUs
-                                                  or "waited more than" in message), message[:2000]
+            assert f"rank {peer}" in message and (
+                "waited too long" in message  # GPUs
+                or "waited more than" in message
+            ), message[:2000]
             return message.splitlines()[0]
     raise AssertionError(f"no error for rank {peer}, which never ran the op")
 
@@ -400,6 +472,7 @@ def early_exit_case(mesh):
 def meet_all(name, timeout_s=60):
     """A barrier of every process (jax.distributed's key-value store)."""
     from jax._src import distributed
+
     client = distributed.global_state.client
     client.key_value_set(f"gpu_process_scenarios/{name}/{jax.process_index()}", "1")
     for q in range(jax.process_count()):
@@ -409,16 +482,26 @@ def meet_all(name, timeout_s=60):
 def suite():
     mesh = global_mesh()
     assert mesh.size == jax.process_count()  # one rank per process (GPUs; CPUs for a dry run)
-    cases = ([(name, lambda c=c, m=m, dl=dl: layer_case(mesh, c, m, dl))
-              for name, c, m, dl in layer_cases()]
-             + [(f"gradients-{lay}-{mode}-fp8={fp8}",
-                 lambda lay=lay, mode=mode, fp8=fp8: gradient_case(mesh, lay, mode, fp8))
-                for lay, mode, fp8 in GRADIENTS]
-             + [("invalid-ids-normal", lambda: invalid_ids_case(mesh, "normal")),
-                ("invalid-ids-low_latency", lambda: invalid_ids_case(mesh, "low_latency")),
-                ("timing", lambda: timing_case(mesh)),
-                ("timeout", lambda: timeout_case(mesh)),
-                ("early-exit", lambda: early_exit_case(mesh))])
+    cases = (
+        [
+            (name, lambda c=c, m=m, dl=dl: layer_case(mesh, c, m, dl))
+            for name, c, m, dl in layer_cases()
+        ]
+        + [
+            (
+                f"gradients-{lay}-{mode}-fp8={fp8}",
+                lambda lay=lay, mode=mode, fp8=fp8: gradient_case(mesh, lay, mode, fp8),
+            )
+            for lay, mode, fp8 in GRADIENTS
+        ]
+        + [
+            ("invalid-ids-normal", lambda: invalid_ids_case(mesh, "normal")),
+            ("invalid-ids-low_latency", lambda: invalid_ids_case(mesh, "low_latency")),
+            ("timing", lambda: timing_case(mesh)),
+            ("timeout", lambda: timeout_case(mesh)),
+            ("early-exit", lambda: early_exit_case(mesh)),
+        ]
+    )
     assert [name for name, _ in cases] == case_names()
     only = os.environ.get("JAX_EP_CASES")  # a comma-separated subset, to reproduce one
     for name, case in cases:
@@ -429,7 +512,10 @@ def suite():
             print(f"CASE {name} OK", flush=True)
         except Exception as e:
             traceback.print_exc()
-            print(f"CASE {name} FAIL {type(e).__name__}: "
-                  + " | ".join(str(e).splitlines()[:6])[:1500], flush=True)
+            print(
+                f"CASE {name} FAIL {type(e).__name__}: "
+                + " | ".join(str(e).splitlines()[:6])[:1500],
+                flush=True,
+            )
     print("SCENARIO OK", flush=True)
     os._exit(0)  # after early-exit, the coordination service would wait for the last process

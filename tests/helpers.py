@@ -1,4 +1,5 @@
 """Shared test helpers: meshes, routings, running a per-rank function under shard_map."""
+
 from __future__ import annotations
 
 import functools
@@ -6,7 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_ep
 
@@ -14,7 +16,7 @@ import jax_ep
 def make_mesh(num_ranks, dp=1, devices=None):
     """A mesh ("dp", "ep") of dp x num_ranks devices, or ("ep",) when dp == 1."""
     devices = devices if devices is not None else jax.devices()
-    grid = np.array(devices[:dp * num_ranks])
+    grid = np.array(devices[: dp * num_ranks])
     if dp == 1:
         return jax.sharding.Mesh(grid, ("ep",))
     return jax.sharding.Mesh(grid.reshape(dp, num_ranks), ("dp", "ep"))
@@ -63,29 +65,30 @@ ROUTINGS = ("random", "one_expert", "sparse", "skip_rank", "duplicates", "empty"
 def routing(kind, rng, num_tokens, num_experts, num_topk, num_ranks):
     """topk_idx [num_tokens, K] of one of the routing kinds the tests cover."""
     idx = np.stack([rng.permutation(num_experts)[:num_topk] for _ in range(num_tokens)])
-    if kind == "one_expert":          # every token to expert 0 (one rank gets everything)
+    if kind == "one_expert":  # every token to expert 0 (one rank gets everything)
         idx[:] = -1
         idx[:, 0] = 0
-    elif kind == "sparse":            # most slots unused
+    elif kind == "sparse":  # most slots unused
         idx[rng.random(idx.shape) < 0.7] = -1
-    elif kind == "skip_rank":         # nothing goes to the last rank
+    elif kind == "skip_rank":  # nothing goes to the last rank
         experts_per_rank = num_experts // num_ranks
         idx = np.where(idx >= num_experts - experts_per_rank, -1, idx) if num_ranks > 1 else idx
-    elif kind == "duplicates":        # the same expert twice in a token's top-k
+    elif kind == "duplicates":  # the same expert twice in a token's top-k
         idx[:, -1] = idx[:, 0]
-    elif kind == "empty":             # no token goes anywhere
+    elif kind == "empty":  # no token goes anywhere
         idx[:] = -1
     return idx.astype(np.int32)
 
 
-def random_inputs(rng, devices, num_tokens, hidden, num_experts, num_topk, num_ranks, kind,
-                  dtype=jnp.bfloat16):
+def random_inputs(
+    rng, devices, num_tokens, hidden, num_experts, num_topk, num_ranks, kind, dtype=jnp.bfloat16
+):
     """Global x, topk_idx, topk_weights for `devices` ranks of num_tokens each."""
     n = devices * num_tokens
-    x = jnp.asarray(rng.standard_normal((n, hidden)) * rng.choice([0.01, 1.0, 30.0], (n, 1)),
-                    dtype)
-    idx = np.concatenate([routing(kind, rng, num_tokens, num_experts, num_topk, num_ranks)
-                          for _ in range(devices)])
+    x = jnp.asarray(rng.standard_normal((n, hidden)) * rng.choice([0.01, 1.0, 30.0], (n, 1)), dtype)
+    idx = np.concatenate(
+        [routing(kind, rng, num_tokens, num_experts, num_topk, num_ranks) for _ in range(devices)]
+    )
     w = rng.random((n, num_topk)).astype(np.float32)
     return x, jnp.asarray(idx), jnp.asarray(w)
 
@@ -123,8 +126,17 @@ def calc_diff(x, y):
     return 0.0 if denominator == 0 else float(1 - 2 * (x * y).sum() / denominator)
 
 
-def pipeline(buf, layout="rank", expert_alignment=1, fp8=False, round_scale=False, capacity=None,
-             weighted=True, split=False, mode="auto"):
+def pipeline(
+    buf,
+    layout="rank",
+    expert_alignment=1,
+    fp8=False,
+    round_scale=False,
+    capacity=None,
+    weighted=True,
+    split=False,
+    mode="auto",
+):
     """A per-rank MoE step: dispatch, a fake expert (row * (1 + expert id)), combine with bias,
     then a cached dispatch of a second x. split: through the *_send / *_recv halves, with work
     on the op's input between them (Pending.run_between). Returns every output and the handle's
@@ -134,8 +146,7 @@ def pipeline(buf, layout="rank", expert_alignment=1, fp8=False, round_scale=Fals
         between = []  # what the work between the halves computed
 
         def work(pending, value):
-            pending, out = pending.run_between(lambda v: (v.astype(jnp.float32) * 3).sum(0),
-                                               value)
+            pending, out = pending.run_between(lambda v: (v.astype(jnp.float32) * 3).sum(0), value)
             between.append(out)
             return pending
 
@@ -151,26 +162,48 @@ def pipeline(buf, layout="rank", expert_alignment=1, fp8=False, round_scale=Fals
                 return buf.combine_recv(work(buf.combine_send(rows, *args, **kwargs), rows))
             return buf.combine(rows, *args, **kwargs)
 
-        d = dispatch(x, topk_idx, topk_weights if weighted else None, layout=layout,
-                     expert_alignment=expert_alignment, fp8=fp8, round_scale=round_scale,
-                     capacity=capacity)
+        d = dispatch(
+            x,
+            topk_idx,
+            topk_weights if weighted else None,
+            layout=layout,
+            expert_alignment=expert_alignment,
+            fp8=fp8,
+            round_scale=round_scale,
+            capacity=capacity,
+        )
         if fp8:
-            rows = jax_ep.dequantize_fp8(d.x.reshape(-1, d.x.shape[-1]),
-                                         d.scales.reshape(-1, d.scales.shape[-1]))
+            rows = jax_ep.dequantize_fp8(
+                d.x.reshape(-1, d.x.shape[-1]), d.scales.reshape(-1, d.scales.shape[-1])
+            )
             rows = rows.reshape(d.x.shape)
         else:
             rows = d.x.astype(jnp.float32)
         expert = d.topk_idx if layout != "rank" else d.topk_idx.max(axis=1)
         expert_out = (rows * (1 + expert[..., None])).astype(x.dtype)
-        y = combine(expert_out, d.handle,
-                    topk_weights=d.topk_weights if layout != "rank" else None, bias=bias)
+        y = combine(
+            expert_out,
+            d.handle,
+            topk_weights=d.topk_weights if layout != "rank" else None,
+            bias=bias,
+        )
         again = dispatch(x2, handle=d.handle, fp8=fp8, round_scale=round_scale)
         h = d.handle
-        return dict(d=d._replace(handle=None), y=y, expert_out=expert_out, cached_x=again.x,
-                    cached_scales=again.scales,
-                    handle=dict(recv_counts=h.recv_counts, num_rows=h.num_rows,
-                                expert_src=h.expert_src, expert_rows=h.expert_rows),
-                    send_pos=h.send_pos, between=tuple(between))
+        return dict(
+            d=d._replace(handle=None),
+            y=y,
+            expert_out=expert_out,
+            cached_x=again.x,
+            cached_scales=again.scales,
+            handle=dict(
+                recv_counts=h.recv_counts,
+                num_rows=h.num_rows,
+                expert_src=h.expert_src,
+                expert_rows=h.expert_rows,
+            ),
+            send_pos=h.send_pos,
+            between=tuple(between),
+        )
 
     return step
 
@@ -187,8 +220,9 @@ def out_of_order(buf, mode="low_latency", rounds=2):
         xs = [x * (i + 1) for i in range(4)]
         outs = []
         for _ in range(rounds):
-            send = functools.partial(buf.dispatch_send, topk_idx=topk_idx,
-                                     topk_weights=topk_weights, mode=mode)
+            send = functools.partial(
+                buf.dispatch_send, topk_idx=topk_idx, topk_weights=topk_weights, mode=mode
+            )
             pa = send(xs[0])
             db = buf.dispatch(after(xs[1], pa), topk_idx, topk_weights, mode=mode)
             da = buf.dispatch_recv(after(pa, db.x))
@@ -227,18 +261,37 @@ def assert_matches_reference(step, *args):
     assert_bitwise_equal(step["ffi"](*args), got, "run to run")
 
 
-def layer_gradients(mesh, impl, remat, layout="rank", mode="auto", second_order=False, fp8=False,
-                    tokens=8, hidden=128, num_experts=16, num_topk=4):
+def layer_gradients(
+    mesh,
+    impl,
+    remat,
+    layout="rank",
+    mode="auto",
+    second_order=False,
+    fp8=False,
+    tokens=8,
+    hidden=128,
+    num_experts=16,
+    num_topk=4,
+):
     """d/dx of a MoE layer (dispatch, tanh, combine) on `impl`'s path, the layer under
     jax.checkpoint when `remat`: a whole op recomputed in the backward pass. second_order: a
     Hessian-vector product instead (the gradient's own ops differentiated). fp8: the rows sent
     in FP8 and used through Buffer.dequantize."""
     rng = np.random.default_rng(5)
-    x, idx, w = random_inputs(rng, mesh.size, tokens, hidden, num_experts, num_topk, mesh.size,
-                              "random", jnp.float32)
+    x, idx, w = random_inputs(
+        rng, mesh.size, tokens, hidden, num_experts, num_topk, mesh.size, "random", jnp.float32
+    )
     cotangent = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=num_experts, hidden=hidden, num_topk=num_topk,
-                        max_tokens_per_rank=tokens, impl=impl)
+    buf = jax_ep.Buffer(
+        mesh,
+        "ep",
+        num_experts=num_experts,
+        hidden=hidden,
+        num_topk=num_topk,
+        max_tokens_per_rank=tokens,
+        impl=impl,
+    )
 
     def layer(x, idx, w):
         d = buf.dispatch(x, idx, w, layout=layout, mode=mode, fp8=fp8)
@@ -246,8 +299,9 @@ def layer_gradients(mesh, impl, remat, layout="rank", mode="auto", second_order=
         rows = buf.dequantize(d, x) if fp8 else d.x
         return buf.combine(jnp.tanh(rows), d.handle, topk_weights=weights)
 
-    f = jax.shard_map(jax.checkpoint(layer) if remat else layer, mesh=mesh,
-                      in_specs=P("ep"), out_specs=P("ep"))
+    f = jax.shard_map(
+        jax.checkpoint(layer) if remat else layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")
+    )
     if second_order:  # curvature after the layer too
         first = jax.grad(lambda x: jnp.vdot(jnp.tanh(f(x, idx, w)), cotangent))
         grad = jax.grad(lambda x: jnp.vdot(first(x), cotangent))
@@ -259,6 +313,7 @@ def layer_gradients(mesh, impl, remat, layout="rank", mode="auto", second_order=
 def branching_dispatch(buf):
     """Rank 0 dispatches FP8 rows, the others bfloat16 rows, at the same op (a cond on the rank):
     ranks that run different ops at one op number."""
+
     def step(x, i):
         def fp8(x, i):
             d = buf.dispatch(x, i, fp8=True)
@@ -269,4 +324,5 @@ def branching_dispatch(buf):
             return d.x.astype(jnp.float32), d.topk_idx, d.num_recv
 
         return jax.lax.cond(jax.lax.axis_index("ep") == 0, fp8, plain, x, i)
+
     return step

@@ -1,5 +1,6 @@
 """docs/API.md (dispatch, FP8, combine) written as plain numpy loops over all ranks at once:
 an oracle independent of both jax_ep paths (no jax, no shared code)."""
+
 from __future__ import annotations
 
 import ml_dtypes
@@ -11,15 +12,16 @@ def quantize(x, round_scale):
     q = np.zeros(x.shape, ml_dtypes.float8_e4m3fn)
     scales = np.zeros(x.shape[0] // 128, np.float32)
     for g in range(len(scales)):
-        block = x[g * 128:(g + 1) * 128].astype(np.float32)
+        block = x[g * 128 : (g + 1) * 128].astype(np.float32)
         amax = np.float32(max(np.abs(block).max(), np.float32(1e-4)))
         scale = np.float32(amax * np.float32(1 / 448))
         if round_scale:
             scale = np.float32(2.0 ** np.ceil(np.log2(np.float64(scale))))
-            q[g * 128:(g + 1) * 128] = (block / scale).astype(ml_dtypes.float8_e4m3fn)
+            q[g * 128 : (g + 1) * 128] = (block / scale).astype(ml_dtypes.float8_e4m3fn)
         else:
-            q[g * 128:(g + 1) * 128] = (block * (np.float32(448) / amax)).astype(
-                ml_dtypes.float8_e4m3fn)
+            q[g * 128 : (g + 1) * 128] = (block * (np.float32(448) / amax)).astype(
+                ml_dtypes.float8_e4m3fn
+            )
         scales[g] = scale
     return q, scales
 
@@ -35,16 +37,19 @@ def dispatch_rank(x, idx, w, num_experts, rows, fp8=False, round_scale=False):
         topk_idx=np.full((num_ranks, rows, k), -1, np.int32),
         topk_weights=np.zeros((num_ranks, rows, k), np.float32),
         tokens_per_expert=np.zeros((num_ranks, el), np.int32),
-        num_recv=np.zeros(num_ranks, np.int32), num_dropped=np.zeros(num_ranks, np.int32),
+        num_recv=np.zeros(num_ranks, np.int32),
+        num_dropped=np.zeros(num_ranks, np.int32),
         num_invalid=np.array([((i < -1) | (i >= num_experts)).sum() for i in idx], np.int32),
         send_pos=np.full((num_ranks, num_tokens, num_ranks), -1, np.int32),
-        recv_counts=np.zeros((num_ranks, num_ranks), np.int32))
+        recv_counts=np.zeros((num_ranks, num_ranks), np.int32),
+    )
     for d in range(num_ranks):
         p = 0
         for s in range(num_ranks):
             for t in range(num_tokens):
-                local = [e - d * el if 0 <= e < num_experts and e // el == d else -1
-                         for e in idx[s, t]]
+                local = [
+                    e - d * el if 0 <= e < num_experts and e // el == d else -1 for e in idx[s, t]
+                ]
                 if all(l < 0 for l in local):
                     continue
                 out["recv_counts"][d, s] += 1
@@ -53,12 +58,14 @@ def dispatch_rank(x, idx, w, num_experts, rows, fp8=False, round_scale=False):
                     continue
                 if fp8:
                     out["x"][d, p], out["scales"][d, p] = quantize(
-                        x[s, t].astype(np.float32), round_scale)
+                        x[s, t].astype(np.float32), round_scale
+                    )
                 else:
                     out["x"][d, p] = x[s, t]
                 out["topk_idx"][d, p] = local
-                out["topk_weights"][d, p] = [w[s, t, j] if l >= 0 else 0 for j, l in
-                                             enumerate(local)]
+                out["topk_weights"][d, p] = [
+                    w[s, t, j] if l >= 0 else 0 for j, l in enumerate(local)
+                ]
                 for e in set(local) - {-1}:
                     out["tokens_per_expert"][d, e] += 1
                 out["send_pos"][s, t, d] = p
@@ -84,8 +91,9 @@ def expert_layout(topk_rows, w_rows, num_local, alignment, capacity, block_rows=
                 dropped += 1
                 continue
             src[start + j], expert[start + j] = r, e
-            weight[start + j] = np.float32(sum(w_rows[r][k] for k in range(len(topk_rows[r]))
-                                               if topk_rows[r][k] == e))
+            weight[start + j] = np.float32(
+                sum(w_rows[r][k] for k in range(len(topk_rows[r])) if topk_rows[r][k] == e)
+            )
             present[e] += 1
         start += -(-len(items[e]) // alignment) * alignment
     return src, expert, weight, present, dropped

@@ -1,6 +1,7 @@
 """What each process of tests/test_processes.py runs (see processes.py): jax_ep on a mesh that
 spans processes, against the reference path on the same mesh. Every process checks its own
 shards and raises on a mismatch."""
+
 from __future__ import annotations
 
 import functools
@@ -10,10 +11,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from helpers import bits, calc_diff, pipeline, random_inputs
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from helpers import bits, calc_diff, pipeline, random_inputs
 
 E, H, K, T = 16, 256, 4, 16
 
@@ -54,15 +56,18 @@ def run(mesh, fn, *values):
 
 def local(tree):
     """This process's shards of every leaf, by device."""
-    return [{s.device.id: np.asarray(s.data) for s in leaf.addressable_shards}
-            for leaf in jax.tree.leaves(tree)]
+    return [
+        {s.device.id: np.asarray(s.data) for s in leaf.addressable_shards}
+        for leaf in jax.tree.leaves(tree)
+    ]
 
 
 def assert_same_shards(got, want, what):
     for i, (g, w) in enumerate(zip(local(got), local(want))):
         for device in g:
-            np.testing.assert_array_equal(bits(g[device]), bits(w[device]),
-                                          err_msg=f"{what}: leaf {i} on device {device}")
+            np.testing.assert_array_equal(
+                bits(g[device]), bits(w[device]), err_msg=f"{what}: leaf {i} on device {device}"
+            )
 
 
 def inputs(mesh, kind="random", dtype=jnp.bfloat16, seed=0):
@@ -74,15 +79,31 @@ def inputs(mesh, kind="random", dtype=jnp.bfloat16, seed=0):
 
 def matches_reference():
     mesh = global_mesh()
-    bufs = {impl: jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
-                                max_tokens_per_rank=T, impl=impl, timeout_s=10)
-            for impl in ("reference", "ffi")}
-    cases = [("rank", 1, False, None, False), ("expert", 4, True, None, True),
-             ("expert_padded", 1, False, None, True), ("rank", 1, True, 9, False),
-             ("expert", 2, False, 24, False)]
+    bufs = {
+        impl: jax_ep.Buffer(
+            mesh,
+            "ep",
+            num_experts=E,
+            hidden=H,
+            num_topk=K,
+            max_tokens_per_rank=T,
+            impl=impl,
+            timeout_s=10,
+        )
+        for impl in ("reference", "ffi")
+    }
+    cases = [
+        ("rank", 1, False, None, False),
+        ("expert", 4, True, None, True),
+        ("expert_padded", 1, False, None, True),
+        ("rank", 1, True, 9, False),
+        ("expert", 2, False, 24, False),
+    ]
     for lay, alignment, fp8, capacity, split in cases:
-        step = {impl: runner(mesh, pipeline(buf, lay, alignment, fp8, False, capacity, split=split))
-                for impl, buf in bufs.items()}  # one compile per path, shared by both routings
+        step = {
+            impl: runner(mesh, pipeline(buf, lay, alignment, fp8, False, capacity, split=split))
+            for impl, buf in bufs.items()
+        }  # one compile per path, shared by both routings
         for kind in ("random", "one_expert"):
             x, idx, w, bias = inputs(mesh, kind)
             out = {impl: step[impl](x, idx, w, bias, x * 2) for impl in bufs}
@@ -91,8 +112,9 @@ def matches_reference():
                 assert_same_shards(out["ffi"][part], out["reference"][part], f"{what} {part}")
             for g, r in zip(local(out["ffi"]["y"]), local(out["reference"]["y"])):
                 for device in g:
-                    assert calc_diff(g[device].astype(np.float32),
-                                     r[device].astype(np.float32)) < 5e-6, what
+                    assert (
+                        calc_diff(g[device].astype(np.float32), r[device].astype(np.float32)) < 5e-6
+                    ), what
     gradients(mesh, bufs)
     invalid_ids(mesh, bufs)
 
@@ -104,6 +126,7 @@ def gradients(mesh, bufs):
     for lay in ("rank", "expert"):
         grads = {}
         for impl, buf in bufs.items():
+
             def layer(x, idx, w, buf=buf):
                 d = buf.dispatch(x, idx, w, layout=lay)
                 weights = d.topk_weights if lay != "rank" else None
@@ -112,7 +135,8 @@ def gradients(mesh, bufs):
             f = jax.shard_map(layer, mesh=mesh, in_specs=spec, out_specs=spec)
             loss = lambda x, w, i, c, f=f: jnp.vdot(f(x, i, w), c)  # noqa: E731
             grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1)))(
-                *(shard(mesh, v) for v in (x, w, idx, cotangent)))
+                *(shard(mesh, v) for v in (x, w, idx, cotangent))
+            )
         for g, r in zip(local(grads["ffi"]), local(grads["reference"])):
             for device in g:
                 assert calc_diff(g[device], r[device]) < 1e-6, f"gradient, {lay} layout"
@@ -132,8 +156,18 @@ def invalid_ids(mesh, bufs):
     want = reference(x, bad, w)
     assert_same_shards(counts(bufs["ffi"])(x, bad, w), want, "invalid ids")
     for impl in ("reference", "ffi"):
-        checking = counts(jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
-                                        max_tokens_per_rank=T, impl=impl, check_invalid=True))
+        checking = counts(
+            jax_ep.Buffer(
+                mesh,
+                "ep",
+                num_experts=E,
+                hidden=H,
+                num_topk=K,
+                max_tokens_per_rank=T,
+                impl=impl,
+                check_invalid=True,
+            )
+        )
         try:
             jax.block_until_ready(checking(x, bad, w))
         except Exception as e:  # every process raises, also those whose ids were all valid
@@ -147,8 +181,9 @@ def mismatched_arguments():
     mesh = global_mesh()
     topk = K + jax.process_index()  # process 1 asks for another Buffer
     try:
-        jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=topk, max_tokens_per_rank=T,
-                      timeout_s=60)
+        jax_ep.Buffer(
+            mesh, "ep", num_experts=E, hidden=H, num_topk=topk, max_tokens_per_rank=T, timeout_s=60
+        )
     except ValueError as e:
         assert "num_topk" in str(e) and "asked for another Buffer" in str(e), e
         print("RAISED:", e)
@@ -178,15 +213,17 @@ def counter_not_skewed(mesh):
     if jax.process_index() == 1:
         os.environ["JAX_EP_TESTING_FIRST_OP"] = "-1"
         try:
-            jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
-                          max_tokens_per_rank=T, timeout_s=30)
+            jax_ep.Buffer(
+                mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=30
+            )
         except ValueError as e:
             assert "JAX_EP_TESTING_FIRST_OP" in str(e), e
         else:
             raise AssertionError("a bad JAX_EP_TESTING_FIRST_OP was accepted")
         del os.environ["JAX_EP_TESTING_FIRST_OP"]
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
-                        timeout_s=30)
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=30
+    )
     x, idx, w, _ = inputs(mesh)
     d = run(mesh, lambda x, i, w: buf.dispatch(x, i, w).num_recv, x, idx, w)
     assert buf.status() is None and all(int(v[0]) >= 0 for v in local(d)[0].values())
@@ -196,8 +233,11 @@ def _nan_everywhere(d):
     """A dispatch's outputs as a failed op leaves them: NaN rows, ids -1, counts 0."""
     for device, rows in local(d.x)[0].items():
         rows = np.asarray(rows)
-        nan = rows.view(np.uint8) == 0x7F if rows.dtype.itemsize == 1 else np.isnan(
-            rows.astype(np.float32))
+        nan = (
+            rows.view(np.uint8) == 0x7F
+            if rows.dtype.itemsize == 1
+            else np.isnan(rows.astype(np.float32))
+        )
         assert nan.all(), f"device {device}: not all rows are NaN"
     for leaf in (d.topk_idx,):
         assert all((v == -1).all() for v in local(leaf)[0].values())
@@ -209,8 +249,9 @@ def mismatched_ops(mesh):
     """Process 0 dispatches FP8 rows, process 1 bfloat16 rows, at the same op: both steps
     return NaN at once (not after timeout_s), both Buffers name both ops, the next call raises
     so on every process."""
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
-                        timeout_s=60)
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=60
+    )
     x, idx, w, _ = inputs(mesh)
     fp8 = jax.process_index() == 0
     start = time.perf_counter()
@@ -218,8 +259,10 @@ def mismatched_ops(mesh):
     jax.block_until_ready(d)
     assert time.perf_counter() - start < 30, "a mismatch waited for the timeout"
     _nan_everywhere(d)
-    both = ("dispatch(fp8 rows of bfloat16 x, hidden 256, 16 tokens, top-4 of 16 experts)",
-            "dispatch(bfloat16 rows, hidden 256, 16 tokens, top-4 of 16 experts)")
+    both = (
+        "dispatch(fp8 rows of bfloat16 x, hidden 256, 16 tokens, top-4 of 16 experts)",
+        "dispatch(bfloat16 rows, hidden 256, 16 tokens, top-4 of 16 experts)",
+    )
     status = buf.status()
     assert status and all(op in status for op in both), status
     try:
@@ -235,8 +278,9 @@ def timeout_nan(mesh):
     """Process 1 stays away from an op for longer than timeout_s: process 0's op returns NaN in
     its own step and writes the abort into process 1's window; process 1's op of that number
     returns NaN too once it comes, and the next call raises on both, naming the wait."""
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
-                        timeout_s=2)
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=2
+    )
     x, idx, w, _ = inputs(mesh)
 
     def step():
@@ -263,14 +307,34 @@ def op_numbers_past_2_to_the_32(mesh):
     """Ops numbered across 2^32 (whole and split: the recv halves' tickets too) on a mesh that
     spans processes equal the reference path."""
     os.environ["JAX_EP_TESTING_FIRST_OP"] = str(2**32 - 3)
-    bufs = {impl: jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
-                                max_tokens_per_rank=T, impl=impl, timeout_s=30)
-            for impl in ("reference", "ffi")}
+    bufs = {
+        impl: jax_ep.Buffer(
+            mesh,
+            "ep",
+            num_experts=E,
+            hidden=H,
+            num_topk=K,
+            max_tokens_per_rank=T,
+            impl=impl,
+            timeout_s=30,
+        )
+        for impl in ("reference", "ffi")
+    }
     del os.environ["JAX_EP_TESTING_FIRST_OP"]
     x, idx, w, bias = inputs(mesh, seed=9)
     for split in (True, False):  # ops 2^32 - 2 to 2^32 + 3
-        out = {impl: run(mesh, pipeline(buf, "rank", 1, False, False, None, split=split),
-                         x, idx, w, bias, x * 2) for impl, buf in bufs.items()}
+        out = {
+            impl: run(
+                mesh,
+                pipeline(buf, "rank", 1, False, False, None, split=split),
+                x,
+                idx,
+                w,
+                bias,
+                x * 2,
+            )
+            for impl, buf in bufs.items()
+        }
         for part in ("d", "handle", "cached_x", "between"):
             assert_same_shards(out["ffi"][part], out["reference"][part], f"past 2^32 {part}")
     assert bufs["ffi"].status() is None
@@ -280,8 +344,9 @@ def early_exit():
     """Process 1 stops before the first op: process 0's op returns NaN after timeout_s, its next
     call raises naming rank 1, and it goes on (a Buffer of its own devices works)."""
     mesh = global_mesh()
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
-                        timeout_s=3)
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=3
+    )
     if jax.process_index() == 1:
         os._exit(0)
     x, idx, w, _ = inputs(mesh)
@@ -297,9 +362,14 @@ def early_exit():
         raise AssertionError("no error for a peer that never came")
     mine = jax.sharding.Mesh(np.array(jax.local_devices()), ("ep",))
     alone = jax_ep.Buffer(mine, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
-    d = jax.jit(jax.shard_map(lambda x, i: alone.dispatch(x, i).num_recv[None], mesh=mine,
-                              in_specs=P("ep"), out_specs=P("ep")))(
-        jnp.ones((mine.size * T, H), jnp.bfloat16), jnp.zeros((mine.size * T, K), jnp.int32))
+    d = jax.jit(
+        jax.shard_map(
+            lambda x, i: alone.dispatch(x, i).num_recv[None],
+            mesh=mine,
+            in_specs=P("ep"),
+            out_specs=P("ep"),
+        )
+    )(jnp.ones((mine.size * T, H), jnp.bfloat16), jnp.zeros((mine.size * T, K), jnp.int32))
     assert int(np.asarray(d)[0]) == mine.size * T
     print("SCENARIO OK", flush=True)
     os._exit(0)  # the coordination service would wait for process 1 at shutdown
@@ -309,11 +379,28 @@ def many_ranks():
     """More ranks than a 32-bit mask holds, in one process."""
     mesh = global_mesh()
     assert mesh.size > 32
-    bufs = {impl: jax_ep.Buffer(mesh, "ep", num_experts=2 * mesh.size, hidden=H, num_topk=K,
-                                max_tokens_per_rank=4, impl=impl) for impl in ("reference", "ffi")}
+    bufs = {
+        impl: jax_ep.Buffer(
+            mesh,
+            "ep",
+            num_experts=2 * mesh.size,
+            hidden=H,
+            num_topk=K,
+            max_tokens_per_rank=4,
+            impl=impl,
+        )
+        for impl in ("reference", "ffi")
+    }
     rng = np.random.default_rng(7)
     x, idx, w = random_inputs(rng, mesh.size, 4, H, 2 * mesh.size, K, mesh.size, "random")
-    out = {impl: run(mesh, functools.partial(lambda b, x, i, w: b.dispatch(x, i, w)._replace(
-        handle=None), buf), np.asarray(x), np.asarray(idx), np.asarray(w))
-        for impl, buf in bufs.items()}
+    out = {
+        impl: run(
+            mesh,
+            functools.partial(lambda b, x, i, w: b.dispatch(x, i, w)._replace(handle=None), buf),
+            np.asarray(x),
+            np.asarray(idx),
+            np.asarray(w),
+        )
+        for impl, buf in bufs.items()
+    }
     assert_same_shards(out["ffi"], out["reference"], "many ranks")

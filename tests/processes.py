@@ -7,6 +7,7 @@ such process:
 
 SCENARIO names a function of process_scenarios.py, or MODULE:FUNCTION of another module here.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,16 +30,35 @@ def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
     port = free_port()
     # Each process sets its own device count; XLA's other flags (tests/conftest.py) carry over,
     # unless launch(env=) gives its own.
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
     env = os.environ | {"XLA_FLAGS": " ".join(flags)} | (env or {})
     # This checkout's jax_ep, as in the tests' own process (pyproject's pythonpath).
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE)] + (
-        [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    procs = [subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "processes.py"), scenario, str(p), str(num_processes),
-         str(port), str(devices_per_process)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=env, cwd=HERE) for p in range(num_processes)]
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(HERE, "processes.py"),
+                scenario,
+                str(p),
+                str(num_processes),
+                str(port),
+                str(devices_per_process),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=HERE,
+        )
+        for p in range(num_processes)
+    ]
     results = []
     for proc in procs:
         try:
@@ -51,14 +71,19 @@ def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
 
 
 def _start(process, num_processes, port, devices):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={devices}").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+    ).strip()
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if num_processes > 1:
-        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
-                                   process_id=process, initialization_timeout=120)
+        jax.distributed.initialize(
+            f"127.0.0.1:{port}",
+            num_processes=num_processes,
+            process_id=process,
+            initialization_timeout=120,
+        )
     return jax
 
 

@@ -1,13 +1,15 @@
 """Gradients of dispatch and combine: custom-call path vs reference path vs a dense MoE computed
 on one device without expert parallelism."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from helpers import layer_gradients, make_mesh, put, random_inputs, relative_error
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from helpers import layer_gradients, make_mesh, put, random_inputs, relative_error
 
 T, H, E, K = 8, 128, 16, 4
 
@@ -34,8 +36,9 @@ def ep_moe(buf, layout):
 
 def loss_fn(mesh, step, cotangent):
     tokens = P(tuple(mesh.axis_names))
-    sharded = jax.shard_map(step, mesh=mesh, in_specs=(tokens, tokens, tokens, P("ep"), tokens),
-                            out_specs=tokens)
+    sharded = jax.shard_map(
+        step, mesh=mesh, in_specs=(tokens, tokens, tokens, P("ep"), tokens), out_specs=tokens
+    )
     return lambda *args: jnp.vdot(sharded(*args), cotangent)
 
 
@@ -50,19 +53,25 @@ def test_gradients_match_dense_moe(num_ranks, dp, layout):
     cotangent = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
     args = (x, idx, w, experts, bias)
     want_loss, want = jax.value_and_grad(
-        lambda x, w, e, b: jnp.vdot(dense_moe(x, idx, w, e, b), cotangent),
-        argnums=(0, 1, 2, 3))(x, w, experts, bias)
+        lambda x, w, e, b: jnp.vdot(dense_moe(x, idx, w, e, b), cotangent), argnums=(0, 1, 2, 3)
+    )(x, w, experts, bias)
     tokens = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-    args = (jax.device_put(x, tokens), jax.device_put(idx, tokens), jax.device_put(w, tokens),
-            jax.device_put(experts, NamedSharding(mesh, P("ep"))), jax.device_put(bias, tokens))
+    args = (
+        jax.device_put(x, tokens),
+        jax.device_put(idx, tokens),
+        jax.device_put(w, tokens),
+        jax.device_put(experts, NamedSharding(mesh, P("ep"))),
+        jax.device_put(bias, tokens),
+    )
     grads = {}
     for impl in ("reference", "ffi"):
-        buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
-                            max_tokens_per_rank=T, impl=impl)
+        buf = jax_ep.Buffer(
+            mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl=impl
+        )
         f = loss_fn(mesh, ep_moe(buf, layout), cotangent)
-        loss, grads[impl] = jax.jit(jax.value_and_grad(
-            lambda x, w, e, b: f(x, args[1], w, e, b), argnums=(0, 1, 2, 3)))(
-                args[0], args[2], args[3], args[4])
+        loss, grads[impl] = jax.jit(
+            jax.value_and_grad(lambda x, w, e, b: f(x, args[1], w, e, b), argnums=(0, 1, 2, 3))
+        )(args[0], args[2], args[3], args[4])
         np.testing.assert_allclose(loss, want_loss, rtol=2e-5)
         for name, g, gw in zip(("x", "topk_weights", "experts", "bias"), grads[impl], want):
             assert relative_error(g, gw) < 1e-5, f"{impl} d/d{name}"
@@ -79,8 +88,9 @@ def test_fp8_dispatch_is_straight_through(layout):
     x, idx, w = random_inputs(rng, 4, T, 256, E, K, 4, "random", jnp.bfloat16)
     grads = {}
     for impl in ("reference", "ffi"):
-        buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=256, num_topk=K,
-                            max_tokens_per_rank=T, impl=impl)
+        buf = jax_ep.Buffer(
+            mesh, "ep", num_experts=E, hidden=256, num_topk=K, max_tokens_per_rank=T, impl=impl
+        )
 
         def step(x, idx, w):
             d = buf.dispatch(x, idx, w, layout=layout, fp8=True)
@@ -89,13 +99,18 @@ def test_fp8_dispatch_is_straight_through(layout):
         spec = P("ep")
         f = jax.shard_map(step, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
         grads[impl] = jax.jit(jax.grad(lambda x: f(x, idx, w).sum()))(x)
-    np.testing.assert_array_equal(np.asarray(grads["ffi"], np.float32),
-                                  np.asarray(grads["reference"], np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(grads["ffi"], np.float32), np.asarray(grads["reference"], np.float32)
+    )
     owners = np.asarray(idx)[:, :, None] // (E // 4) == np.arange(4)
-    rows_per_token = (owners.any(1).sum(1) if layout == "rank"
-                      else np.asarray([len(set(r) - {-1}) for r in np.asarray(idx)]))
-    np.testing.assert_array_equal(np.asarray(grads["ffi"], np.float32),
-                                  np.broadcast_to(rows_per_token[:, None], x.shape))
+    rows_per_token = (
+        owners.any(1).sum(1)
+        if layout == "rank"
+        else np.asarray([len(set(r) - {-1}) for r in np.asarray(idx)])
+    )
+    np.testing.assert_array_equal(
+        np.asarray(grads["ffi"], np.float32), np.broadcast_to(rows_per_token[:, None], x.shape)
+    )
 
 
 def test_cached_dispatch_gradient():
@@ -105,8 +120,9 @@ def test_cached_dispatch_gradient():
     spec = P("ep")
     results = {}
     for impl in ("reference", "ffi"):
-        buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
-                            max_tokens_per_rank=T, impl=impl)
+        buf = jax_ep.Buffer(
+            mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl=impl
+        )
 
         def step(x, x2, idx):
             d = buf.dispatch(x, idx, layout="expert")
@@ -131,8 +147,9 @@ def test_gradients_of_inputs_that_do_not_vary(case):
     x = x[:T] if case == "replicated x" else x
 
     def grads(impl):
-        buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
-                            max_tokens_per_rank=T, impl=impl)
+        buf = jax_ep.Buffer(
+            mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl=impl
+        )
 
         def step(x, idx):
             w = None if case == "no weights" else jnp.full(idx.shape, 0.5, jnp.float32)
@@ -159,8 +176,9 @@ def test_dequantized_fp8_rows_pass_gradients_straight_through(layout):
     spec = P("ep")
     grads = {}
     for impl in ("reference", "ffi"):
-        buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=256, num_topk=K,
-                            max_tokens_per_rank=T, impl=impl)
+        buf = jax_ep.Buffer(
+            mesh, "ep", num_experts=E, hidden=256, num_topk=K, max_tokens_per_rank=T, impl=impl
+        )
 
         def step(x, idx, w, fp8):
             d = buf.dispatch(x, idx, w, layout=layout, fp8=fp8)
@@ -169,10 +187,15 @@ def test_dequantized_fp8_rows_pass_gradients_straight_through(layout):
             return jnp.vdot(rows.astype(jnp.float32), weights)[None]
 
         for fp8 in (True, False):
-            f = jax.shard_map(lambda x, idx, w: step(x, idx, w, fp8), mesh=mesh,
-                              in_specs=(spec, spec, spec), out_specs=spec)
+            f = jax.shard_map(
+                lambda x, idx, w: step(x, idx, w, fp8),
+                mesh=mesh,
+                in_specs=(spec, spec, spec),
+                out_specs=spec,
+            )
             grads[impl, fp8] = np.asarray(
-                jax.jit(jax.grad(lambda x: f(x, idx, w).sum()))(x), np.float32)
+                jax.jit(jax.grad(lambda x: f(x, idx, w).sum()))(x), np.float32
+            )
     for impl in ("reference", "ffi"):
         if layout == "rank":
             np.testing.assert_array_equal(grads[impl, True], grads[impl, False], err_msg=impl)
@@ -197,8 +220,9 @@ def test_second_order_gradients(layout):
     rules are differentiable, and it matches the reference path's."""
     mesh = make_mesh(4)
     want = layer_gradients(mesh, "reference", False, layout, second_order=True)
-    assert relative_error(layer_gradients(mesh, "ffi", False, layout, second_order=True),
-                          want) < 1e-6
+    assert (
+        relative_error(layer_gradients(mesh, "ffi", False, layout, second_order=True), want) < 1e-6
+    )
     assert np.abs(want).max() > 0
 
 
@@ -209,8 +233,7 @@ def test_fp8_backward_sends_no_zero_cotangents(layout, combines):
     zero cotangents of the float8 rows (counted in the lowered program: forward combine
     included)."""
     mesh = make_mesh(4)
-    x, idx, w = random_inputs(np.random.default_rng(9), 4, T, 256, E, K, 4, "random",
-                              jnp.bfloat16)
+    x, idx, w = random_inputs(np.random.default_rng(9), 4, T, 256, E, K, 4, "random", jnp.bfloat16)
     buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=256, num_topk=K, max_tokens_per_rank=T)
 
     def layer(x, idx, w):
@@ -219,7 +242,8 @@ def test_fp8_backward_sends_no_zero_cotangents(layout, combines):
         return buf.combine(jnp.tanh(buf.dequantize(d, x)), d.handle, topk_weights=weights)
 
     f = jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
-    grad = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, idx, w).astype(jnp.float32) ** 2),
-                            argnums=(0, 1)))
+    grad = jax.jit(
+        jax.grad(lambda x, w: jnp.sum(f(x, idx, w).astype(jnp.float32) ** 2), argnums=(0, 1))
+    )
     text = grad.lower(*put(mesh, x, w)).as_text()
     assert text.count("custom_call @jax_ep_combine(") == combines

@@ -1,6 +1,7 @@
 """bench/ep.py on CPU devices at a small shape: every implementation times both ops and makes
 the same round trip (dispatch, dequantise, combine) as jax_ep. (XLA:CPU has no
 ragged-all-to-all, so that baseline runs on GPUs only.)"""
+
 import math
 
 import jax
@@ -17,10 +18,20 @@ def test_every_implementation_times_and_agrees(fp8):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("ep",))
     cfg = dict(hidden=256, num_experts=16, num_topk=4)
     impls = ("jax_ep", "jax_ep_cached", "jax_ep_normal", "lax_all_to_all")
-    results = bench_size(mesh, cfg, 8, impls, num_sms=24, fp8=fp8,
-                         rng=np.random.default_rng(0), check=True, steps=(1, 2))
+    results = bench_size(
+        mesh,
+        cfg,
+        8,
+        impls,
+        num_sms=24,
+        fp8=fp8,
+        rng=np.random.default_rng(0),
+        check=True,
+        steps=(1, 2),
+    )
     assert sorted((r["impl"], r["op"]) for r in results) == sorted(
-        (i, op) for i in impls for op in ("dispatch", "combine"))
+        (i, op) for i in impls for op in ("dispatch", "combine")
+    )
     for r in results:
         assert math.isfinite(r["raw_time_us"])  # CPU timings are noise: only present
         assert r["num_sms"] == (24 if r["impl"] in JAX_EP else None)
@@ -36,9 +47,15 @@ def test_kernel_summary_per_step_and_table_column():
     assert summary["kernels"]["a"] == dict(calls_per_step=1.0, median_us=4.0)
     assert summary["kernels"]["b"] == dict(calls_per_step=0.5, median_us=2.0)
     assert list(summary["kernels"]) == ["a", "b"]  # most time first
-    result = dict(impl="jax_ep", op="dispatch", tokens_per_rank=1, time_us=1.0, logical_gbps=0.0,
-                  physical_gbps=0.0, kernels={"/device:GPU:0": summary,
-                                              "/device:GPU:1": dict(summary, busy_us_per_step=6.5)})
+    result = dict(
+        impl="jax_ep",
+        op="dispatch",
+        tokens_per_rank=1,
+        time_us=1.0,
+        logical_gbps=0.0,
+        physical_gbps=0.0,
+        kernels={"/device:GPU:0": summary, "/device:GPU:1": dict(summary, busy_us_per_step=6.5)},
+    )
     assert table([result]).splitlines()[1].split()[-1] == "6.5"  # the slowest GPU
 
 

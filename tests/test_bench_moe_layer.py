@@ -3,6 +3,7 @@ and phase is timed, the JSON has the documented schema, and the layers compute t
 The MaxText layer needs ragged_all_to_all, which XLA:CPU lacks: the benchmark reports it as
 skipped, and a second run checks its routing logic with ragged_all_to_all emulated by an
 all_gather (the real collective runs only on GPUs)."""
+
 import json
 import math
 
@@ -13,10 +14,30 @@ import pytest
 from bench import grouped_matmul, moe_layer
 from jax_ep import primitives
 
-TINY_LAYER = ["--hidden", "256", "--experts", "16", "--topk", "4", "--ffn", "128",
-              "--shared-ffn", "128", "--tokens", "32", "--alignment", "8",
-              # C = 4 * T*K/E = T rows per expert: the padded layer drops nothing
-              "--capacity-factor", "4", "--counts", "1,2", "--repeats", "1", "--no-plot"]
+TINY_LAYER = [
+    "--hidden",
+    "256",
+    "--experts",
+    "16",
+    "--topk",
+    "4",
+    "--ffn",
+    "128",
+    "--shared-ffn",
+    "128",
+    "--tokens",
+    "32",
+    "--alignment",
+    "8",
+    # C = 4 * T*K/E = T rows per expert: the padded layer drops nothing
+    "--capacity-factor",
+    "4",
+    "--counts",
+    "1,2",
+    "--repeats",
+    "1",
+    "--no-plot",
+]
 
 
 def read_record(directory):
@@ -32,8 +53,11 @@ def test_moe_layer_benchmark(tmp_path):
     assert record["num_ranks"] == 8
     assert record["skipped"] == {"maxtext": "XLA:CPU has no ragged_all_to_all"}
     assert sorted((r["impl"], r["phase"]) for r in record["results"]) == [
-        ("jax_ep", "forward"), ("jax_ep", "train"), ("lax_all_to_all", "forward"),
-        ("lax_all_to_all", "train")]
+        ("jax_ep", "forward"),
+        ("jax_ep", "train"),
+        ("lax_all_to_all", "forward"),
+        ("lax_all_to_all", "train"),
+    ]
     for r in record["results"]:
         assert r["tokens_per_rank"] == 32 and set(r["parts"]) == set(moe_layer.PARTS)
         assert math.isfinite(r["time_ms"])
@@ -45,15 +69,18 @@ def test_moe_layer_benchmark(tmp_path):
     assert matmul["impl"] == "xla" and matmul["tflops"] > 0 and matmul["dense_tflops"] > 0
 
 
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                               recv_sizes, *, axis_name):
+def emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
     """jax.lax.ragged_all_to_all's result from all_gathers: rank r's output rows
     [output_offsets_s[r], + send_sizes_s[r]) are source s's rows from input_offsets_s[r].
     Like the real collective's, the result has the output operand's type inside shard_map: an
     output that does not vary over the axis is refused (the timing loops' carries would differ)."""
     assert axis_name in primitives._varying_axes(output), "output must vary over the axis"
-    gathered = [jax.lax.all_gather(a, axis_name)
-                for a in (operand, input_offsets, send_sizes, output_offsets)]
+    gathered = [
+        jax.lax.all_gather(a, axis_name)
+        for a in (operand, input_offsets, send_sizes, output_offsets)
+    ]
     operands, starts, sizes, destinations = gathered
     me = jax.lax.axis_index(axis_name)
     row = jnp.arange(output.shape[0])
@@ -68,23 +95,45 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 def test_maxtext_layer_with_emulated_ragged_all_to_all(tmp_path, monkeypatch):
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     monkeypatch.setattr(moe_layer, "unavailable", lambda impl, platform: None)
-    moe_layer.main(TINY_LAYER + ["--impls", "jax_ep,maxtext", "--machine", "cpu-test",
-                                 "--out", str(tmp_path)])
+    moe_layer.main(
+        TINY_LAYER + ["--impls", "jax_ep,maxtext", "--machine", "cpu-test", "--out", str(tmp_path)]
+    )
     record = read_record(tmp_path)
     assert not record["skipped"]
     assert {(r["impl"], r["phase"]) for r in record["results"]} == {
-        (impl, phase) for impl in ("jax_ep", "maxtext") for phase in ("forward", "train")}
+        (impl, phase) for impl in ("jax_ep", "maxtext") for phase in ("forward", "train")
+    }
     assert record["relative_difference_of_y"]["maxtext"] < 2e-2
 
 
 def test_grouped_matmul_benchmark(tmp_path):
-    grouped_matmul.main(["--tokens", "64", "--topk", "2", "--experts", "8", "--hidden", "256",
-                         "--ffn", "128", "--alignment", "8", "--machine", "cpu-test",
-                         "--out", str(tmp_path)])
+    grouped_matmul.main(
+        [
+            "--tokens",
+            "64",
+            "--topk",
+            "2",
+            "--experts",
+            "8",
+            "--hidden",
+            "256",
+            "--ffn",
+            "128",
+            "--alignment",
+            "8",
+            "--machine",
+            "cpu-test",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     record = read_record(tmp_path)
     assert record["config"] == "grouped_matmul"
-    timed = {(r["ranks"], r["projection"], r["product"], r["impl"]) for r in record["results"]
-             if r["tflops"]}
+    timed = {
+        (r["ranks"], r["projection"], r["product"], r["impl"])
+        for r in record["results"]
+        if r["tflops"]
+    }
     for ranks in (1, 2):
         for projection in ("gate_up", "down"):
             assert (ranks, projection, "gmm", "xla") in timed
@@ -104,13 +153,25 @@ def test_zipf_group_sizes():
 def test_moe_layer_benchmark_fp8_weights_once(tmp_path):
     """--fp8 --fp8-experts once: jax_ep's layer multiplies FP8 rows by FP8 weights made before
     the timed loops; y stays within FP8's error of the bf16 padded layer's."""
-    moe_layer.main(TINY_LAYER + ["--fp8", "--fp8-experts", "once", "--impls",
-                                 "jax_ep,lax_all_to_all", "--machine", "cpu-test", "--out",
-                                 str(tmp_path)])
+    moe_layer.main(
+        TINY_LAYER
+        + [
+            "--fp8",
+            "--fp8-experts",
+            "once",
+            "--impls",
+            "jax_ep,lax_all_to_all",
+            "--machine",
+            "cpu-test",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     (path,) = tmp_path.glob("*.json")
     assert path.name.endswith("-fp8-once.json")
     record = read_record(tmp_path)
     assert record["fp8"] and record["fp8_experts"] == "once"
     assert {(r["impl"], r["phase"]) for r in record["results"]} == {
-        (impl, phase) for impl in ("jax_ep", "lax_all_to_all") for phase in ("forward", "train")}
+        (impl, phase) for impl in ("jax_ep", "lax_all_to_all") for phase in ("forward", "train")
+    }
     assert 0 < record["relative_difference_of_y"]["lax_all_to_all"] < 0.1

@@ -1,12 +1,13 @@
 """Buffer construction and the trace-time errors of docs/API.md (Errors): a ValueError naming
 the argument."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import all_axes, make_mesh, put, random_inputs, run
 
 import jax_ep
-from helpers import all_axes, make_mesh, put, random_inputs, run
 
 T, H, E, K = 8, 256, 8, 2
 
@@ -14,30 +15,35 @@ T, H, E, K = 8, 256, 8, 2
 @pytest.fixture(scope="module", params=["reference", "ffi"])
 def setup(request):
     mesh = make_mesh(4, 2)
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
-                        impl=request.param)
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl=request.param
+    )
     x, idx, w = random_inputs(np.random.default_rng(0), 8, T, H, E, K, 4, "random")
     return mesh, buf, x, idx, w
 
 
 def test_attributes():
-    buf = jax_ep.Buffer(make_mesh(4, 2), "ep", num_experts=16, hidden=H, num_topk=K,
-                        max_tokens_per_rank=T)
+    buf = jax_ep.Buffer(
+        make_mesh(4, 2), "ep", num_experts=16, hidden=H, num_topk=K, max_tokens_per_rank=T
+    )
     assert (buf.num_ranks, buf.num_local_experts, buf.impl) == (4, 4, "ffi")
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(axis_name="tp"), "axis_name 'tp'"),
-    (dict(num_experts=6), "num_experts=6 must be divisible"),
-    (dict(num_experts=0), "num_experts must be a positive integer"),
-    (dict(num_experts=-4), "num_experts must be a positive integer"),
-    (dict(num_experts=None), "num_experts must be a positive integer"),
-    (dict(timeout_s=0), "timeout_s must be positive"),
-    (dict(impl="nccl"), "impl"),
-    (dict(hidden=0), "hidden"),
-    (dict(max_tokens_per_rank=2.5), "max_tokens_per_rank"),
-    (dict(low_latency_tokens=T + 1), "low_latency_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(axis_name="tp"), "axis_name 'tp'"),
+        (dict(num_experts=6), "num_experts=6 must be divisible"),
+        (dict(num_experts=0), "num_experts must be a positive integer"),
+        (dict(num_experts=-4), "num_experts must be a positive integer"),
+        (dict(num_experts=None), "num_experts must be a positive integer"),
+        (dict(timeout_s=0), "timeout_s must be positive"),
+        (dict(impl="nccl"), "impl"),
+        (dict(hidden=0), "hidden"),
+        (dict(max_tokens_per_rank=2.5), "max_tokens_per_rank"),
+        (dict(low_latency_tokens=T + 1), "low_latency_tokens"),
+    ],
+)
 def test_construction_errors(kwargs, match):
     args = dict(axis_name="ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
     args.update(kwargs)
@@ -48,12 +54,20 @@ def test_construction_errors(kwargs, match):
 def test_integral_floats_are_accepted():
     """num_experts=16.0 or expert_alignment=4.0 mean 16 and 4 (and say so in the attributes)."""
     mesh = make_mesh(4)
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=float(E), hidden=H, num_topk=K,
-                        max_tokens_per_rank=T)
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=float(E), hidden=H, num_topk=K, max_tokens_per_rank=T
+    )
     assert buf.num_experts == E and isinstance(buf.num_experts, int)
     x, idx, w = random_inputs(np.random.default_rng(0), 4, T, H, E, K, 4, "random")
-    out = run(mesh, lambda x, idx, w: buf.dispatch(x, idx, w, layout="expert",
-                                                   expert_alignment=4.0).group_sizes, x, idx, w)
+    out = run(
+        mesh,
+        lambda x, idx, w: (
+            buf.dispatch(x, idx, w, layout="expert", expert_alignment=4.0).group_sizes
+        ),
+        x,
+        idx,
+        w,
+    )
     assert np.all(np.asarray(out) % 4 == 0)
 
 
@@ -63,47 +77,102 @@ def expect_error(setup, fn, match, *args):
         run(mesh, lambda x, idx, w: fn(buf, x, idx, w), *(args or (x, idx, w)))
 
 
-@pytest.mark.parametrize("fn,match", [
-    (lambda b, x, i, w: b.dispatch(x.astype(jnp.float16), i, w), "x must have dtype"),
-    (lambda b, x, i, w: b.dispatch(x[:, :128], i, w), r"x must have shape \(\*, 256\)"),
-    (lambda b, x, i, w: b.dispatch(x[None], i, w), "x must have shape"),
-    (lambda b, x, i, w: b.dispatch(x, i[:, :1], w), r"topk_idx must have shape \(8, 2\)"),
-    (lambda b, x, i, w: b.dispatch(x, i.astype(jnp.uint8), w), "topk_idx must have dtype int32"),
-    (lambda b, x, i, w: b.dispatch(x, i, w.astype(jnp.bfloat16)), "topk_weights must have dtype"),
-    (lambda b, x, i, w: b.dispatch(x, None, w), "needs topk_idx"),
-    (lambda b, x, i, w: b.dispatch(x, i, w, layout="token"), "layout must be"),
-    (lambda b, x, i, w: b.dispatch(x, i, w, expert_alignment=0), "expert_alignment"),
-    (lambda b, x, i, w: b.dispatch(x, i, w, capacity=0), "capacity must be a positive"),
-    (lambda b, x, i, w: b.dispatch(x, i, w, layout="expert", expert_alignment=4, capacity=6),
-     "multiple of expert_alignment"),
-    (lambda b, x, i, w: b.dispatch(x, i, w, round_scale=True), "round_scale=True needs fp8"),
-    (lambda b, x, i, w: b.dispatch(x, handle=(1, 2)), "handle must be"),
-    (lambda b, x, i, w: b.dispatch(x, i, handle=b.dispatch(x, i, w).handle),
-     "topk_idx must not be given"),
-    (lambda b, x, i, w: b.dispatch(x, handle=b.dispatch(x, i, w).handle, layout="expert",
-                                   capacity=4), "layout, capacity must not be given"),
-    (lambda b, x, i, w: b.combine(b.dispatch(x, i, w).x[:-1], b.dispatch(x, i, w).handle),
-     r"expert_out must have shape \(32, 256\)"),
-    (lambda b, x, i, w: b.combine(*(lambda d: (d.x, d.handle, d.topk_weights))(
-        b.dispatch(x, i, w))), "topk_weights must be None"),
-    (lambda b, x, i, w: b.combine(*(lambda d: (d.x, d.handle, None, d.x[:2]))(
-        b.dispatch(x, i, w))), "bias must have shape"),
-    (lambda b, x, i, w: b.combine(*(lambda d: (d.x, d.handle, d.topk_weights[:5]))(
-        b.dispatch(x, i, w, layout="expert"))), "topk_weights must have shape"),
-    (lambda b, x, i, w: b.combine(b.dispatch(x, i, w).x.astype(jnp.int32),
-                                  b.dispatch(x, i, w).handle), "expert_out must have dtype"),
-    (lambda b, x, i, w: b.dispatch(x, i, w, mode="fast"), "mode must be"),
-    (lambda b, x, i, w: b.dequantize(b.dispatch(x, i, w), x), "needs the result of an fp8"),
-    (lambda b, x, i, w: b.dispatch(x, i, w, layout="expert_padded", expert_alignment=8),
-     "expert_alignment must be 1 in the expert_padded"),
-    (lambda b, x, i, w: b.combine(*(lambda d: (d.x.reshape(-1, H), d.handle))(
-        b.dispatch(x, i, w, layout="expert_padded"))), r"expert_out must have shape \(2, 32, 256\)"),
-    (lambda b, x, i, w: b.combine(*(lambda d: (d.x, d.handle, d.topk_weights[0]))(
-        b.dispatch(x, i, w, layout="expert_padded"))), r"topk_weights must have shape \(2, 32\)"),
-    (lambda b, x, i, w: b.dispatch_recv(b.combine_send(*(lambda d: (d.x, d.handle))(
-        b.dispatch(x, i, w)))), "dispatch_recv needs the result of dispatch_send"),
-    (lambda b, x, i, w: b.combine_recv(b.dispatch(x, i, w)), "combine_recv needs the result"),
-])
+@pytest.mark.parametrize(
+    "fn,match",
+    [
+        (lambda b, x, i, w: b.dispatch(x.astype(jnp.float16), i, w), "x must have dtype"),
+        (lambda b, x, i, w: b.dispatch(x[:, :128], i, w), r"x must have shape \(\*, 256\)"),
+        (lambda b, x, i, w: b.dispatch(x[None], i, w), "x must have shape"),
+        (lambda b, x, i, w: b.dispatch(x, i[:, :1], w), r"topk_idx must have shape \(8, 2\)"),
+        (
+            lambda b, x, i, w: b.dispatch(x, i.astype(jnp.uint8), w),
+            "topk_idx must have dtype int32",
+        ),
+        (
+            lambda b, x, i, w: b.dispatch(x, i, w.astype(jnp.bfloat16)),
+            "topk_weights must have dtype",
+        ),
+        (lambda b, x, i, w: b.dispatch(x, None, w), "needs topk_idx"),
+        (lambda b, x, i, w: b.dispatch(x, i, w, layout="token"), "layout must be"),
+        (lambda b, x, i, w: b.dispatch(x, i, w, expert_alignment=0), "expert_alignment"),
+        (lambda b, x, i, w: b.dispatch(x, i, w, capacity=0), "capacity must be a positive"),
+        (
+            lambda b, x, i, w: b.dispatch(x, i, w, layout="expert", expert_alignment=4, capacity=6),
+            "multiple of expert_alignment",
+        ),
+        (lambda b, x, i, w: b.dispatch(x, i, w, round_scale=True), "round_scale=True needs fp8"),
+        (lambda b, x, i, w: b.dispatch(x, handle=(1, 2)), "handle must be"),
+        (
+            lambda b, x, i, w: b.dispatch(x, i, handle=b.dispatch(x, i, w).handle),
+            "topk_idx must not be given",
+        ),
+        (
+            lambda b, x, i, w: b.dispatch(
+                x, handle=b.dispatch(x, i, w).handle, layout="expert", capacity=4
+            ),
+            "layout, capacity must not be given",
+        ),
+        (
+            lambda b, x, i, w: b.combine(b.dispatch(x, i, w).x[:-1], b.dispatch(x, i, w).handle),
+            r"expert_out must have shape \(32, 256\)",
+        ),
+        (
+            lambda b, x, i, w: b.combine(
+                *(lambda d: (d.x, d.handle, d.topk_weights))(b.dispatch(x, i, w))
+            ),
+            "topk_weights must be None",
+        ),
+        (
+            lambda b, x, i, w: b.combine(
+                *(lambda d: (d.x, d.handle, None, d.x[:2]))(b.dispatch(x, i, w))
+            ),
+            "bias must have shape",
+        ),
+        (
+            lambda b, x, i, w: b.combine(
+                *(lambda d: (d.x, d.handle, d.topk_weights[:5]))(
+                    b.dispatch(x, i, w, layout="expert")
+                )
+            ),
+            "topk_weights must have shape",
+        ),
+        (
+            lambda b, x, i, w: b.combine(
+                b.dispatch(x, i, w).x.astype(jnp.int32), b.dispatch(x, i, w).handle
+            ),
+            "expert_out must have dtype",
+        ),
+        (lambda b, x, i, w: b.dispatch(x, i, w, mode="fast"), "mode must be"),
+        (lambda b, x, i, w: b.dequantize(b.dispatch(x, i, w), x), "needs the result of an fp8"),
+        (
+            lambda b, x, i, w: b.dispatch(x, i, w, layout="expert_padded", expert_alignment=8),
+            "expert_alignment must be 1 in the expert_padded",
+        ),
+        (
+            lambda b, x, i, w: b.combine(
+                *(lambda d: (d.x.reshape(-1, H), d.handle))(
+                    b.dispatch(x, i, w, layout="expert_padded")
+                )
+            ),
+            r"expert_out must have shape \(2, 32, 256\)",
+        ),
+        (
+            lambda b, x, i, w: b.combine(
+                *(lambda d: (d.x, d.handle, d.topk_weights[0]))(
+                    b.dispatch(x, i, w, layout="expert_padded")
+                )
+            ),
+            r"topk_weights must have shape \(2, 32\)",
+        ),
+        (
+            lambda b, x, i, w: b.dispatch_recv(
+                b.combine_send(*(lambda d: (d.x, d.handle))(b.dispatch(x, i, w)))
+            ),
+            "dispatch_recv needs the result of dispatch_send",
+        ),
+        (lambda b, x, i, w: b.combine_recv(b.dispatch(x, i, w)), "combine_recv needs the result"),
+    ],
+)
 def test_trace_time_errors(setup, fn, match):
     expect_error(setup, fn, match)
 
@@ -112,8 +181,13 @@ def test_too_many_tokens(setup):
     mesh, buf, x, idx, w = setup
     big = jnp.concatenate([x, x])
     with pytest.raises(ValueError, match="max_tokens_per_rank=8"):
-        run(mesh, lambda x, i, w: buf.dispatch(x, i, w), big, jnp.concatenate([idx, idx]),
-            jnp.concatenate([w, w]))
+        run(
+            mesh,
+            lambda x, i, w: buf.dispatch(x, i, w),
+            big,
+            jnp.concatenate([idx, idx]),
+            jnp.concatenate([w, w]),
+        )
 
 
 def test_fp8_needs_hidden_multiple_of_128():
@@ -135,7 +209,7 @@ def test_wrong_axis_size(setup):
     _, buf, x, idx, w = setup
     other = make_mesh(2)
     with pytest.raises(ValueError, match="has size 2 here but the Buffer was built for 4"):
-        run(other, lambda x, i: buf.dispatch(x, i), x[:2 * T], idx[:2 * T])
+        run(other, lambda x, i: buf.dispatch(x, i), x[: 2 * T], idx[: 2 * T])
 
 
 def twice(recv, pending):
@@ -143,25 +217,44 @@ def twice(recv, pending):
     return recv(pending)
 
 
-@pytest.mark.parametrize("fn,match", [
-    (lambda b, o, x, i, w: b.combine(*(lambda d: (d.x, d.handle))(o.dispatch(x, i, w))),
-     "handle belongs to another Buffer"),
-    (lambda b, o, x, i, w: b.dispatch(x, handle=o.dispatch(x, i, w).handle),
-     "handle belongs to another Buffer"),
-    (lambda b, o, x, i, w: b.dispatch_recv(o.dispatch_send(x, i, w)),
-     "pending is another Buffer's op"),
-    (lambda b, o, x, i, w: twice(b.dispatch_recv, b.dispatch_send(x, i, w)),
-     "pending was received already"),
-    (lambda b, o, x, i, w: twice(b.combine_recv, b.combine_send(
-        *(lambda d: (d.x, d.handle))(b.dispatch(x, i, w)))), "pending was received already"),
-    (lambda b, o, x, i, w: (lambda p: (b.dispatch_recv(p.run_between(jnp.sin, x)[0]),
-                                       b.dispatch_recv(p)))(b.dispatch_send(x, i, w)),
-     "pending was received already"),
-])
+@pytest.mark.parametrize(
+    "fn,match",
+    [
+        (
+            lambda b, o, x, i, w: b.combine(*(lambda d: (d.x, d.handle))(o.dispatch(x, i, w))),
+            "handle belongs to another Buffer",
+        ),
+        (
+            lambda b, o, x, i, w: b.dispatch(x, handle=o.dispatch(x, i, w).handle),
+            "handle belongs to another Buffer",
+        ),
+        (
+            lambda b, o, x, i, w: b.dispatch_recv(o.dispatch_send(x, i, w)),
+            "pending is another Buffer's op",
+        ),
+        (
+            lambda b, o, x, i, w: twice(b.dispatch_recv, b.dispatch_send(x, i, w)),
+            "pending was received already",
+        ),
+        (
+            lambda b, o, x, i, w: twice(
+                b.combine_recv, b.combine_send(*(lambda d: (d.x, d.handle))(b.dispatch(x, i, w)))
+            ),
+            "pending was received already",
+        ),
+        (
+            lambda b, o, x, i, w: (
+                lambda p: (b.dispatch_recv(p.run_between(jnp.sin, x)[0]), b.dispatch_recv(p))
+            )(b.dispatch_send(x, i, w)),
+            "pending was received already",
+        ),
+    ],
+)
 def test_handles_and_pending_ops_of_another_buffer_or_used_twice(setup, fn, match):
     mesh, buf, x, idx, w = setup
-    other = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
-                          max_tokens_per_rank=T, impl=buf.impl)
+    other = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl=buf.impl
+    )
     with pytest.raises(ValueError, match=match):
         run(mesh, lambda x, idx, w: fn(buf, other, x, idx, w), x, idx, w)
     # Nothing ran: the Buffer works on.
@@ -196,8 +289,11 @@ def test_run_between_ties_the_work_between_the_halves(setup):
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     spec = all_axes(mesh)
-    text = str(jax.make_jaxpr(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))(
-        *put(mesh, x, idx, w)))
+    text = str(
+        jax.make_jaxpr(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))(
+            *put(mesh, x, idx, w)
+        )
+    )
     assert text.count("optimization_barrier") == 2, text
 
 
@@ -208,8 +304,9 @@ def test_no_tokens_on_any_rank(layout, impl):
     custom-call path runs the reference path's ops then: XLA rejects custom calls whose operands
     are all empty)."""
     mesh = make_mesh(4)
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
-                        impl=impl)
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl=impl
+    )
 
     def fn(x, i, w):
         d = buf.dispatch(x, i, w, layout=layout)

@@ -1,5 +1,6 @@
 """The docs stay true: docs/API.md names every public argument, attribute and result field, the
 README's Python runs as written, and the docs point only at files that exist."""
+
 import glob
 import inspect
 import os
@@ -8,9 +9,9 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import make_mesh
 
 import jax_ep
-from helpers import make_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/docs/*.md"))
@@ -31,8 +32,11 @@ def code_names(text):
 
 
 def public_methods(cls):
-    return {name: member for name, member in inspect.getmembers(cls, inspect.isfunction)
-            if not name.startswith("_")}
+    return {
+        name: member
+        for name, member in inspect.getmembers(cls, inspect.isfunction)
+        if not name.startswith("_")
+    }
 
 
 def parameters(fn):
@@ -41,16 +45,23 @@ def parameters(fn):
 
 def test_api_names_every_argument_attribute_and_field():
     documented = code_names(read("docs/API.md"))
-    buf = jax_ep.Buffer(make_mesh(4), "ep", num_experts=8, hidden=128, num_topk=2,
-                        max_tokens_per_rank=4)
+    buf = jax_ep.Buffer(
+        make_mesh(4), "ep", num_experts=8, hidden=128, num_topk=2, max_tokens_per_rank=4
+    )
     attributes = [name for name in vars(buf) if not name.startswith("_")]
     methods = public_methods(jax_ep.Buffer) | {"run_between": jax_ep.Pending.run_between}
-    names = {"Buffer": parameters(jax_ep.Buffer.__init__), "Buffer attributes": attributes,
-             "DispatchResult fields": list(jax_ep.DispatchResult._fields),
-             "jax_ep": list(jax_ep.__all__)}
+    names = {
+        "Buffer": parameters(jax_ep.Buffer.__init__),
+        "Buffer attributes": attributes,
+        "DispatchResult fields": list(jax_ep.DispatchResult._fields),
+        "jax_ep": list(jax_ep.__all__),
+    }
     names.update({f"{name}()": [name, *parameters(fn)] for name, fn in methods.items()})
-    missing = {what: gaps for what, found in names.items()
-               if (gaps := [n for n in found if n not in documented])}
+    missing = {
+        what: gaps
+        for what, found in names.items()
+        if (gaps := [n for n in found if n not in documented])
+    }
     assert not missing, f"not in docs/API.md: {missing}"
 
 
@@ -89,11 +100,17 @@ def linked_paths(text):
 @pytest.mark.parametrize("doc", DOCS)
 def test_docs_point_at_files_that_exist(doc):
     here = os.path.dirname(os.path.join(ROOT, doc))
-    missing = [t for t in linked_paths(read(doc))
-               if not (glob.glob(os.path.join(ROOT, t)) or glob.glob(os.path.join(here, t)))]
+    missing = [
+        t
+        for t in linked_paths(read(doc))
+        if not (glob.glob(os.path.join(ROOT, t)) or glob.glob(os.path.join(here, t)))
+    ]
     assert not missing, f"{doc} points at missing files: {missing}"
 
 
 def test_the_path_check_sees_a_missing_file():
     assert linked_paths("see `SPEC.md` and [this](docs/NOPE.md), `H/128`, `bench/ep.py`") == [
-        "docs/NOPE.md", "SPEC.md", "bench/ep.py"]
+        "docs/NOPE.md",
+        "SPEC.md",
+        "bench/ep.py",
+    ]

@@ -1,5 +1,6 @@
 """The GPU engine choice (jax_ep/bootstrap.py: JAX_EP_ENGINE, NCCL or CUDA IPC) and the
 descriptor passing of the CUDA-IPC engine (kernels/comm/fd_socket.h), which need no GPU."""
+
 import os
 import secrets
 import subprocess
@@ -17,9 +18,15 @@ NEW, OLD = [22809, 22809], [21805, 22809]  # [library, built] NCCL versions
 
 def table(*processes):
     """{process: published info} from (host, [(group, rank, gpu)], nccl) per process."""
-    return {p: dict(engine="auto", host=host, nccl=nccl,
-                    ranks=[[g, r, f"gpu-{host}-{gpu}"] for g, r, gpu in ranks])
-            for p, (host, ranks, nccl) in enumerate(processes)}
+    return {
+        p: dict(
+            engine="auto",
+            host=host,
+            nccl=nccl,
+            ranks=[[g, r, f"gpu-{host}-{gpu}"] for g, r, gpu in ranks],
+        )
+        for p, (host, ranks, nccl) in enumerate(processes)
+    }
 
 
 def test_auto_takes_nccl_where_it_serves():
@@ -42,8 +49,9 @@ def test_auto_takes_cuda_ipc_for_ranks_that_share_a_gpu(num_processes):
     assert engine == "cuda_ipc" and "EP group 1" in why
 
 
-@pytest.mark.parametrize("nccl", [OLD, [0, 22809], [22903, 22809]],
-                         ids=["nccl-2.18", "no-nccl", "other-minor"])
+@pytest.mark.parametrize(
+    "nccl", [OLD, [0, 22809], [22903, 22809]], ids=["nccl-2.18", "no-nccl", "other-minor"]
+)
 def test_auto_takes_cuda_ipc_without_a_usable_nccl(nccl):
     processes = table(("a", [(0, 0, 0)], NEW), ("a", [(0, 1, 1)], nccl))
     engine, why = choose_engine("auto", processes)
@@ -53,15 +61,18 @@ def test_auto_takes_cuda_ipc_without_a_usable_nccl(nccl):
 def test_asked_engines_and_their_limits():
     same_gpu = table(("a", [(0, 0, 0)], NEW), ("a", [(0, 1, 0)], NEW))
     assert choose_engine("cuda_ipc", same_gpu)[0] == "cuda_ipc"
-    with pytest.raises(ValueError, match="JAX_EP_ENGINE=nccl, but ranks 0 and 1 of EP group 0 "
-                                         "share a GPU"):
+    with pytest.raises(
+        ValueError, match="JAX_EP_ENGINE=nccl, but ranks 0 and 1 of EP group 0 share a GPU"
+    ):
         choose_engine("nccl", same_gpu)
     distinct = table(("a", [(0, 0, 0)], OLD), ("a", [(0, 1, 1)], OLD))
     assert choose_engine("nccl", distinct)[0] == "nccl"  # the library says what is wrong
     assert choose_engine("cuda_ipc", distinct)[0] == "cuda_ipc"
     across_hosts = table(("a", [(0, 0, 0)], OLD), ("b", [(0, 1, 0)], OLD))
-    with pytest.raises(ValueError, match="needs every rank of an EP group on one host, but EP "
-                                         "group 0 spans 2 hosts"):
+    with pytest.raises(
+        ValueError,
+        match="needs every rank of an EP group on one host, but EP group 0 spans 2 hosts",
+    ):
         choose_engine("auto", across_hosts)
     with pytest.raises(ValueError, match="JAX_EP_ENGINE=cuda_ipc; the cuda_ipc engine needs"):
         choose_engine("cuda_ipc", table(("a", [(0, 0, 0)], NEW), ("b", [(0, 1, 0)], NEW)))
@@ -79,8 +90,9 @@ def test_the_engine_variable(monkeypatch):
         monkeypatch.setenv("JAX_EP_ENGINE", value)
         assert bootstrap.requested_engine() == want
     monkeypatch.setenv("JAX_EP_ENGINE", "nvshmem")
-    with pytest.raises(ValueError, match="JAX_EP_ENGINE must be one of auto, nccl, cuda_ipc, "
-                                         "got 'nvshmem'"):
+    with pytest.raises(
+        ValueError, match="JAX_EP_ENGINE must be one of auto, nccl, cuda_ipc, got 'nvshmem'"
+    ):
         bootstrap.requested_engine()
 
 
@@ -88,12 +100,14 @@ def test_nccl_serves():
     assert bootstrap.nccl_serves(22809, 22809) and bootstrap.nccl_serves(22800, 22809)
     assert not bootstrap.nccl_serves(21805, 22809)  # no device API
     assert not bootstrap.nccl_serves(22903, 22809)  # another window layout
-    assert not bootstrap.nccl_serves(0, 22809)      # no library
+    assert not bootstrap.nccl_serves(0, 22809)  # no library
 
 
 def test_cpu_buffers_name_their_engine():
     import jax
+
     import jax_ep
+
     mesh = jax.sharding.Mesh(jax.devices()[:2], ("ep",))
     kwargs = dict(num_experts=4, hidden=128, num_topk=2, max_tokens_per_rank=4)
     assert jax_ep.Buffer(mesh, "ep", **kwargs).engine == "shm"
@@ -101,6 +115,7 @@ def test_cpu_buffers_name_their_engine():
 
 
 # ---- descriptor passing (the CUDA-IPC engine's, on memfds)
+
 
 def memfd(content: bytes):
     fd = os.memfd_create("jax_ep_test")
@@ -135,11 +150,19 @@ def test_a_descriptor_passes_to_every_peer_that_asks():
 def test_a_descriptor_passes_to_another_process():
     fd, where = memfd(b"shared"), name()
     server = _native.FdServer(where, fd, 6, 5)
-    code = (f"import os; from jax_ep import _native; fd, n = _native.receive_fd({where!r}, 5, 10.0,"
-            f" 'rank 1 of EP group 0'); os.write(fd, b' by a peer'); print(n)")
+    code = (
+        f"import os; from jax_ep import _native; fd, n = _native.receive_fd({where!r}, 5, 10.0,"
+        f" 'rank 1 of EP group 0'); os.write(fd, b' by a peer'); print(n)"
+    )
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=120, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+            cwd=ROOT,
+        )
         assert out.returncode == 0 and out.stdout.split() == ["6"], out.stderr[-2000:]
         assert read_all(fd) == b"shared by a peer"
     finally:
@@ -149,8 +172,11 @@ def test_a_descriptor_passes_to_another_process():
 
 def test_a_peer_that_never_serves_is_named_after_the_timeout():
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"rank 3 of EP group 1 did not serve its window "
-                                           r"within 0\.3"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"rank 3 of EP group 1 did not serve its window "
+        r"within 0\.3",
+    ):
         _native.receive_fd(name(), 1, 0.3, "rank 3 of EP group 1")
     assert 0.25 < time.monotonic() - start < 5
 

@@ -1,4 +1,5 @@
 """The examples and the demo run and do what they say."""
+
 import os
 import re
 import subprocess
@@ -12,8 +13,9 @@ ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
 def run_python(*args, timeout=900):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout, env=ENV)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=ENV
+    )
 
 
 def test_train_moe_loss_falls():

@@ -1,16 +1,29 @@
 """The custom-call path (CPU backend here, CUDA with -m gpu on GPUs) against the reference path:
 dispatch bitwise equal, combine within calc_diff < 5e-6 and bitwise run to run."""
+
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from helpers import (
+    ROUTINGS,
+    assert_bitwise_equal,
+    assert_matches_reference,
+    assert_same_ops,
+    buffers,
+    make_mesh,
+    out_of_order,
+    pipeline,
+    random_inputs,
+    run,
+    runner,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jax_ep
-from helpers import (ROUTINGS, assert_bitwise_equal, assert_matches_reference, assert_same_ops,
-                     buffers, make_mesh, out_of_order, pipeline, random_inputs, run, runner)
 
 T, H, E, K = 16, 256, 16, 4
 
@@ -27,14 +40,16 @@ CONFIGS = [  # num_ranks, dp, layout, alignment, fp8, round_scale, capacity, dty
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled(num_ranks, dp, lay, alignment, fp8, round_scale, capacity):
     """One jitted pipeline per path and static config: hypothesis's examples vary only the data
     (the shapes are fixed), so they share one compile instead of three each."""
     mesh = make_mesh(num_ranks, dp)
     bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
-    return mesh, {impl: runner(mesh, pipeline(buf, lay, alignment, fp8, round_scale, capacity))
-                  for impl, buf in bufs.items()}
+    return mesh, {
+        impl: runner(mesh, pipeline(buf, lay, alignment, fp8, round_scale, capacity))
+        for impl, buf in bufs.items()
+    }
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c[:7])))
@@ -65,8 +80,10 @@ def test_padded_layout_and_split_ops_match_reference(config, split):
     num_ranks, dp, lay, fp8, capacity, dtype = config
     mesh = make_mesh(num_ranks, dp)
     bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
-    step = {impl: runner(mesh, pipeline(buf, lay, 1, fp8, False, capacity, split=split))
-            for impl, buf in bufs.items()}  # one compile per path, shared by the three routings
+    step = {
+        impl: runner(mesh, pipeline(buf, lay, 1, fp8, False, capacity, split=split))
+        for impl, buf in bufs.items()
+    }  # one compile per path, shared by the three routings
     for seed, kind in enumerate(("random", "one_expert", "sparse")):
         rng = np.random.default_rng(seed)
         x, idx, w = random_inputs(rng, mesh.size, T, H, E, K, num_ranks, kind, dtype)
@@ -86,7 +103,7 @@ def test_several_buffers_and_results_alive():
     def both(x, idx, w, xb, idxb, wb):
         d1 = a.dispatch(x, idx, w)
         e1 = b.dispatch(xb, idxb, wb, layout="expert")
-        d2 = a.dispatch(x * 2, idx, w)               # a second result of the same Buffer
+        d2 = a.dispatch(x * 2, idx, w)  # a second result of the same Buffer
         y1 = a.combine(d1.x, d1.handle)
         y2 = a.combine(d2.x, d2.handle)
         yb = b.combine(e1.x, e1.handle, topk_weights=e1.topk_weights)
@@ -95,14 +112,19 @@ def test_several_buffers_and_results_alive():
     y1, y2, yb = run(mesh, both, x, idx, w, xb, idxb, wb)
     # Unweighted rank-layout round trip: each token comes back once per rank it visited.
     ranks_hit = (np.asarray(idx)[:, :, None] // (E // 4) == np.arange(4)).any(1).sum(1)
-    np.testing.assert_allclose(np.asarray(y1, np.float32),
-                               np.asarray(x, np.float32) * ranks_hit[:, None], rtol=1e-2)
-    np.testing.assert_allclose(np.asarray(y2, np.float32), 2 * np.asarray(y1, np.float32),
-                               rtol=1e-2)
+    np.testing.assert_allclose(
+        np.asarray(y1, np.float32), np.asarray(x, np.float32) * ranks_hit[:, None], rtol=1e-2
+    )
+    np.testing.assert_allclose(
+        np.asarray(y2, np.float32), 2 * np.asarray(y1, np.float32), rtol=1e-2
+    )
     # Weighted expert-layout round trip with identity experts: x times its weights' sum.
-    np.testing.assert_allclose(np.asarray(yb, np.float32),
-                               np.asarray(xb, np.float32) * np.asarray(wb).sum(1, keepdims=True),
-                               rtol=2e-2, atol=1e-2)
+    np.testing.assert_allclose(
+        np.asarray(yb, np.float32),
+        np.asarray(xb, np.float32) * np.asarray(wb).sum(1, keepdims=True),
+        rtol=2e-2,
+        atol=1e-2,
+    )
     a.close()
     b.close()
 
@@ -113,8 +135,8 @@ def test_invalid_expert_ids_are_excluded_and_reported():
     rng = np.random.default_rng(5)
     x, idx, w = random_inputs(rng, 4, T, H, E, K, 4, "random")
     bad = np.asarray(idx).copy()
-    bad[3, 1] = E          # out of range
-    bad[20, 0] = -7        # below -1
+    bad[3, 1] = E  # out of range
+    bad[20, 0] = -7  # below -1
     clean = bad.copy()
     clean[3, 1] = clean[20, 0] = -1
 
@@ -134,8 +156,16 @@ def test_invalid_expert_ids_are_excluded_and_reported():
     # The checking mode raises a Python exception on every rank, on both paths, and the Buffer
     # stays usable.
     for impl in ("reference", "ffi"):
-        checking = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
-                                 max_tokens_per_rank=T, impl=impl, check_invalid=True)
+        checking = jax_ep.Buffer(
+            mesh,
+            "ep",
+            num_experts=E,
+            hidden=H,
+            num_topk=K,
+            max_tokens_per_rank=T,
+            impl=impl,
+            check_invalid=True,
+        )
         with pytest.raises(Exception, match="topk_idx holds 2 expert id"):
             jax.block_until_ready(run(mesh, counts(checking), x, jnp.asarray(bad), w))
         assert_bitwise_equal(run(mesh, counts(checking), x, jnp.asarray(clean), w), ref_clean)
@@ -144,12 +174,16 @@ def test_invalid_expert_ids_are_excluded_and_reported():
 def test_a_rank_that_never_arrives_is_an_error_not_a_hang():
     # The dispatch custom call alone, on one device of a 2-rank group.
     mesh = make_mesh(2)
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=4, hidden=128, num_topk=2, max_tokens_per_rank=4,
-                        timeout_s=0.5)
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=4, hidden=128, num_topk=2, max_tokens_per_rank=4, timeout_s=0.5
+    )
     x = jax.device_put(jnp.zeros((4, 128), jnp.float32), jax.devices()[0])
     idx = jax.device_put(jnp.zeros((4, 2), jnp.int32), jax.devices()[0])
-    lonely = jax.jit(lambda x, i: buf._ops.dispatch(x, i, jnp.zeros(i.shape), rows=8, fp8=False,
-                                                    round_scale=False))
+    lonely = jax.jit(
+        lambda x, i: buf._ops.dispatch(
+            x, i, jnp.zeros(i.shape), rows=8, fp8=False, round_scale=False
+        )
+    )
     # The op that timed out returns NaN rows and no counts in its own step, and says why.
     moved, routing = lonely(x, idx)
     assert np.isnan(np.asarray(moved.x)).all() and int(routing.num_recv) == 0
@@ -157,10 +191,13 @@ def test_a_rank_that_never_arrives_is_an_error_not_a_hang():
     # The Buffer raises at once from then on; a new Buffer works.
     with pytest.raises(Exception, match="this Buffer stopped"):
         jax.block_until_ready(lonely(x, idx))
-    again = jax_ep.Buffer(mesh, "ep", num_experts=4, hidden=128, num_topk=2,
-                          max_tokens_per_rank=4)
-    d = run(mesh, lambda x, i: again.dispatch(x, i)._replace(handle=None),
-            jnp.ones((8, 128), jnp.float32), jnp.zeros((8, 2), jnp.int32))
+    again = jax_ep.Buffer(mesh, "ep", num_experts=4, hidden=128, num_topk=2, max_tokens_per_rank=4)
+    d = run(
+        mesh,
+        lambda x, i: again.dispatch(x, i)._replace(handle=None),
+        jnp.ones((8, 128), jnp.float32),
+        jnp.zeros((8, 2), jnp.int32),
+    )
     np.testing.assert_array_equal(d.num_recv, [8, 0])
 
 
@@ -170,8 +207,7 @@ def test_recv_halves_out_of_send_order(num_ranks):
     give every op its own results, round after round."""
     mesh = make_mesh(num_ranks)
     bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
-    x, idx, w = random_inputs(np.random.default_rng(11), num_ranks, T, H, E, K, num_ranks,
-                              "random")
+    x, idx, w = random_inputs(np.random.default_rng(11), num_ranks, T, H, E, K, num_ranks, "random")
     got, want = (run(mesh, out_of_order(bufs[impl]), x, idx, w) for impl in ("ffi", "reference"))
     assert_same_ops(got, want)
 
@@ -188,12 +224,21 @@ def test_vmap_runs_one_op_per_batch_element():
         def one(x, idx, w):
             d = buf.dispatch(x, idx, w, layout="expert")
             return d._replace(handle=None), buf.combine(d.x, d.handle, d.topk_weights)
+
         return lambda xs, idx, w: jax.vmap(one, in_axes=(1, None, None))(xs, idx, w)
 
     got, want = (run(mesh, batched(bufs[impl]), xs, idx, w) for impl in ("ffi", "reference"))
     assert_bitwise_equal(got[0], want[0], "dispatch")
-    np.testing.assert_allclose(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32),
-                               rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(
+        np.asarray(got[1], np.float32), np.asarray(want[1], np.float32), rtol=1e-2, atol=1e-2
+    )
     with pytest.raises(Exception, match="vmap"):
-        run(mesh, lambda xs, idx, w: jax.vmap(
-            lambda x: bufs["ffi"].dispatch_send(x, idx, w).arrays[0], in_axes=1)(xs), xs, idx, w)
+        run(
+            mesh,
+            lambda xs, idx, w: jax.vmap(
+                lambda x: bufs["ffi"].dispatch_send(x, idx, w).arrays[0], in_axes=1
+            )(xs),
+            xs,
+            idx,
+            w,
+        )

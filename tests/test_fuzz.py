@@ -3,18 +3,19 @@ capacities, row dtypes, FP8, layouts and token counts (0 included) against tests
 layout) and the reference path (expert layouts, itself checked against the oracle in
 test_reference.py). Each class of example (the static shapes and options) compiles once; the
 examples vary the data."""
+
 import functools
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
+import oracle
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from helpers import all_axes, bits, calc_diff, make_mesh
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jax_ep
-import oracle
-from helpers import all_axes, bits, calc_diff, make_mesh
 
 R, E, H, K, N = 2, 4, 128, 2, 6
 
@@ -38,23 +39,34 @@ def _shards(a):
     return {s.device.id: np.asarray(s.data) for s in a.addressable_shards}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _buffers():
     mesh = make_mesh(R)
-    return mesh, {impl: jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
-                                      max_tokens_per_rank=N, impl=impl, timeout_s=60)
-                  for impl in ("reference", "ffi")}
+    return mesh, {
+        impl: jax_ep.Buffer(
+            mesh,
+            "ep",
+            num_experts=E,
+            hidden=H,
+            num_topk=K,
+            max_tokens_per_rank=N,
+            impl=impl,
+            timeout_s=60,
+        )
+        for impl in ("reference", "ffi")
+    }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _program(impl, lay, fp8, capacity, alignment):
     """dispatch, rows * 2 as the experts' output, combine: one compiled program per class."""
     mesh, bufs = _buffers()
     buf = bufs[impl]
 
     def step(x, idx, w):
-        d = buf.dispatch(x, idx, w, layout=lay, fp8=fp8, capacity=capacity,
-                         expert_alignment=alignment)
+        d = buf.dispatch(
+            x, idx, w, layout=lay, fp8=fp8, capacity=capacity, expert_alignment=alignment
+        )
         rows = (buf.dequantize(d, x) if fp8 else d.x) * 2
         weights = None if lay == "rank" else d.topk_weights
         y = buf.combine(rows.astype(x.dtype), d.handle, topk_weights=weights)
@@ -63,13 +75,18 @@ def _program(impl, lay, fp8, capacity, alignment):
     return compiled(mesh, step)
 
 
-CLASSES = st.tuples(st.sampled_from(["rank", "expert"]), st.booleans(),
-                    st.sampled_from([jnp.bfloat16, jnp.float32]), st.sampled_from([0, 1, 5, N]),
-                    st.sampled_from([None, 3]))
+CLASSES = st.tuples(
+    st.sampled_from(["rank", "expert"]),
+    st.booleans(),
+    st.sampled_from([jnp.bfloat16, jnp.float32]),
+    st.sampled_from([0, 1, 5, N]),
+    st.sampled_from([None, 3]),
+)
 
 
-@settings(max_examples=20, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(cls=CLASSES, seeds=st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=3))
 def test_random_ops_match_the_oracle(cls, seeds):
     for seed in seeds:  # the class's program, compiled once, on several data
@@ -81,7 +98,7 @@ def _check(lay, fp8, dtype, tokens, capacity, seed):
     if lay == "expert" and capacity is not None:
         capacity = 4  # a multiple of the alignment
     rng = np.random.default_rng(seed)
-    x = (rng.standard_normal((R * tokens, H)) * rng.choice([0.01, 1, 30], (R * tokens, 1)))
+    x = rng.standard_normal((R * tokens, H)) * rng.choice([0.01, 1, 30], (R * tokens, 1))
     x = jnp.asarray(x, dtype)
     idx = rng.integers(-1, E, (R * tokens, K)).astype(np.int32)
     idx[rng.random(idx.shape) < 0.05] = E + 3  # invalid: excluded and counted
@@ -89,17 +106,20 @@ def _check(lay, fp8, dtype, tokens, capacity, seed):
     got, y = _program("ffi", lay, fp8, capacity, alignment)(x, jnp.asarray(idx), jnp.asarray(w))
     if lay != "rank":  # the expert layouts against the reference path
         want, want_y = _program("reference", lay, fp8, capacity, alignment)(
-            x, jnp.asarray(idx), jnp.asarray(w))
+            x, jnp.asarray(idx), jnp.asarray(w)
+        )
         for name in got._fields:
             if getattr(got, name) is not None:
-                np.testing.assert_array_equal(bits(getattr(got, name)),
-                                              bits(getattr(want, name)), err_msg=name)
+                np.testing.assert_array_equal(
+                    bits(getattr(got, name)), bits(getattr(want, name)), err_msg=name
+                )
         assert calc_diff(np.asarray(y, np.float32), np.asarray(want_y, np.float32)) < 5e-6
         return
     rows = R * N if capacity is None else capacity
     per = lambda a: np.asarray(a).reshape((R, tokens) + np.asarray(a).shape[1:])  # noqa: E731
-    want = oracle.dispatch_rank(per(x.astype(jnp.float32)).astype(np.dtype(dtype)), per(idx),
-                                per(w), E, rows, fp8=fp8)
+    want = oracle.dispatch_rank(
+        per(x.astype(jnp.float32)).astype(np.dtype(dtype)), per(idx), per(w), E, rows, fp8=fp8
+    )
     shaped = lambda a: np.asarray(a).reshape((R, -1) + np.asarray(a).shape[1:])  # noqa: E731
     np.testing.assert_array_equal(bits(shaped(got.x)), bits(want["x"]), err_msg="x")
     if fp8:
@@ -107,28 +127,43 @@ def _check(lay, fp8, dtype, tokens, capacity, seed):
     for name in ("topk_idx", "topk_weights", "tokens_per_expert"):
         np.testing.assert_array_equal(shaped(getattr(got, name)), want[name], err_msg=name)
     for name in ("num_recv", "num_dropped", "num_invalid"):
-        np.testing.assert_array_equal(np.asarray(getattr(got, name)).reshape(R), want[name],
-                                      err_msg=name)
+        np.testing.assert_array_equal(
+            np.asarray(getattr(got, name)).reshape(R), want[name], err_msg=name
+        )
     sent = want["x"].astype(np.float32) * (want["scales"].repeat(128, -1) if fp8 else 1)
-    expert_out = [(sent[d].astype(np.dtype(dtype)).astype(np.float32) * 2).astype(np.dtype(dtype))
-                  for d in range(R)]
+    expert_out = [
+        (sent[d].astype(np.dtype(dtype)).astype(np.float32) * 2).astype(np.dtype(dtype))
+        for d in range(R)
+    ]
     want_y = oracle.combine(expert_out, want["send_pos"]).astype(np.dtype(dtype))
-    np.testing.assert_array_equal(bits(np.asarray(y).reshape(want_y.shape)), bits(want_y),
-                                  err_msg="combine")
+    np.testing.assert_array_equal(
+        bits(np.asarray(y).reshape(want_y.shape)), bits(want_y), err_msg="combine"
+    )
 
 
 def soak(ops, mesh=None, seed=0):
     """`ops` dispatch + combine ops (two per step) on a Buffer, every result checked against the
     reference path computed from the same inputs; returns the number of ops run."""
     mesh = mesh or make_mesh(R)
-    bufs = {impl: jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
-                                max_tokens_per_rank=N, impl=impl, timeout_s=60)
-            for impl in ("reference", "ffi")}
+    bufs = {
+        impl: jax_ep.Buffer(
+            mesh,
+            "ep",
+            num_experts=E,
+            hidden=H,
+            num_topk=K,
+            max_tokens_per_rank=N,
+            impl=impl,
+            timeout_s=60,
+        )
+        for impl in ("reference", "ffi")
+    }
 
     def step(buf):
         def f(x, idx, w):
             d = buf.dispatch(x, idx, w)
             return d._replace(handle=None), buf.combine(d.x * 3, d.handle)
+
         return f
 
     programs = {impl: compiled(mesh, step(buf)) for impl, buf in bufs.items()}
@@ -142,8 +177,9 @@ def soak(ops, mesh=None, seed=0):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             a, b = _shards(a), _shards(b)
             for device in a:
-                np.testing.assert_array_equal(bits(a[device]), bits(b[device]),
-                                              err_msg=f"op {done}, device {device}")
+                np.testing.assert_array_equal(
+                    bits(a[device]), bits(b[device]), err_msg=f"op {done}, device {device}"
+                )
         done += 2
     assert bufs["ffi"].status() is None
     return done

@@ -2,6 +2,7 @@
 the reference path running on the same GPUs. Skipped where JAX sees no GPU (CI). Tests marked
 `window` also run with direct_local=False: every row, a rank's own ones too, goes through the
 window, so the peers' protocol runs on one GPU as well. Run there with bench/run_gpu.sh tests."""
+
 import functools
 import os
 import subprocess
@@ -12,11 +13,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import (
+    assert_bitwise_equal,
+    assert_matches_reference,
+    buffers,
+    calc_diff,
+    layer_gradients,
+    make_mesh,
+    pipeline,
+    random_inputs,
+    run,
+)
 
 import jax_ep
-
-from helpers import (assert_bitwise_equal, assert_matches_reference, buffers, calc_diff,
-                     layer_gradients, make_mesh, pipeline, random_inputs, run)
 
 pytestmark = pytest.mark.gpu
 E, K = 16, 4
@@ -26,15 +35,26 @@ def gpus():
     return jax.devices("gpu")
 
 
-@functools.lru_cache(maxsize=None)
-def steps(tokens, hidden, lay, fp8, alignment, capacity, mode="normal", split=False,
-          direct_local=True):
+@functools.cache
+def steps(
+    tokens, hidden, lay, fp8, alignment, capacity, mode="normal", split=False, direct_local=True
+):
     mesh = make_mesh(len(gpus()), devices=gpus())
-    bufs = buffers(mesh, num_experts=E, hidden=hidden, num_topk=K, max_tokens_per_rank=tokens,
-                   timeout_s=20.0, direct_local=direct_local)
-    return mesh, {impl: functools.partial(run, mesh, pipeline(buf, lay, alignment, fp8, False,
-                                                                capacity, split=split, mode=mode))
-                  for impl, buf in bufs.items()}
+    bufs = buffers(
+        mesh,
+        num_experts=E,
+        hidden=hidden,
+        num_topk=K,
+        max_tokens_per_rank=tokens,
+        timeout_s=20.0,
+        direct_local=direct_local,
+    )
+    return mesh, {
+        impl: functools.partial(
+            run, mesh, pipeline(buf, lay, alignment, fp8, False, capacity, split=split, mode=mode)
+        )
+        for impl, buf in bufs.items()
+    }
 
 
 CASES = [  # tokens, hidden, layout, fp8, alignment, capacity: the throughput kernels
@@ -78,8 +98,9 @@ LOW_LATENCY_CASES = [  # tokens, hidden, layout, fp8, capacity, split
 @pytest.mark.parametrize("kind", ["random", "sparse", "empty"])
 def test_cuda_low_latency_matches_reference(case, kind):
     tokens, hidden, lay, fp8, capacity, split = case
-    mesh, step = steps(tokens, hidden, lay, fp8, 1, capacity, "low_latency", split,
-                       direct_local=not split)
+    mesh, step = steps(
+        tokens, hidden, lay, fp8, 1, capacity, "low_latency", split, direct_local=not split
+    )
     rng = np.random.default_rng(tokens + hidden + 1)
     x, idx, w = random_inputs(rng, mesh.size, tokens, hidden, E, K, mesh.size, kind)
     bias = jnp.asarray(rng.standard_normal(x.shape), x.dtype)
@@ -120,10 +141,12 @@ def test_cuda_inside_loops_and_gradients(mode):
     x, idx, w = random_inputs(rng, mesh.size, 128, 2048, E, K, mesh.size, "random", jnp.float32)
     results = {}
     for impl, buf in bufs.items():
+
         def body(x, idx, w, buf=buf):
             def one(i, x):
                 d = buf.dispatch(x, idx, w, layout="expert", mode=mode)
                 return buf.combine(jnp.tanh(d.x), d.handle, topk_weights=d.topk_weights) * 0.5 + x
+
             return jax.lax.fori_loop(0, 10, one, x)
 
         loss = lambda x: jnp.sum(run_raw(mesh, body, x, idx, w) ** 2)  # noqa: E731
@@ -134,6 +157,7 @@ def test_cuda_inside_loops_and_gradients(mode):
 
 def run_raw(mesh, fn, *args):
     from jax.sharding import PartitionSpec as P
+
     spec = P(tuple(mesh.axis_names))
     return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)(*args)
 
@@ -141,14 +165,25 @@ def run_raw(mesh, fn, *args):
 def _subprocess(code, env_extra, timeout):
     # This process holds most of the GPU memory already: the child allocates as it goes.
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", **env_extra)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=timeout, env=env,
-                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    )
 
 
-@pytest.mark.parametrize("mode,split,concurrent", [
-    ("normal", False, False), ("low_latency", False, False), ("low_latency", True, False),
-    ("low_latency", True, True)])
+@pytest.mark.parametrize(
+    "mode,split,concurrent",
+    [
+        ("normal", False, False),
+        ("low_latency", False, False),
+        ("low_latency", True, False),
+        ("low_latency", True, True),
+    ],
+)
 def test_cuda_command_buffers(mode, split, concurrent):
     """Decode steps in a loop under XLA command buffers (CUDA graphs): captured and correct;
     split, with work between the halves; concurrent: the commands ordered only by the buffers
@@ -209,8 +244,10 @@ def test_cuda_command_buffers(mode, split, concurrent):
         print("COMMAND_BUFFER" if replayed < calls else "NO_COMMAND_BUFFER")
         print("OK")
     """ % (mode, split)
-    flags = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-             + " --xla_gpu_command_buffer_scheduling_mode=CONCURRENT" * concurrent)
+    flags = (
+        "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+        + " --xla_gpu_command_buffer_scheduling_mode=CONCURRENT" * concurrent
+    )
     out = _subprocess(code, {"XLA_FLAGS": flags}, 600)
     print(out.stdout[-3000:], out.stderr[-3000:])
     assert "OK" in out.stdout
@@ -239,8 +276,9 @@ def test_cuda_low_latency_recv_halves_out_of_send_order():
     assert "OK" in out.stdout.split(), f"exit status {out.returncode}"
 
 
-@pytest.mark.skipif(len(jax.devices()) < 2 if jax.default_backend() == "gpu" else True,
-                    reason="needs 2 GPUs")
+@pytest.mark.skipif(
+    len(jax.devices()) < 2 if jax.default_backend() == "gpu" else True, reason="needs 2 GPUs"
+)
 def test_cuda_peer_that_never_arrives_times_out():
     """Only GPU 0 runs the op: its wait for rank 1 gives up after timeout_s, its kernel ends,
     its next call raises naming rank 1, and the GPUs stay usable."""
@@ -248,17 +286,20 @@ def test_cuda_peer_that_never_arrives_times_out():
         import jax, jax.numpy as jnp, numpy as np, jax_ep
         from helpers import make_mesh, run
         mesh = make_mesh(2, devices=jax.devices("gpu"))
-        buf = jax_ep.Buffer(mesh, "ep", num_experts=4, hidden=128, num_topk=2, max_tokens_per_rank=4, timeout_s=2.0)
+        buf = jax_ep.Buffer(mesh, "ep", num_experts=4, hidden=128, num_topk=2,
+                            max_tokens_per_rank=4, timeout_s=2.0)
         x = jax.device_put(jnp.zeros((4, 128), jnp.float32), jax.devices("gpu")[0])
         i = jax.device_put(jnp.zeros((4, 2), jnp.int32), jax.devices("gpu")[0])
-        f = jax.jit(lambda x, i: buf._ops.dispatch(x, i, jnp.zeros(i.shape), rows=8, fp8=False, round_scale=False)[0].x)
+        f = jax.jit(lambda x, i: buf._ops.dispatch(x, i, jnp.zeros(i.shape), rows=8, fp8=False,
+                                                   round_scale=False)[0].x)
         jax.block_until_ready(f(x, i))
         try:
             jax.block_until_ready(f(x, i))
             print("NO ERROR")
         except Exception as e:
             print("RAISED:", str(e).splitlines()[0])
-        again = jax_ep.Buffer(mesh, "ep", num_experts=4, hidden=128, num_topk=2, max_tokens_per_rank=4)
+        again = jax_ep.Buffer(mesh, "ep", num_experts=4, hidden=128, num_topk=2,
+                              max_tokens_per_rank=4)
         d = run(mesh, lambda x, i: again.dispatch(x, i)._replace(handle=None),
                 jnp.ones((8, 128), jnp.float32), jnp.zeros((8, 2), jnp.int32))
         assert list(np.asarray(d.num_recv)) == [8, 0]
@@ -274,19 +315,30 @@ def test_cuda_fp8_matches_oracle():
     """FP8 rows from the CUDA kernels equal the numpy statement of the FP8 rule in oracle.py (and
     say how the reference path on this GPU compares)."""
     import oracle
+
     mesh = make_mesh(len(gpus()), devices=gpus())
     rng = np.random.default_rng(11)
     x, idx, w = random_inputs(rng, mesh.size, 64, 2048, E, K, mesh.size, "random")
     found = {}
-    for impl, buf in buffers(mesh, num_experts=E, hidden=2048, num_topk=K,
-                             max_tokens_per_rank=64).items():
-        d = run(mesh, lambda x, i, w, buf=buf: buf.dispatch(x, i, w, fp8=True)._replace(
-            handle=None), x, idx, w)
+    for impl, buf in buffers(
+        mesh, num_experts=E, hidden=2048, num_topk=K, max_tokens_per_rank=64
+    ).items():
+        d = run(
+            mesh,
+            lambda x, i, w, buf=buf: buf.dispatch(x, i, w, fp8=True)._replace(handle=None),
+            x,
+            idx,
+            w,
+        )
         found[impl] = d
-    want = oracle.dispatch_rank(np.asarray(x).reshape(mesh.size, 64, -1),
-                                np.asarray(idx).reshape(mesh.size, 64, -1),
-                                np.asarray(w).reshape(mesh.size, 64, -1), E, mesh.size * 64,
-                                fp8=True)
+    want = oracle.dispatch_rank(
+        np.asarray(x).reshape(mesh.size, 64, -1),
+        np.asarray(idx).reshape(mesh.size, 64, -1),
+        np.asarray(w).reshape(mesh.size, 64, -1),
+        E,
+        mesh.size * 64,
+        fp8=True,
+    )
     for impl, d in found.items():
         q = np.asarray(d.x).reshape(want["x"].shape).view(np.uint8)
         s = np.asarray(d.scales).reshape(want["scales"].shape)
@@ -296,11 +348,15 @@ def test_cuda_fp8_matches_oracle():
         if bad_q:
             r, p, c = np.argwhere(q != want["x"].view(np.uint8))[0]
             group = c // 128
-            print(f"  first at rank {r} row {p} channel {c}: got {q[r, p, c]} want "
-                  f"{want['x'].view(np.uint8)[r, p, c]}; scale got {s[r, p, group]!r} want "
-                  f"{want['scales'][r, p, group]!r}")
-    assert (np.asarray(found["ffi"].x).view(np.uint8).reshape(want["x"].shape)
-            == want["x"].view(np.uint8)).all()
+            print(
+                f"  first at rank {r} row {p} channel {c}: got {q[r, p, c]} want "
+                f"{want['x'].view(np.uint8)[r, p, c]}; scale got {s[r, p, group]!r} want "
+                f"{want['scales'][r, p, group]!r}"
+            )
+    assert (
+        np.asarray(found["ffi"].x).view(np.uint8).reshape(want["x"].shape)
+        == want["x"].view(np.uint8)
+    ).all()
     assert (np.asarray(found["ffi"].scales).reshape(want["scales"].shape) == want["scales"]).all()
 
 
@@ -321,14 +377,21 @@ def test_cuda_invalid_ids_are_counted_and_the_checking_mode_raises(mode):
     ffi = jax_ep.Buffer(mesh, "ep", **kwargs)
     got = run(mesh, counts(ffi), x, jnp.asarray(bad), w)
     assert int(np.asarray(got.num_invalid).sum()) == 2
-    want = run(mesh, counts(jax_ep.Buffer(mesh, "ep", impl="reference", **kwargs)), x,
-               jnp.asarray(clean), w)
+    want = run(
+        mesh,
+        counts(jax_ep.Buffer(mesh, "ep", impl="reference", **kwargs)),
+        x,
+        jnp.asarray(clean),
+        w,
+    )
     assert_bitwise_equal(got._replace(num_invalid=None), want._replace(num_invalid=None))
     checking = jax_ep.Buffer(mesh, "ep", check_invalid=True, **kwargs)
     with pytest.raises(Exception, match="topk_idx holds 2 expert id"):
         jax.block_until_ready(run(mesh, counts(checking), x, jnp.asarray(bad), w))
-    assert_bitwise_equal(run(mesh, counts(checking), x, jnp.asarray(clean), w)._replace(
-        num_invalid=None), want._replace(num_invalid=None))
+    assert_bitwise_equal(
+        run(mesh, counts(checking), x, jnp.asarray(clean), w)._replace(num_invalid=None),
+        want._replace(num_invalid=None),
+    )
 
 
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
@@ -354,7 +417,8 @@ def test_cuda_second_order_and_fp8_gradients(mode):
 
 CONCURRENT_COMMAND_BUFFERS = (
     "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-    " --xla_gpu_command_buffer_scheduling_mode=CONCURRENT")
+    " --xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
+)
 
 
 def _run_under_concurrent_command_buffers(code):
@@ -454,7 +518,8 @@ def test_cuda_a_wait_that_times_out_ends_the_kernel_and_keeps_the_context():
                             max_tokens_per_rank=8, timeout_s=1.0)
         cfg = buf._ops._cfg._replace(x_dtype="float32")
         lonely = jax.jit(jax.shard_map(
-            lambda t: ffi_path._recv(cfg, "dispatch_cached_recv", ffi_path._rows_shapes(cfg, 8, 128), t)[0],
+            lambda t: ffi_path._recv(cfg, "dispatch_cached_recv",
+                                     ffi_path._rows_shapes(cfg, 8, 128), t)[0],
             mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
         assert buf.status() is None
         start = time.perf_counter()
@@ -482,14 +547,16 @@ def test_cuda_a_wait_that_times_out_ends_the_kernel_and_keeps_the_context():
     assert "RAISED: " in out.stdout and "waited more than" in out.stdout
 
 
-@pytest.mark.skipif(len(jax.devices()) < 2 if jax.default_backend() == "gpu" else True,
-                    reason="needs 2 GPUs")
+@pytest.mark.skipif(
+    len(jax.devices()) < 2 if jax.default_backend() == "gpu" else True, reason="needs 2 GPUs"
+)
 @pytest.mark.parametrize("direct_local", [True, False], ids=["direct", "window"])
 def test_cuda_ranks_that_run_different_ops_stop_naming_both(direct_local):
     """GPU 0 dispatches FP8 rows, GPU 1 bfloat16 rows, at the same op (a cond on the rank): both
     stop at once (not after timeout_s) with NaN in that step's results, Buffer.status() names
     both ops, and the next call raises naming both."""
-    code = """
+    code = (
+        """
         import time, jax, jax.numpy as jnp, numpy as np, jax_ep
         from helpers import branching_dispatch, make_mesh, run
         mesh = make_mesh(2, devices=jax.devices("gpu"))
@@ -516,7 +583,9 @@ def test_cuda_ranks_that_run_different_ops_stop_naming_both(direct_local):
             assert all(op in str(e) for op in both), e
             print("RAISED:", str(e).splitlines()[0])
         print("OK")
-    """ % direct_local
+    """
+        % direct_local
+    )
     out = _subprocess(code, {}, 300)
     print(out.stdout[-3000:], out.stderr[-3000:])
     assert "OK" in out.stdout.split(), f"exit status {out.returncode}"

@@ -4,6 +4,7 @@ groups, rows past sum(group_sizes) zero, both forward kernels (rows aligned to t
 not), under shard_map, jax.checkpoint and command buffers; the FP8 forward kernel against its
 XLA path on the same FP8 values, its bf16 backward, and the FP8 MoE layer on it. Skipped where
 JAX sees no GPU."""
+
 import os
 import subprocess
 import sys
@@ -13,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import make_mesh, relative_error
 from jax.sharding import PartitionSpec as P
 
-from helpers import make_mesh, relative_error
 from jax_ep import layout
 from jax_ep.nn import grouped
 
@@ -33,17 +34,19 @@ SIZES = {  # 8 groups of at most 1024 rows
 
 def operands(m, k, n, groups, seed=0):
     keys = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(keys[0], (m, k), jnp.bfloat16),
-            (jax.random.normal(keys[1], (groups, k, n)) / np.sqrt(k)).astype(jnp.bfloat16),
-            jax.random.normal(keys[2], (m, n), jnp.bfloat16))
+    return (
+        jax.random.normal(keys[0], (m, k), jnp.bfloat16),
+        (jax.random.normal(keys[1], (groups, k, n)) / np.sqrt(k)).astype(jnp.bfloat16),
+        jax.random.normal(keys[2], (m, n), jnp.bfloat16),
+    )
 
 
 def forward_and_gradients(lhs, rhs, ct, sizes, **kwargs):
     def objective(lhs, rhs):
         out = grouped.grouped_matmul(lhs, rhs, sizes, **kwargs)
         return jnp.vdot(out.astype(jnp.float32), ct.astype(jnp.float32)), out
-    (_, out), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(
-        lhs, rhs)
+
+    (_, out), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(lhs, rhs)
     return (out,) + grads
 
 
@@ -66,9 +69,15 @@ def test_auto_takes_the_kernels_here():
     assert grouped.resolve_impl("auto", (1024, 256), (8, 256, 384), jnp.float32) == "xla"
 
 
-@pytest.mark.parametrize("name,group_alignment", [  # 128: the aligned forward kernels
-    (name, alignment) for name in sorted(SIZES) for alignment in (1, 128)
-    if not np.any(np.asarray(SIZES[name]) % alignment)])
+@pytest.mark.parametrize(
+    "name,group_alignment",
+    [  # 128: the aligned forward kernels
+        (name, alignment)
+        for name in sorted(SIZES)
+        for alignment in (1, 128)
+        if not np.any(np.asarray(SIZES[name]) % alignment)
+    ],
+)
 def test_matches_xla(name, group_alignment):
     sizes = np.asarray(SIZES[name], np.int32)
     lhs, rhs, ct = operands(1024, 256, 384, len(sizes))
@@ -95,12 +104,22 @@ def test_under_shard_map(remat):
 
     def layer(impl):
         def per_rank(lhs, rhs, sizes):
-            return jax.nn.silu(grouped.grouped_matmul(lhs, rhs, sizes, impl=impl,
-                                                      group_alignment=128))
-        f = jax.shard_map(jax.checkpoint(per_rank) if remat else per_rank, mesh=mesh,
-                          in_specs=P("ep"), out_specs=P("ep"))
-        return jax.jit(jax.grad(lambda a, b: jnp.vdot(f(a, b, sizes).astype(jnp.float32),
-                                                      ct.astype(jnp.float32)), argnums=(0, 1)))
+            return jax.nn.silu(
+                grouped.grouped_matmul(lhs, rhs, sizes, impl=impl, group_alignment=128)
+            )
+
+        f = jax.shard_map(
+            jax.checkpoint(per_rank) if remat else per_rank,
+            mesh=mesh,
+            in_specs=P("ep"),
+            out_specs=P("ep"),
+        )
+        return jax.jit(
+            jax.grad(
+                lambda a, b: jnp.vdot(f(a, b, sizes).astype(jnp.float32), ct.astype(jnp.float32)),
+                argnums=(0, 1),
+            )
+        )
 
     got = layer("mosaic")(lhs, rhs)
     want = layer("xla")(lhs.astype(jnp.float32), rhs.astype(jnp.float32))
@@ -136,16 +155,25 @@ def test_under_command_buffers():
             assert err / np.linalg.norm(np.asarray(w, np.float64)) < 1e-2, err
         print("OK")
     """
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-               XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
-                         "--xla_gpu_graph_min_graph_size=1")
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                         text=True, timeout=300, env=env,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(
+        os.environ,
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",
+        XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
+        "--xla_gpu_graph_min_graph_size=1",
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert "OK" in out.stdout, out.stderr[-3000:]
 
 
 # ---------------------------------------------------------------- the FP8 forward
+
 
 def fp8_inputs(m, k, n, groups, seed=3):
     lhs, rhs, ct = operands(m, k, n, groups, seed)
@@ -155,11 +183,12 @@ def fp8_inputs(m, k, n, groups, seed=3):
 
 def fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, impl):
     def objective(lhs, rhs):
-        out = grouped.fp8_grouped_matmul(lhs, lhs_q, scales, rhs, sizes, impl=impl,
-                                         group_alignment=128)
+        out = grouped.fp8_grouped_matmul(
+            lhs, lhs_q, scales, rhs, sizes, impl=impl, group_alignment=128
+        )
         return jnp.vdot(out.astype(jnp.float32), ct.astype(jnp.float32)), out
-    (_, out), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(
-        lhs, rhs)
+
+    (_, out), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(lhs, rhs)
     return (out,) + grads
 
 
@@ -179,8 +208,7 @@ def assert_fp8_like_xla(m, k, n, sizes):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(b, np.float32))
 
 
-@pytest.mark.parametrize("name", ["uniform", "skewed", "empty_first_and_padding_rows",
-                                  "no_rows"])
+@pytest.mark.parametrize("name", ["uniform", "skewed", "empty_first_and_padding_rows", "no_rows"])
 def test_fp8_matches_xla(name):
     assert_fp8_like_xla(1024, 256, 384, SIZES[name])
 
@@ -197,23 +225,37 @@ def test_fp8_layer_on_the_kernels():
     """jax_ep.nn's FP8 layer (dispatch's FP8 rows into the FP8 gate/up kernels) under jit and
     gradients on this machine's GPUs: as its XLA path, and within FP8's error of bf16 rows."""
     from jax_ep import nn
+
     mesh = make_mesh(len(jax.devices("gpu")), devices=jax.devices("gpu"))
     tokens, hidden = 256, 256
     x = jax.random.normal(jax.random.key(1), (mesh.size * tokens, hidden), jnp.bfloat16)
     results = {}
-    for name, fp8, matmul in (("fp8", True, "auto"), ("fp8_xla", True, "xla"),
-                              ("bf16", False, "auto")):
-        cfg = nn.MoEConfig(num_experts=8 * mesh.size, num_topk=4, hidden=hidden,
-                           ffn_hidden=256, expert_alignment=128, fp8=fp8, fp8_experts=fp8,
-                           grouped_matmul=matmul)
+    for name, fp8, matmul in (
+        ("fp8", True, "auto"),
+        ("fp8_xla", True, "xla"),
+        ("bf16", False, "auto"),
+    ):
+        cfg = nn.MoEConfig(
+            num_experts=8 * mesh.size,
+            num_topk=4,
+            hidden=hidden,
+            ffn_hidden=256,
+            expert_alignment=128,
+            fp8=fp8,
+            fp8_experts=fp8,
+            grouped_matmul=matmul,
+        )
         layer = nn.MoELayer(cfg, mesh, expert_axis="ep", tokens_per_rank=tokens)
         if name == "fp8":
             assert layer.grouped_matmul_path() == {"gate_up": "mosaic_fp8", "down": "mosaic"}
-        params = nn.init_params(jax.random.key(0), cfg, jnp.bfloat16, mesh=mesh,
-                                expert_axis="ep")
-        results[name] = jax.jit(jax.value_and_grad(
-            lambda p, x: (jnp.sum(layer(p, x)[0].astype(jnp.float32) ** 2), layer(p, x)[0]),
-            argnums=(0, 1), has_aux=True))(params, x)
+        params = nn.init_params(jax.random.key(0), cfg, jnp.bfloat16, mesh=mesh, expert_axis="ep")
+        results[name] = jax.jit(
+            jax.value_and_grad(
+                lambda p, x: (jnp.sum(layer(p, x)[0].astype(jnp.float32) ** 2), layer(p, x)[0]),
+                argnums=(0, 1),
+                has_aux=True,
+            )
+        )(params, x)
     (_, y), (dp, dx) = results["fp8"]
     (_, y_xla), (dp_xla, dx_xla) = results["fp8_xla"]
     (_, y_bf16), _ = results["bf16"]

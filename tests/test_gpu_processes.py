@@ -5,13 +5,13 @@ the processes' spin-waiting kernels run at once (without it they time-slice: mil
 wait). One group of processes per process count runs every case of
 tests/gpu_process_scenarios.py (process start-up and compiles are slow); each test below reads
 its case's verdict from every process. Run with bench/run_gpu.sh processes."""
+
 import os
 import shutil
 import subprocess
 import tempfile
 
 import pytest
-
 from gpu_process_scenarios import case_names
 from processes import launch
 
@@ -26,20 +26,27 @@ def mps():
     skips, saying why, where it cannot start."""
     control = shutil.which("nvidia-cuda-mps-control")
     if control is None:
-        pytest.skip("nvidia-cuda-mps-control is not on the PATH: without MPS the ranks' kernels "
-                    "cannot run at once on one GPU")
-    pipe, log = tempfile.mkdtemp(prefix="jax_ep_mps_pipe_"), tempfile.mkdtemp(
-        prefix="jax_ep_mps_log_")
+        pytest.skip(
+            "nvidia-cuda-mps-control is not on the PATH: without MPS the ranks' kernels "
+            "cannot run at once on one GPU"
+        )
+    pipe, log = (
+        tempfile.mkdtemp(prefix="jax_ep_mps_pipe_"),
+        tempfile.mkdtemp(prefix="jax_ep_mps_log_"),
+    )
     env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=log)
     started = subprocess.run([control, "-d"], env=env, capture_output=True, text=True, timeout=60)
     if started.returncode != 0:
-        pytest.skip(f"the MPS daemon did not start (exit {started.returncode}): "
-                    f"{(started.stdout + started.stderr).strip()[-500:]}")
+        pytest.skip(
+            f"the MPS daemon did not start (exit {started.returncode}): "
+            f"{(started.stdout + started.stderr).strip()[-500:]}"
+        )
     try:
         yield {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": log}
     finally:
-        subprocess.run([control], input="quit\n", env=env, capture_output=True, text=True,
-                       timeout=60)
+        subprocess.run(
+            [control], input="quit\n", env=env, capture_output=True, text=True, timeout=60
+        )
         for name in os.listdir(log):
             if name.endswith(".log"):
                 with open(os.path.join(log, name)) as f:
@@ -54,21 +61,28 @@ def groups(mps):
     run at once (each has its own Buffers, sockets and port)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    env = dict(mps, CUDA_VISIBLE_DEVICES="0", XLA_PYTHON_CLIENT_PREALLOCATE="false",
-               NCCL_NVLS_ENABLE="0", JAX_PLATFORMS="cuda")
+    env = dict(
+        mps,
+        CUDA_VISIBLE_DEVICES="0",
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",
+        NCCL_NVLS_ENABLE="0",
+        JAX_PLATFORMS="cuda",
+    )
     timeout = int(os.environ.get("JAX_EP_GROUP_TIMEOUT", 900))
     suites = {n: ("gpu_process_scenarios:suite", n) for n in PROCESS_COUNTS}
     suites["check_invalid"] = ("gpu_process_scenarios:check_invalid_suite", 2)
     with ThreadPoolExecutor(len(suites)) as pool:
-        runs = {key: pool.submit(launch, scenario, n, 1, timeout, env)
-                for key, (scenario, n) in suites.items()}
+        runs = {
+            key: pool.submit(launch, scenario, n, 1, timeout, env)
+            for key, (scenario, n) in suites.items()
+        }
         return {key: run.result() for key, run in runs.items()}
 
 
 def verdict(out, name):
     for line in out.splitlines():
         if line.startswith(f"CASE {name} "):
-            return line[len(f"CASE {name} "):]
+            return line[len(f"CASE {name} ") :]
     return None
 
 
@@ -80,12 +94,15 @@ def assert_case(results, name):
             raise AssertionError(f"{where} never reported case {name}:\n{out[-6000:]}")
         if said != "OK":
             start = out.find(f"CASE {name} ")
-            raise AssertionError(f"{where}: {said}\n{out[max(0, start - 6000):start]}")
+            raise AssertionError(f"{where}: {said}\n{out[max(0, start - 6000) : start]}")
 
 
-@pytest.mark.xfail(strict=True, reason="check_invalid=True makes every rank raise through a "
-                   "jax.lax.psum of the invalid counts, an XLA collective, which XLA's NCCL "
-                   "refuses for ranks on one GPU ('Duplicate GPU detected')")
+@pytest.mark.xfail(
+    strict=True,
+    reason="check_invalid=True makes every rank raise through a "
+    "jax.lax.psum of the invalid counts, an XLA collective, which XLA's NCCL "
+    "refuses for ranks on one GPU ('Duplicate GPU detected')",
+)
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 def test_gpu_processes_check_invalid(mode, groups):
     assert_case(groups["check_invalid"], f"check-invalid-{mode}")

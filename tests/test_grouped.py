@@ -3,14 +3,16 @@ against jax.lax.ragged_dot and a numpy loop over the groups, gradients of second
 shard_map and jax.checkpoint; and which implementation it takes. The FP8 forward
 (fp8_grouped_matmul): its weight blocks, the dequantized product, its bf16 gradients. (The
 Mosaic GPU kernels: tests/test_gpu_grouped.py.)"""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from helpers import make_mesh, relative_error
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
-from helpers import make_mesh, relative_error
 from jax_ep import layout
 from jax_ep.nn import grouped
 
@@ -18,7 +20,7 @@ M, K, N = 24, 16, 12
 GROUP_SIZES = {  # G = 4 groups of M = 24 rows
     "full": [5, 7, 8, 4],
     "empty_groups": [0, 10, 0, 14],
-    "padding_rows": [3, 0, 6, 2],       # rows 11.. belong to no group
+    "padding_rows": [3, 0, 6, 2],  # rows 11.. belong to no group
     "one_group": [0, 0, 24, 0],
     "no_rows": [0, 0, 0, 0],
 }
@@ -26,9 +28,11 @@ GROUP_SIZES = {  # G = 4 groups of M = 24 rows
 
 def operands(seed, m=M, k=K, n=N, groups=4):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((m, k)).astype(np.float32),
-            rng.standard_normal((groups, k, n)).astype(np.float32),
-            rng.standard_normal((m, n)).astype(np.float32))
+    return (
+        rng.standard_normal((m, k)).astype(np.float32),
+        rng.standard_normal((groups, k, n)).astype(np.float32),
+        rng.standard_normal((m, n)).astype(np.float32),
+    )
 
 
 def loop_products(lhs, rhs, ct, sizes):
@@ -49,8 +53,8 @@ def value_and_grads(matmul, lhs, rhs, ct, sizes):
     def objective(lhs, rhs):
         out = matmul(lhs, rhs, jnp.asarray(sizes, jnp.int32))
         return jnp.vdot(out, ct), out
-    (_, out), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(
-        lhs, rhs)
+
+    (_, out), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(lhs, rhs)
     return (out,) + grads
 
 
@@ -73,8 +77,13 @@ def test_casts_rhs_to_the_lhs_dtype():
     sizes = jnp.asarray(GROUP_SIZES["full"], jnp.int32)
     out = grouped.grouped_matmul(jnp.asarray(lhs, jnp.bfloat16), rhs, sizes, impl="xla")
     assert out.dtype == jnp.bfloat16
-    d_rhs = jax.grad(lambda r: grouped.grouped_matmul(
-        jnp.asarray(lhs, jnp.bfloat16), r, sizes, impl="xla").astype(jnp.float32).sum())(rhs)
+    d_rhs = jax.grad(
+        lambda r: (
+            grouped.grouped_matmul(jnp.asarray(lhs, jnp.bfloat16), r, sizes, impl="xla")
+            .astype(jnp.float32)
+            .sum()
+        )
+    )(rhs)
     assert d_rhs.dtype == jnp.float32
 
 
@@ -83,8 +92,14 @@ def test_gradients_of_first_and_second_order(name):
     """Numerical against automatic derivatives: the three products are each other's adjoints."""
     lhs, rhs, _ = operands(3, m=8, k=4, n=3, groups=3)
     sizes = jnp.asarray({"full": [3, 1, 4], "padding_rows": [2, 0, 3]}[name], jnp.int32)
-    check_grads(lambda a, b: grouped.grouped_matmul(a, b, sizes, impl="xla"), (lhs, rhs),
-                order=2, modes=["rev"], atol=1e-2, rtol=1e-2)
+    check_grads(
+        lambda a, b: grouped.grouped_matmul(a, b, sizes, impl="xla"),
+        (lhs, rhs),
+        order=2,
+        modes=["rev"],
+        atol=1e-2,
+        rtol=1e-2,
+    )
 
 
 @pytest.mark.parametrize("remat", [False, True])
@@ -94,7 +109,9 @@ def test_under_shard_map(remat, rhs_spec):
     sharded) or all ranks with the same experts (replicated: d rhs sums over the ranks)."""
     mesh = make_mesh(4)
     ranks, groups = mesh.size, 3
-    lhs, rhs, ct = operands(4, m=ranks * M, groups=ranks * groups if rhs_spec == P("ep") else groups)
+    lhs, rhs, ct = operands(
+        4, m=ranks * M, groups=ranks * groups if rhs_spec == P("ep") else groups
+    )
     rng = np.random.default_rng(5)
     sizes = np.stack([rng.multinomial(M - 2 * r, np.ones(groups) / groups) for r in range(ranks)])
 
@@ -103,19 +120,27 @@ def test_under_shard_map(remat, rhs_spec):
 
     f = jax.checkpoint(per_rank) if remat else per_rank
     f = jax.shard_map(f, mesh=mesh, in_specs=(P("ep"), rhs_spec, P("ep")), out_specs=P("ep"))
-    args = [jax.device_put(a, NamedSharding(mesh, s))
-            for a, s in ((lhs, P("ep")), (rhs, rhs_spec), (jnp.asarray(sizes, jnp.int32), P("ep")))]
-    out, grads = jax.jit(jax.value_and_grad(lambda a, b, s: jnp.vdot(f(a, b, s), ct),
-                                            argnums=(0, 1)))(*args)
-    want = [loop_products(lhs[r * M:(r + 1) * M],
-                          rhs[r * groups:(r + 1) * groups] if rhs_spec == P("ep") else rhs,
-                          ct[r * M:(r + 1) * M], sizes[r]) for r in range(ranks)]
-    np.testing.assert_allclose(out, sum(np.vdot(w[0], ct[r * M:(r + 1) * M])
-                                        for r, w in enumerate(want)), rtol=1e-5)
-    np.testing.assert_allclose(grads[0], np.concatenate([w[1] for w in want]), rtol=1e-5,
-                               atol=1e-5)
-    d_rhs = (np.concatenate([w[2] for w in want]) if rhs_spec == P("ep")
-             else sum(w[2] for w in want))
+    args = [
+        jax.device_put(a, NamedSharding(mesh, s))
+        for a, s in ((lhs, P("ep")), (rhs, rhs_spec), (jnp.asarray(sizes, jnp.int32), P("ep")))
+    ]
+    out, grads = jax.jit(
+        jax.value_and_grad(lambda a, b, s: jnp.vdot(f(a, b, s), ct), argnums=(0, 1))
+    )(*args)
+    want = [
+        loop_products(
+            lhs[r * M : (r + 1) * M],
+            rhs[r * groups : (r + 1) * groups] if rhs_spec == P("ep") else rhs,
+            ct[r * M : (r + 1) * M],
+            sizes[r],
+        )
+        for r in range(ranks)
+    ]
+    np.testing.assert_allclose(
+        out, sum(np.vdot(w[0], ct[r * M : (r + 1) * M]) for r, w in enumerate(want)), rtol=1e-5
+    )
+    np.testing.assert_allclose(grads[0], np.concatenate([w[1] for w in want]), rtol=1e-5, atol=1e-5)
+    d_rhs = np.concatenate([w[2] for w in want]) if rhs_spec == P("ep") else sum(w[2] for w in want)
     np.testing.assert_allclose(grads[1], d_rhs, rtol=1e-5, atol=1e-5)
 
 
@@ -125,18 +150,26 @@ def test_which_implementation():
     if jax.devices()[0].platform == "cpu":
         assert grouped.resolve_impl("auto", *shape, jnp.bfloat16) == "xla"
         with pytest.raises(ValueError, match="not a CUDA GPU of compute capability 9"):
-            grouped.grouped_matmul(jnp.zeros(shape[0], jnp.bfloat16),
-                                   jnp.zeros(shape[1], jnp.bfloat16),
-                                   jnp.zeros(4, jnp.int32), impl="mosaic")
-    blocks = grouped.MosaicBlocks(gmm=grouped.Blocks(128, 128, 64, 4, 8),
-                                  gmm_t=grouped.Blocks(128, 128, 64, 4, 8),
-                                  tgmm=grouped.Blocks(128, 128, 32, 4, 8))
+            grouped.grouped_matmul(
+                jnp.zeros(shape[0], jnp.bfloat16),
+                jnp.zeros(shape[1], jnp.bfloat16),
+                jnp.zeros(4, jnp.int32),
+                impl="mosaic",
+            )
+    blocks = grouped.MosaicBlocks(
+        gmm=grouped.Blocks(128, 128, 64, 4, 8),
+        gmm_t=grouped.Blocks(128, 128, 64, 4, 8),
+        tgmm=grouped.Blocks(128, 128, 32, 4, 8),
+    )
     problems = grouped.mosaic_misfits((200, 100), (4, 100, 96), jnp.float32, blocks)
-    for expected in ("dtype float32", "gmm: M=200 is not a positive multiple of 128",
-                     "gmm: K=100 is not a positive multiple of 64",
-                     "gmm_t: N=96 is not a positive multiple of 64",
-                     "tgmm: M=200 is not a positive multiple of 32",
-                     "tgmm: N=96 is not a positive multiple of 128"):
+    for expected in (
+        "dtype float32",
+        "gmm: M=200 is not a positive multiple of 128",
+        "gmm: K=100 is not a positive multiple of 64",
+        "gmm_t: N=96 is not a positive multiple of 64",
+        "tgmm: M=200 is not a positive multiple of 32",
+        "tgmm: N=96 is not a positive multiple of 128",
+    ):
         assert any(p.startswith(expected) for p in problems), (expected, problems)
     with pytest.raises(ValueError, match="impl must be one of"):
         grouped.resolve_impl("cutlass", *shape, jnp.bfloat16)
@@ -151,12 +184,18 @@ def test_shape_errors():
 
 # ---------------------------------------------------------------- FP8 forward (block-scaled)
 
+
 def fp8_operands(seed, m=256, k=256, n=128, groups=3):
     """lhs quantized 1 x 128 as dispatch(fp8=True) does, its dequantized value, bf16 weights."""
     lhs, rhs, ct = operands(seed, m, k, n, groups)
     lhs_q, scales = layout.quantize_fp8(jnp.asarray(lhs, jnp.bfloat16), False)
-    return (layout.dequantize_fp8(lhs_q, scales).astype(jnp.bfloat16), lhs_q, scales,
-            jnp.asarray(rhs / np.sqrt(k), jnp.bfloat16), jnp.asarray(ct, jnp.bfloat16))
+    return (
+        layout.dequantize_fp8(lhs_q, scales).astype(jnp.bfloat16),
+        lhs_q,
+        scales,
+        jnp.asarray(rhs / np.sqrt(k), jnp.bfloat16),
+        jnp.asarray(ct, jnp.bfloat16),
+    )
 
 
 def test_fp8_weights_are_128_blocks_k_innermost():
@@ -166,13 +205,18 @@ def test_fp8_weights_are_128_blocks_k_innermost():
     q, scales = grouped.quantize_weights_fp8(jnp.asarray(w))
     assert q.shape == (2, 384, 256) and q.dtype == jnp.float8_e4m3fn
     assert scales.shape == (2, 3, 2)
-    blocks = np.abs(w).reshape(2, 2, 128, 3, 128).max(axis=(2, 4))           # [G, K/128, N/128]
+    blocks = np.abs(w).reshape(2, 2, 128, 3, 128).max(axis=(2, 4))  # [G, K/128, N/128]
     np.testing.assert_allclose(scales, blocks.transpose(0, 2, 1) / 448, rtol=1e-6)
-    back = (np.asarray(q, np.float32).reshape(2, 3, 128, 2, 128)
-            * np.asarray(scales)[:, :, None, :, None]).reshape(2, 384, 256)
-    error = np.abs(back - w.transpose(0, 2, 1)) / np.repeat(np.repeat(
-        np.asarray(scales), 128, axis=1), 128, axis=2) / 448
-    assert error.max() <= 2.0 ** -4  # e4m3: 3 mantissa bits, half an ulp of the block's amax
+    back = (
+        np.asarray(q, np.float32).reshape(2, 3, 128, 2, 128)
+        * np.asarray(scales)[:, :, None, :, None]
+    ).reshape(2, 384, 256)
+    error = (
+        np.abs(back - w.transpose(0, 2, 1))
+        / np.repeat(np.repeat(np.asarray(scales), 128, axis=1), 128, axis=2)
+        / 448
+    )
+    assert error.max() <= 2.0**-4  # e4m3: 3 mantissa bits, half an ulp of the block's amax
 
 
 @pytest.mark.parametrize("name", ["full", "padding_rows", "no_rows"])
@@ -181,19 +225,26 @@ def test_fp8_forward_is_the_dequantized_product(name):
     block scales applied exactly), rows past the groups zero; within FP8's error of bf16's."""
     sizes = {"full": [64, 128, 64], "padding_rows": [64, 0, 128], "no_rows": [0, 0, 0]}[name]
     lhs, lhs_q, scales, rhs, _ = fp8_operands(7)
-    out = grouped.fp8_grouped_matmul(lhs, lhs_q, scales, rhs, jnp.asarray(sizes, jnp.int32),
-                                     impl="xla")
+    out = grouped.fp8_grouped_matmul(
+        lhs, lhs_q, scales, rhs, jnp.asarray(sizes, jnp.int32), impl="xla"
+    )
     assert out.dtype == jnp.bfloat16
     rhs_q, rhs_scales = grouped.quantize_weights_fp8(rhs)
-    weights = (np.asarray(rhs_q, np.float32).reshape(3, 1, 128, 2, 128)
-               * np.asarray(rhs_scales)[:, :, None, :, None]).reshape(3, 128, 256)
-    want = loop_products(np.asarray(layout.dequantize_fp8(lhs_q, scales)),
-                         weights.transpose(0, 2, 1), np.zeros((256, 128)), sizes)[0]
+    weights = (
+        np.asarray(rhs_q, np.float32).reshape(3, 1, 128, 2, 128)
+        * np.asarray(rhs_scales)[:, :, None, :, None]
+    ).reshape(3, 128, 256)
+    want = loop_products(
+        np.asarray(layout.dequantize_fp8(lhs_q, scales)),
+        weights.transpose(0, 2, 1),
+        np.zeros((256, 128)),
+        sizes,
+    )[0]
     np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=1e-2, atol=1e-2)
     bf16 = grouped.grouped_matmul(lhs, rhs, jnp.asarray(sizes, jnp.int32), impl="xla")
     if sum(sizes):
         assert relative_error(out, bf16) < 0.05  # e4m3 weights: ~2^-5 relative per element
-    assert not np.asarray(out)[sum(sizes):].any()
+    assert not np.asarray(out)[sum(sizes) :].any()
 
 
 def test_fp8_gradients_are_the_bf16_ones():
@@ -204,15 +255,21 @@ def test_fp8_gradients_are_the_bf16_ones():
     def objective(matmul):
         return lambda a, b: jnp.vdot(matmul(a, b).astype(jnp.float32), ct.astype(jnp.float32))
 
-    fp8 = jax.grad(objective(lambda a, b: grouped.fp8_grouped_matmul(
-        a, lhs_q, scales, b, sizes, impl="xla")), argnums=(0, 1))(lhs, rhs)
-    bf16 = jax.grad(objective(lambda a, b: grouped.grouped_matmul(a, b, sizes, impl="xla")),
-                    argnums=(0, 1))(lhs, rhs)
+    fp8 = jax.grad(
+        objective(lambda a, b: grouped.fp8_grouped_matmul(a, lhs_q, scales, b, sizes, impl="xla")),
+        argnums=(0, 1),
+    )(lhs, rhs)
+    bf16 = jax.grad(
+        objective(lambda a, b: grouped.grouped_matmul(a, b, sizes, impl="xla")), argnums=(0, 1)
+    )(lhs, rhs)
     for g, w in zip(fp8, bf16):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-    d_q, d_scales = jax.grad(lambda q, s: grouped.fp8_grouped_matmul(
-        lhs, q, s, rhs, sizes, impl="xla").astype(jnp.float32).sum(), argnums=(0, 1))(
-            lhs_q, scales)
+    d_q, d_scales = jax.grad(
+        lambda q, s: (
+            grouped.fp8_grouped_matmul(lhs, q, s, rhs, sizes, impl="xla").astype(jnp.float32).sum()
+        ),
+        argnums=(0, 1),
+    )(lhs_q, scales)
     assert not np.asarray(d_q, np.float32).any() and not np.asarray(d_scales).any()
 
 
@@ -220,14 +277,17 @@ def test_fp8_which_implementation_and_errors():
     lhs, lhs_q, scales, rhs, _ = fp8_operands(9)
     sizes = jnp.asarray([128, 64, 64], jnp.int32)
     problems = grouped.fp8_misfits((200, 256), (3, 256, 96), 32)
-    for expected in ("fp8: M=200 is not a positive multiple of 64",
-                     "fp8: N=96 is not a positive multiple of 128",
-                     "fp8: group_alignment=32 is not a positive multiple of 64"):
+    for expected in (
+        "fp8: M=200 is not a positive multiple of 64",
+        "fp8: N=96 is not a positive multiple of 128",
+        "fp8: group_alignment=32 is not a positive multiple of 64",
+    ):
         assert expected in problems, (expected, problems)
     if jax.devices()[0].platform == "cpu":
         with pytest.raises(ValueError, match="impl='mosaic' cannot run: the default device"):
-            grouped.fp8_grouped_matmul(lhs, lhs_q, scales, rhs, sizes, impl="mosaic",
-                                       group_alignment=64)
+            grouped.fp8_grouped_matmul(
+                lhs, lhs_q, scales, rhs, sizes, impl="mosaic", group_alignment=64
+            )
     with pytest.raises(ValueError, match="lhs_q must be e4m3fn like lhs"):
         grouped.fp8_grouped_matmul(lhs, lhs, scales, rhs, sizes)
     with pytest.raises(ValueError, match="lhs_q must be e4m3fn like lhs"):

@@ -1,13 +1,15 @@
 """jax_ep.layout, the plain-JAX statement of the rules, against the numpy oracle."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracle
 import pytest
-from hypothesis import given, settings, strategies as st
+from helpers import bits, routing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jax_ep import layout
-import oracle
-from helpers import bits, routing
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -15,8 +17,8 @@ from helpers import bits, routing
 def test_fp8_rule_matches_oracle(dtype, round_scale):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((6, 512)) * rng.choice([1e-7, 1e-3, 1.0, 1e4], (6, 1))
-    x[0, :128] = 0.0                        # amax floor 1e-4
-    x[1, 5] = 448.0 * 3                     # one large value in a block
+    x[0, :128] = 0.0  # amax floor 1e-4
+    x[1, 5] = 448.0 * 3  # one large value in a block
     x = jnp.asarray(x, dtype)
     q, scales = jax.jit(layout.quantize_fp8, static_argnums=1)(x, round_scale)
     for t in range(x.shape[0]):
@@ -29,7 +31,8 @@ def test_fp8_dequantize_is_close():
     x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 256)), jnp.float32)
     q, scales = layout.quantize_fp8(x, False)
     assert float(jnp.max(jnp.abs(layout.dequantize_fp8(q, scales) - x))) < 0.07 * float(
-        jnp.max(jnp.abs(x)))
+        jnp.max(jnp.abs(x))
+    )
 
 
 def test_default_capacity():
@@ -37,13 +40,17 @@ def test_default_capacity():
     # expert layout: R*N*min(K, E_l) + (a-1)*E_l, aligned to a
     assert layout.default_capacity("expert", 4, 100, 8, 16, 1) == 3200
     assert layout.default_capacity("expert", 2, 10, 8, 4, 128) == layout.align_up(
-        2 * 10 * 4 + 127 * 4, 128)
+        2 * 10 * 4 + 127 * 4, 128
+    )
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), alignment=st.sampled_from([1, 3, 8]),
-       kind=st.sampled_from(["random", "one_expert", "sparse", "duplicates", "empty"]),
-       cut=st.sampled_from([None, 0.5]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    alignment=st.sampled_from([1, 3, 8]),
+    kind=st.sampled_from(["random", "one_expert", "sparse", "duplicates", "empty"]),
+    cut=st.sampled_from([None, 0.5]),
+)
 def test_expert_layout_matches_oracle(seed, alignment, kind, cut):
     rng = np.random.default_rng(seed)
     rows, k, num_local = 24, 4, 6
@@ -52,10 +59,12 @@ def test_expert_layout_matches_oracle(seed, alignment, kind, cut):
     full = layout.default_capacity("expert", 1, rows, k, num_local, alignment)
     capacity = full if cut is None else layout.align_up(int(full * cut), alignment)
     maps = layout.expert_layout(jnp.asarray(topk), num_local, alignment, capacity)
-    weights = layout.expert_weights(jnp.asarray(w), jnp.asarray(topk), maps.expert_src,
-                                    maps.expert_of_row)
-    src, expert, weight, present, dropped = oracle.expert_layout(topk, w, num_local, alignment,
-                                                                 capacity)
+    weights = layout.expert_weights(
+        jnp.asarray(w), jnp.asarray(topk), maps.expert_src, maps.expert_of_row
+    )
+    src, expert, weight, present, dropped = oracle.expert_layout(
+        topk, w, num_local, alignment, capacity
+    )
     np.testing.assert_array_equal(maps.expert_src, src)
     np.testing.assert_array_equal(maps.expert_of_row, expert)
     np.testing.assert_allclose(weights, weight, rtol=1e-6)
@@ -71,7 +80,7 @@ def test_expert_layout_matches_oracle(seed, alignment, kind, cut):
     assert group_sizes.sum() <= capacity
     for e in range(num_local):
         first = group_sizes[:e].sum()
-        assert all(expert[first:first + present[e]] == e)
+        assert all(expert[first : first + present[e]] == e)
 
 
 def test_expand_and_reduce_are_adjoint():
@@ -85,20 +94,27 @@ def test_expand_and_reduce_are_adjoint():
     np.testing.assert_allclose(lhs, rhs, rtol=1e-5)
     # and their custom gradients are each other
     g = jax.grad(lambda v: jnp.vdot(layout.expand_rows(v, maps.expert_src, maps.expert_rows), b))(a)
-    np.testing.assert_allclose(g, layout.reduce_expert_rows(b, None, maps.expert_src,
-                                                            maps.expert_rows), rtol=1e-6)
+    np.testing.assert_allclose(
+        g, layout.reduce_expert_rows(b, None, maps.expert_src, maps.expert_rows), rtol=1e-6
+    )
 
 
 def test_e4m3_rounding_matches_ml_dtypes_everywhere():
     """Every e4m3 value, every midpoint between two and its neighbours, and random floats."""
     import ml_dtypes
+
     codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     codes = np.sort(codes[np.isfinite(codes)])
     mids = (codes[1:] + codes[:-1]) / 2
-    values = np.concatenate([codes, mids, np.nextafter(mids, np.float32(np.inf)),
-                             np.nextafter(mids, -np.float32(np.inf)),
-                             np.random.default_rng(0).standard_normal(100000).astype(np.float32)
-                             * 100]).astype(np.float32)
+    values = np.concatenate(
+        [
+            codes,
+            mids,
+            np.nextafter(mids, np.float32(np.inf)),
+            np.nextafter(mids, -np.float32(np.inf)),
+            np.random.default_rng(0).standard_normal(100000).astype(np.float32) * 100,
+        ]
+    ).astype(np.float32)
     values = values[np.abs(values) <= 448]
     got = np.asarray(jax.jit(layout.float_to_e4m3)(values))
     np.testing.assert_array_equal(bits(got), bits(values.astype(ml_dtypes.float8_e4m3fn)))
@@ -107,8 +123,9 @@ def test_e4m3_rounding_matches_ml_dtypes_everywhere():
 def test_divide_rounded_is_ieee_division():
     rng = np.random.default_rng(4)
     a = np.concatenate([np.full(4096, 448.0), rng.random(20000) * 1e3 + 1e-3]).astype(np.float32)
-    b = np.concatenate([np.exp(rng.uniform(np.log(1e-4), np.log(1e30), 4096)),
-                        rng.random(20000) * 7 + 1e-4]).astype(np.float32)
-    b[:8] = [1e-4, 1.0, 2.0, 448.0, 3.0, 0.1, 7.0, 1.5]   # exact and inexact quotients
+    b = np.concatenate(
+        [np.exp(rng.uniform(np.log(1e-4), np.log(1e30), 4096)), rng.random(20000) * 7 + 1e-4]
+    ).astype(np.float32)
+    b[:8] = [1e-4, 1.0, 2.0, 448.0, 3.0, 0.1, 7.0, 1.5]  # exact and inexact quotients
     got = np.asarray(jax.jit(layout.divide_rounded)(a, b))
     np.testing.assert_array_equal(got, a / b)

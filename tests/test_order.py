@@ -1,6 +1,7 @@
 """The Buffer's order in the lowered and compiled programs: every cross-rank custom call takes the
 XLA token of the one before it, so XLA cannot reorder or overlap them (forward, backward, halves,
 nested functions, separate shard_maps of one jit), under every JAX construct."""
+
 import re
 import threading
 
@@ -8,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import make_mesh, random_inputs
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from helpers import make_mesh, random_inputs
 
 E, H, K, T = 16, 128, 4, 8
 CALL = re.compile(r"^\s*(%[\w]+)(?::\d+)? = stablehlo\.custom_call @jax_ep_(\w+)\((.*?)\)")
@@ -64,10 +65,11 @@ def test_forward_and_backward_of_two_layers_form_one_chain():
         for _ in range(2):
             d = buf.dispatch(x, idx, w, layout="expert")
             x = buf.combine(jnp.tanh(d.x), d.handle, topk_weights=d.topk_weights) + x
-        return jnp.sum(x ** 2)
+        return jnp.sum(x**2)
 
-    grads = jax.shard_map(jax.grad(loss, argnums=(0, 2)), mesh=mesh, in_specs=P("ep"),
-                          out_specs=P("ep"))
+    grads = jax.shard_map(
+        jax.grad(loss, argnums=(0, 2)), mesh=mesh, in_specs=P("ep"), out_specs=P("ep")
+    )
     text = jax.jit(grads).lower(x, idx, w).as_text()
     # Each combine's backward is a cached dispatch; each dispatch's backward one adjoint call
     # that moves the rows' and the weights' cotangents together.
@@ -83,10 +85,14 @@ def test_halves_and_work_between_them_stay_in_the_chain():
         d = buf.dispatch_recv(pending)
         return buf.combine_recv(buf.combine_send(d.x + other.x, d.handle))
 
-    text = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))).lower(
-        x, idx, w).as_text()
-    assert_chained(text, ["dispatch_send", "dispatch", "dispatch_recv", "combine_send",
-                          "combine_recv"])
+    text = (
+        jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+        .lower(x, idx, w)
+        .as_text()
+    )
+    assert_chained(
+        text, ["dispatch_send", "dispatch", "dispatch_recv", "combine_send", "combine_recv"]
+    )
 
 
 def test_a_loop_body_starts_after_the_calls_before_the_loop():
@@ -101,8 +107,11 @@ def test_a_loop_body_starts_after_the_calls_before_the_loop():
 
         return jax.lax.fori_loop(0, 3, body, x) + first.x.sum()
 
-    text = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))).lower(
-        x, idx, w).as_text()
+    text = (
+        jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+        .lower(x, idx, w)
+        .as_text()
+    )
     calls, operands = ordered_calls(text)
     assert [name for name, _, _ in calls] == ["dispatch", "dispatch", "combine"]
     # The loop's first call takes a token that the call before the loop produced (passed in).
@@ -110,7 +119,8 @@ def test_a_loop_body_starts_after_the_calls_before_the_loop():
     carried = re.findall(r"= (%[\w]+(?:#\d+)?)", loop.split("stablehlo.while(", 1)[1])
     assert any(depends_on(v.split("#")[0], calls[0][1], operands) for v in carried)
     outputs = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
-        x, idx, w)
+        x, idx, w
+    )
     assert np.isfinite(np.asarray(outputs)).all()
 
 
@@ -118,8 +128,9 @@ def test_gradient_of_a_loop_after_a_call_matches_the_reference():
     mesh, _, x, idx, w = setup()
 
     def grads(impl):
-        buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
-                            max_tokens_per_rank=T, impl=impl)
+        buf = jax_ep.Buffer(
+            mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl=impl
+        )
 
         def step(x, idx, w):
             def layer(i, x):
@@ -131,7 +142,8 @@ def test_gradient_of_a_loop_after_a_call_matches_the_reference():
             return jax.grad(loss)(x) + first.x.sum()
 
         return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
-            x, idx, w)
+            x, idx, w
+        )
 
     np.testing.assert_allclose(grads("ffi"), grads("reference"), rtol=1e-5, atol=1e-5)
 
@@ -148,8 +160,9 @@ def compiled_calls(text, computation="ENTRY"):
     text, in program order, and every instruction's operands there."""
     operands, calls, inside = {}, [], False
     for line in text.splitlines():
-        if line.startswith(computation) or (computation != "ENTRY" and computation in line
-                                            and line.rstrip().endswith("{")):
+        if line.startswith(computation) or (
+            computation != "ENTRY" and computation in line and line.rstrip().endswith("{")
+        ):
             inside = True
             continue
         if inside and line.startswith("}"):
@@ -174,10 +187,15 @@ def assert_one_chain(calls, operands):
 def test_two_shard_maps_of_one_jit_form_one_chain():
     # Independent data in two shard_maps: only the Buffer's token orders them.
     mesh, buf, x, idx, w = setup()
-    first = jax.shard_map(lambda x, idx, w: buf.dispatch(x, idx, w).x, mesh=mesh,
-                          in_specs=P("ep"), out_specs=P("ep"))
-    second = jax.shard_map(lambda x, idx, w: buf.dispatch(x * 2, idx, w, fp8=False).x,
-                           mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    first = jax.shard_map(
+        lambda x, idx, w: buf.dispatch(x, idx, w).x, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")
+    )
+    second = jax.shard_map(
+        lambda x, idx, w: buf.dispatch(x * 2, idx, w, fp8=False).x,
+        mesh=mesh,
+        in_specs=P("ep"),
+        out_specs=P("ep"),
+    )
     step = jax.jit(lambda x, idx, w: (first(x, idx, w), second(x, idx, w)))
     calls, operands = compiled_calls(step.lower(x, idx, w).compile().as_text())
     assert [name for name, _, _ in calls] == ["dispatch", "dispatch"]
@@ -188,14 +206,19 @@ def test_two_shard_maps_of_one_jit_form_one_chain():
 
 def test_calls_inside_a_cond_follow_and_precede_the_calls_around_it():
     mesh, buf, x, idx, w = setup()
-    ref = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
-                        impl="reference")
+    ref = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl="reference"
+    )
 
     def program(b):
         def step(x, idx, w, flag):
             d = b.dispatch(x, idx, w)
-            y = jax.lax.cond(flag[0] > 0, lambda v: b.combine(v, d.handle),
-                             lambda v: b.combine(2 * v, d.handle), d.x)
+            y = jax.lax.cond(
+                flag[0] > 0,
+                lambda v: b.combine(v, d.handle),
+                lambda v: b.combine(2 * v, d.handle),
+                d.x,
+            )
             return b.dispatch(x + 1, idx, w).x.sum() + y
 
         return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
@@ -207,8 +230,9 @@ def test_calls_inside_a_cond_follow_and_precede_the_calls_around_it():
     assert depends_on(conditional, calls[0][1], operands)
     assert depends_on(calls[1][1], conditional, operands)
     for f in (flag, -flag):
-        np.testing.assert_allclose(program(buf)(x, idx, w, f), program(ref)(x, idx, w, f),
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            program(buf)(x, idx, w, f), program(ref)(x, idx, w, f), rtol=1e-6
+        )
 
 
 def test_a_nested_jit_called_twice_and_the_calls_around_it_form_one_chain():
@@ -222,46 +246,72 @@ def test_a_nested_jit_called_twice_and_the_calls_around_it_form_one_chain():
     calls, operands = compiled_calls(fn.lower(x, idx, w).compile().as_text())
     assert [name for name, _, _ in calls] == ["dispatch"] * 3
     assert_one_chain(calls, operands)
-    np.testing.assert_allclose(fn(x, idx, w), 6 * np.asarray(inner_reference(mesh, x, idx, w)),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        fn(x, idx, w), 6 * np.asarray(inner_reference(mesh, x, idx, w)), rtol=1e-6
+    )
 
 
 def inner_reference(mesh, x, idx, w):
-    ref = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
-                        impl="reference")
-    return jax.jit(jax.shard_map(lambda x, idx, w: ref.dispatch(x, idx, w).x, mesh=mesh,
-                                 in_specs=P("ep"), out_specs=P("ep")))(x, idx, w)
+    ref = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl="reference"
+    )
+    return jax.jit(
+        jax.shard_map(
+            lambda x, idx, w: ref.dispatch(x, idx, w).x,
+            mesh=mesh,
+            in_specs=P("ep"),
+            out_specs=P("ep"),
+        )
+    )(x, idx, w)
 
 
 def test_vmap_runs_whole_ops_one_after_another_and_refuses_halves():
     mesh, buf, x, idx, w = setup()
-    ref = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
-                        impl="reference")
+    ref = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl="reference"
+    )
 
     def batched(b):
         def step(xs, idx, w):
             return jax.vmap(lambda v: b.dispatch(v, idx, w).x)(xs)
-        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(None, "ep"), P("ep"), P("ep")),
-                                     out_specs=P(None, "ep")))
+
+        return jax.jit(
+            jax.shard_map(
+                step, mesh=mesh, in_specs=(P(None, "ep"), P("ep"), P("ep")), out_specs=P(None, "ep")
+            )
+        )
 
     xs = jnp.stack([x, 2 * x, 3 * x])
-    np.testing.assert_array_equal(np.asarray(batched(buf)(xs, idx, w)),
-                                  np.asarray(batched(ref)(xs, idx, w)))
+    np.testing.assert_array_equal(
+        np.asarray(batched(buf)(xs, idx, w)), np.asarray(batched(ref)(xs, idx, w))
+    )
 
     def halves(xs, idx, w):
         return jax.vmap(lambda v: buf.dispatch_recv(buf.dispatch_send(v, idx, w)).x)(xs)
 
     with pytest.raises(ValueError, match="cannot be batched by vmap"):
-        jax.jit(jax.shard_map(halves, mesh=mesh, in_specs=(P(None, "ep"), P("ep"), P("ep")),
-                              out_specs=P(None, "ep"))).lower(xs, idx, w)
+        jax.jit(
+            jax.shard_map(
+                halves,
+                mesh=mesh,
+                in_specs=(P(None, "ep"), P("ep"), P("ep")),
+                out_specs=P(None, "ep"),
+            )
+        ).lower(xs, idx, w)
 
 
 def test_programs_launched_from_several_threads_in_turn_all_match_the_reference():
     # JAX keeps runtime tokens per thread; threads that take turns launching keep every rank's
     # ops in one order (docs/ARCHITECTURE.md).
     mesh, buf, x, idx, w = setup()
-    step = jax.jit(jax.shard_map(lambda x, idx, w: buf.dispatch(x, idx, w).x, mesh=mesh,
-                                 in_specs=P("ep"), out_specs=P("ep")))
+    step = jax.jit(
+        jax.shard_map(
+            lambda x, idx, w: buf.dispatch(x, idx, w).x,
+            mesh=mesh,
+            in_specs=P("ep"),
+            out_specs=P("ep"),
+        )
+    )
     want = np.asarray(step(x, idx, w))
     turn = threading.Lock()
     results = {}
@@ -286,8 +336,9 @@ def test_a_user_custom_vjp_and_a_scan_with_unroll_match_the_reference():
     mesh, _, x, idx, w = setup()
 
     def grads(impl):
-        buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K,
-                            max_tokens_per_rank=T, impl=impl)
+        buf = jax_ep.Buffer(
+            mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl=impl
+        )
 
         @jax.custom_vjp
         def moved(x, idx, w):  # a user's rule whose forward and backward both call the Buffer
@@ -311,7 +362,8 @@ def test_a_user_custom_vjp_and_a_scan_with_unroll_match_the_reference():
             return jax.grad(loss)(x)
 
         return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
-            x, idx, w)
+            x, idx, w
+        )
 
     np.testing.assert_allclose(grads("ffi"), grads("reference"), rtol=1e-5, atol=1e-5)
 
@@ -319,8 +371,14 @@ def test_a_user_custom_vjp_and_a_scan_with_unroll_match_the_reference():
 def test_an_ahead_of_time_compiled_program_runs_again_and_again():
     # JAX's fast path for a compiled program's later calls passes no runtime token (_jax.py).
     mesh, buf, x, idx, w = setup()
-    step = jax.jit(jax.shard_map(lambda x, idx, w: buf.dispatch(x, idx, w).x, mesh=mesh,
-                                 in_specs=P("ep"), out_specs=P("ep")))
+    step = jax.jit(
+        jax.shard_map(
+            lambda x, idx, w: buf.dispatch(x, idx, w).x,
+            mesh=mesh,
+            in_specs=P("ep"),
+            out_specs=P("ep"),
+        )
+    )
     compiled = step.lower(x, idx, w).compile()
     want = np.asarray(step(x, idx, w))
     for s in (1.0, 2.0, 3.0):

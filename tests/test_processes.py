@@ -1,8 +1,8 @@
 """jax_ep across processes on CPU devices (tests/processes.py): a mesh spanning 2 or 4
 processes of 1 to 4 devices, against the reference path; Buffers that differ between processes;
 a process that stops early; more than 32 ranks in one process."""
-import pytest
 
+import pytest
 from processes import launch
 
 
@@ -11,8 +11,9 @@ def assert_ok(results):
         assert code == 0 and "SCENARIO OK" in out, f"process {p} (exit {code}):\n{out[-4000:]}"
 
 
-@pytest.mark.parametrize("num_processes,devices,dp", [(2, 2, 1), (4, 1, 1), (2, 4, 2)],
-                         ids=["2x2", "4x1", "2x4-dp2"])
+@pytest.mark.parametrize(
+    "num_processes,devices,dp", [(2, 2, 1), (4, 1, 1), (2, 4, 2)], ids=["2x2", "4x1", "2x4-dp2"]
+)
 def test_mesh_across_processes_matches_reference(num_processes, devices, dp):
     assert_ok(launch("matches_reference", num_processes, devices, env={"DP": str(dp)}))
 

@@ -2,6 +2,7 @@
 processes that disagree are in process_scenarios.py): a timed-out op leaves NaN in its own
 step and the next call raises, Buffer.status() says why; op numbers past 2^32; a corrupted
 handle cannot write outside the window; /dev/shm too small is an error naming the size."""
+
 import functools
 import time
 
@@ -9,12 +10,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import (
+    assert_matches_reference,
+    branching_dispatch,
+    buffers,
+    make_mesh,
+    pipeline,
+    random_inputs,
+    run,
+)
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import ffi_path
-from helpers import (assert_matches_reference, branching_dispatch, buffers, make_mesh, pipeline,
-                     random_inputs, run)
 
 E, H, K, T = 8, 128, 2, 8
 
@@ -22,16 +30,24 @@ E, H, K, T = 8, 128, 2, 8
 def _lonely_recv(buf, mesh):
     """A recv half of an op no rank ever sent: its wait can only time out."""
     cfg = buf._ops._cfg._replace(x_dtype="float32")
-    return jax.jit(jax.shard_map(
-        lambda t: ffi_path._recv(cfg, "dispatch_cached_recv", ffi_path._rows_shapes(cfg, T, H),
-                                 t)[0],
-        mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
+    return jax.jit(
+        jax.shard_map(
+            lambda t: ffi_path._recv(
+                cfg, "dispatch_cached_recv", ffi_path._rows_shapes(cfg, T, H), t
+            )[0],
+            mesh=mesh,
+            in_specs=P("ep"),
+            out_specs=P("ep"),
+            check_vma=False,
+        )
+    )
 
 
 def test_a_timed_out_op_returns_nan_in_its_own_step_and_the_next_call_raises():
     mesh = make_mesh(1)
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
-                        timeout_s=0.5)
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=0.5
+    )
     assert buf.status() is None
     start = time.perf_counter()
     rows = np.asarray(_lonely_recv(buf, mesh)(jnp.full((1,), 7, jnp.int32)))
@@ -60,8 +76,10 @@ def test_op_numbers_past_2_to_the_32(monkeypatch):
     bias = jnp.asarray(rng.standard_normal(x.shape), x.dtype)
     # 3 ops per step (split dispatch and combine, a cached dispatch), run twice: ops 2^32 - 2
     # to 2^32 + 3.
-    step = {impl: functools.partial(run, mesh, pipeline(buf, "rank", split=True))
-            for impl, buf in bufs.items()}
+    step = {
+        impl: functools.partial(run, mesh, pipeline(buf, "rank", split=True))
+        for impl, buf in bufs.items()
+    }
     assert_matches_reference(step, x, idx, w, bias, x * 2)
     assert bufs["ffi"].status() is None
 
@@ -69,8 +87,9 @@ def test_op_numbers_past_2_to_the_32(monkeypatch):
 def test_a_corrupted_handle_cannot_write_outside_the_window():
     """Combine's send half clamps the handle's counts to the window and the rows given."""
     mesh = make_mesh(2)
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
-                        timeout_s=20)
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=20
+    )
     rows = 2 * T
 
     def bad_combine(data):
@@ -94,19 +113,31 @@ def test_shared_memory_too_small_is_an_error_naming_the_size():
     mesh = make_mesh(1)
     n = (1 << 28) - 1  # about 2 TiB of window: more than any /dev/shm
     with pytest.raises(RuntimeError, match=r"cannot allocate \d+ bytes .*/dev/shm is too small"):
-        jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=1024, num_topk=K, max_tokens_per_rank=n,
-                      low_latency_tokens=0)
+        jax_ep.Buffer(
+            mesh,
+            "ep",
+            num_experts=E,
+            hidden=1024,
+            num_topk=K,
+            max_tokens_per_rank=n,
+            low_latency_tokens=0,
+        )
     again = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
     x = jnp.ones((T, H), jnp.float32)
-    d = run(mesh, lambda x, i: again.dispatch(x, i)._replace(handle=None), x,
-            jnp.zeros((T, K), jnp.int32))
+    d = run(
+        mesh,
+        lambda x, i: again.dispatch(x, i)._replace(handle=None),
+        x,
+        jnp.zeros((T, K), jnp.int32),
+    )
     assert int(np.asarray(d.num_recv)[0]) == T
 
 
 def test_ranks_that_run_different_ops_stop_naming_both():
     mesh = make_mesh(2)
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
-                        timeout_s=60)
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=60
+    )
     x = jnp.ones((2 * T, H), jnp.bfloat16)
     i = jnp.tile(jnp.arange(K, dtype=jnp.int32), (2 * T, 1)) * (E // 2 - 1)
     start = time.perf_counter()
@@ -114,8 +145,10 @@ def test_ranks_that_run_different_ops_stop_naming_both():
     assert time.perf_counter() - start < 50, "a mismatch waited for the timeout"
     assert np.isnan(np.asarray(rows)).all() and (np.asarray(ids) == -1).all()
     assert (np.asarray(num_recv) == 0).all()
-    both = ("dispatch(fp8 rows of bfloat16 x, hidden 128, 8 tokens, top-2 of 8 experts)",
-            "dispatch(bfloat16 rows, hidden 128, 8 tokens, top-2 of 8 experts)")
+    both = (
+        "dispatch(fp8 rows of bfloat16 x, hidden 128, 8 tokens, top-2 of 8 experts)",
+        "dispatch(bfloat16 rows, hidden 128, 8 tokens, top-2 of 8 experts)",
+    )
     assert all(op in buf.status() for op in both), buf.status()
     with pytest.raises(Exception, match=r"ran dispatch\(.* while rank . ran dispatch\("):
         jax.block_until_ready(run(mesh, lambda x, i: buf.dispatch(x, i).x, x, i))
@@ -125,8 +158,16 @@ def test_check_invalid_raising_between_the_halves_of_another_op_leaves_the_slots
     """check_invalid raises (on every rank) inside a program that has another op's send half
     in flight: the op's recv half still runs, so following ops of the Buffer work."""
     mesh = make_mesh(2)
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
-                        timeout_s=5, check_invalid=True)
+    buf = jax_ep.Buffer(
+        mesh,
+        "ep",
+        num_experts=E,
+        hidden=H,
+        num_topk=K,
+        max_tokens_per_rank=T,
+        timeout_s=5,
+        check_invalid=True,
+    )
     x = jnp.ones((2 * T, H), jnp.float32)
     good = jnp.zeros((2 * T, K), jnp.int32)
     bad = good.at[3, 1].set(E + 1)

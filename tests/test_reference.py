@@ -1,13 +1,14 @@
 """The reference path (jax.lax.all_to_all) against the numpy oracle of docs/API.md."""
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import oracle
 import pytest
+from helpers import calc_diff, make_mesh, per_rank, pipeline, random_inputs, run
 
 import jax_ep
 from jax_ep import layout
-import oracle
-from helpers import calc_diff, make_mesh, per_rank, pipeline, random_inputs, run
 
 T, H, E, K = 12, 256, 16, 4
 
@@ -25,15 +26,17 @@ CONFIGS = [  # num_ranks, dp, layout, alignment, fp8, round_scale, capacity, dty
 
 @pytest.mark.parametrize("num_ranks,dp,lay,alignment,fp8,round_scale,capacity,dtype", CONFIGS)
 @pytest.mark.parametrize("kind", ["random", "one_expert", "skip_rank", "duplicates"])
-def test_reference_matches_oracle(num_ranks, dp, lay, alignment, fp8, round_scale, capacity,
-                                  dtype, kind):
+def test_reference_matches_oracle(
+    num_ranks, dp, lay, alignment, fp8, round_scale, capacity, dtype, kind
+):
     devices = num_ranks * dp
     mesh = make_mesh(num_ranks, dp)
     rng = np.random.default_rng(hash((num_ranks, lay, kind)) % 2**32)
     x, idx, w = random_inputs(rng, devices, T, H, E, K, num_ranks, kind, dtype)
     bias = jnp.asarray(rng.standard_normal((devices * T, H)), dtype)
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
-                        impl="reference")
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl="reference"
+    )
     out = run(mesh, pipeline(buf, lay, alignment, fp8, round_scale, capacity), x, idx, w, bias, x)
 
     def groups(a):  # [devices, ...] -> [dp, R, ...]
@@ -65,8 +68,7 @@ def test_reference_matches_oracle(num_ranks, dp, lay, alignment, fp8, round_scal
             n = want["x"].shape[1]  # default capacity is R*N rows with N = T here
             for f in ("topk_idx", "topk_weights", "tokens_per_expert"):
                 np.testing.assert_array_equal(d[f][g], want[f], err_msg=f)
-            np.testing.assert_array_equal(d["x"][g][:, :n].view(np.uint8),
-                                          want["x"].view(np.uint8))
+            np.testing.assert_array_equal(d["x"][g][:, :n].view(np.uint8), want["x"].view(np.uint8))
             if fp8:
                 np.testing.assert_array_equal(d["scales"][g], want["scales"])
             np.testing.assert_array_equal(d["num_recv"][g][:, 0], want["num_recv"])
@@ -77,15 +79,21 @@ def test_reference_matches_oracle(num_ranks, dp, lay, alignment, fp8, round_scal
             cap = d["x"].shape[2]  # expert rows (all experts' blocks when padded)
             for r in range(num_ranks):
                 src, expert, weight, present, dropped = oracle.expert_layout(
-                    want["topk_idx"][r], want["topk_weights"][r], el, alignment, cap,
-                    block if padded else 0)
+                    want["topk_idx"][r],
+                    want["topk_weights"][r],
+                    el,
+                    alignment,
+                    cap,
+                    block if padded else 0,
+                )
                 np.testing.assert_array_equal(d["topk_idx"][g][r], expert)
                 np.testing.assert_allclose(d["topk_weights"][g][r], weight, rtol=1e-6)
                 np.testing.assert_array_equal(d["tokens_per_expert"][g][r], present)
                 assert d["num_dropped"][g][r, 0] == dropped
                 gathered = np.where((src >= 0)[:, None], want["x"][r][np.maximum(src, 0)], 0)
-                np.testing.assert_array_equal(d["x"][g][r].view(np.uint8),
-                                              gathered.astype(want["x"].dtype).view(np.uint8))
+                np.testing.assert_array_equal(
+                    d["x"][g][r].view(np.uint8), gathered.astype(want["x"].dtype).view(np.uint8)
+                )
                 sizes = layout.align_up(present, alignment)
                 assert d["num_recv"][g][r, 0] == sizes.sum()
                 # The expert rows of each rank-level row, weighted, in expert order.

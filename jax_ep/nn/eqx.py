@@ -8,6 +8,7 @@ The weights are created sharded (experts over expert_axis). routing_bias is stat
 parameter: it gets zero gradients, so keep it out of the optimizer (e.g. optax.masked) when
 the optimizer decays weights.
 """
+
 from __future__ import annotations
 
 import equinox as eqx
@@ -22,10 +23,27 @@ class MoE(eqx.Module):
     routing_bias: jax.Array | None
     layer: MoELayer = eqx.field(static=True)
 
-    def __init__(self, cfg: MoEConfig, mesh, *, expert_axis, tokens_per_rank, key,
-                 data_axis=None, impl="auto", **buffer_options):
-        self.layer = MoELayer(cfg, mesh, expert_axis=expert_axis, data_axis=data_axis,
-                              tokens_per_rank=tokens_per_rank, impl=impl, **buffer_options)
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        mesh,
+        *,
+        expert_axis,
+        tokens_per_rank,
+        key,
+        data_axis=None,
+        impl="auto",
+        **buffer_options,
+    ):
+        self.layer = MoELayer(
+            cfg,
+            mesh,
+            expert_axis=expert_axis,
+            data_axis=data_axis,
+            tokens_per_rank=tokens_per_rank,
+            impl=impl,
+            **buffer_options,
+        )
         self.weights = init_params(key, cfg, mesh=mesh, expert_axis=expert_axis)
         self.routing_bias = jnp.zeros(cfg.num_experts, jnp.float32) if cfg.routing_bias else None
 
@@ -34,5 +52,8 @@ class MoE(eqx.Module):
 
     def with_routing_bias_updated(self, tokens_per_expert, rate):
         """This module after one balancing step of its routing bias (MoEAux.tokens_per_expert)."""
-        return eqx.tree_at(lambda m: m.routing_bias, self,
-                           update_routing_bias(self.routing_bias, tokens_per_expert, rate))
+        return eqx.tree_at(
+            lambda m: m.routing_bias,
+            self,
+            update_routing_bias(self.routing_bias, tokens_per_expert, rate),
+        )

@@ -9,6 +9,7 @@ The weights are created sharded (experts over expert_axis) and carry nnx.with_pa
 metadata, so nnx.get_partition_spec(nnx.state(moe)) gives their specs. The routing bias is a
 RoutingBias variable, not an nnx.Param: optimizers over nnx.Param leave it alone.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -23,10 +24,27 @@ class RoutingBias(nnx.Variable):
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: MoEConfig, mesh, *, expert_axis, tokens_per_rank, rngs: nnx.Rngs,
-                 data_axis=None, impl="auto", **buffer_options):
-        self.layer = MoELayer(cfg, mesh, expert_axis=expert_axis, data_axis=data_axis,
-                              tokens_per_rank=tokens_per_rank, impl=impl, **buffer_options)
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        mesh,
+        *,
+        expert_axis,
+        tokens_per_rank,
+        rngs: nnx.Rngs,
+        data_axis=None,
+        impl="auto",
+        **buffer_options,
+    ):
+        self.layer = MoELayer(
+            cfg,
+            mesh,
+            expert_axis=expert_axis,
+            data_axis=data_axis,
+            tokens_per_rank=tokens_per_rank,
+            impl=impl,
+            **buffer_options,
+        )
         init = init_params(rngs.params(), cfg, mesh=mesh, expert_axis=expert_axis)
         specs = self.layer.param_specs(init)
         self.names = tuple(init)
@@ -35,8 +53,9 @@ class MoE(nnx.Module):
             axes = tuple(spec) + (None,) * (value.ndim - len(spec))
             # Already sharded by init_params: the initializer hands the array over.
             setattr(self, name, nnx.Param(nnx.with_partitioning(lambda v=value: v, axes, mesh)()))
-        self.routing_bias = (RoutingBias(jnp.zeros(cfg.num_experts, jnp.float32))
-                             if cfg.routing_bias else None)
+        self.routing_bias = (
+            RoutingBias(jnp.zeros(cfg.num_experts, jnp.float32)) if cfg.routing_bias else None
+        )
 
     def weights(self):
         return {name: getattr(self, name)[...] for name in self.names}
@@ -49,5 +68,6 @@ class MoE(nnx.Module):
 
     def update_routing_bias(self, tokens_per_expert, rate):
         """One balancing step of the routing bias from a step's MoEAux.tokens_per_expert."""
-        self.routing_bias[...] = update_routing_bias(self.routing_bias[...], tokens_per_expert,
-                                                     rate)
+        self.routing_bias[...] = update_routing_bias(
+            self.routing_bias[...], tokens_per_expert, rate
+        )

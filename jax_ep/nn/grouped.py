@@ -36,6 +36,7 @@ it does not wait for: the copy overlaps the next tile, and the buffer is reused 
 The Mosaic weight gradient multiplies the rows of a group's last block past its end by zero, so
 rows past sum(group_sizes) must be finite (a dispatch's padding rows are zeros).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,6 +59,7 @@ class Blocks(NamedTuple):
     max_concurrent_steps loads in flight; grid_block_n output tiles side by side per SM sweep;
     programs_per_sm programs share each SM (jax_ep's kernels only), so that one's loads overlap
     another's products where a tile's pipeline is a few steps long."""
+
     block_m: int
     block_n: int
     block_k: int
@@ -67,14 +69,14 @@ class Blocks(NamedTuple):
 
     def jax_kernel_args(self):
         """The keyword arguments of jax's ragged_dot_mgpu kernels (one program per SM)."""
-        return {name: value for name, value in self._asdict().items()
-                if name != "programs_per_sm"}
+        return {name: value for name, value in self._asdict().items() if name != "programs_per_sm"}
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicBlocks:
     """The kernels' block sizes, per product: the best of bench/grouped_matmul.py's sweep on an
     H200 at DeepSeek-V3's expert shapes (bench/results/grouped-matmul-nvidia-h200-*.json)."""
+
     gmm: Blocks = Blocks(128, 128, 128, 3, 8)
     gmm_t: Blocks = Blocks(128, 128, 128, 3, 8)
     tgmm: Blocks = Blocks(128, 128, 64, 2, 8, 2)
@@ -83,21 +85,25 @@ class MosaicBlocks:
 MOSAIC_BLOCKS = MosaicBlocks()
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, impl="auto", group_alignment=1,
-                   blocks=MOSAIC_BLOCKS):
+def grouped_matmul(lhs, rhs, group_sizes, *, impl="auto", group_alignment=1, blocks=MOSAIC_BLOCKS):
     """lhs [M, K] rows in groups of group_sizes [G] (int32, sum <= M), rhs [G, K, N] -> [M, N]
     in lhs.dtype (rhs is cast to it). impl: "auto", "xla" or "mosaic" (ValueError when the
     kernels cannot run here or these shapes do not fit their blocks). group_alignment: a
     number every group size is a multiple of (the caller's promise: wrong results otherwise),
     e.g. the expert_alignment of the dispatch that made the rows."""
     if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
-        raise ValueError(f"jax_ep.nn.grouped_matmul: lhs must be [M, K] and rhs [G, K, N], got "
-                         f"{lhs.shape} and {rhs.shape}")
+        raise ValueError(
+            f"jax_ep.nn.grouped_matmul: lhs must be [M, K] and rhs [G, K, N], got "
+            f"{lhs.shape} and {rhs.shape}"
+        )
     if group_sizes.shape != (rhs.shape[0],):
-        raise ValueError(f"jax_ep.nn.grouped_matmul: group_sizes must have shape "
-                         f"({rhs.shape[0]},), got {group_sizes.shape}")
-    return product("gmm", lhs, rhs, group_sizes, impl=impl, group_alignment=group_alignment,
-                   blocks=blocks)
+        raise ValueError(
+            f"jax_ep.nn.grouped_matmul: group_sizes must have shape "
+            f"({rhs.shape[0]},), got {group_sizes.shape}"
+        )
+    return product(
+        "gmm", lhs, rhs, group_sizes, impl=impl, group_alignment=group_alignment, blocks=blocks
+    )
 
 
 def product(kind, a, b, group_sizes, *, impl="auto", group_alignment=1, blocks=MOSAIC_BLOCKS):
@@ -119,6 +125,7 @@ def product(kind, a, b, group_sizes, *, impl="auto", group_alignment=1, blocks=M
 
 class _Plan(NamedTuple):
     """How the products run (static): implementation, promised alignment, block sizes."""
+
     impl: str
     group_alignment: int
     blocks: MosaicBlocks
@@ -134,8 +141,9 @@ def resolve_impl(impl, lhs_shape, rhs_shape, dtype, blocks=MOSAIC_BLOCKS):
     if not problems:
         return "mosaic"
     if impl == "mosaic":
-        raise ValueError("jax_ep.nn.grouped_matmul: impl='mosaic' cannot run: "
-                         + "; ".join(problems))
+        raise ValueError(
+            "jax_ep.nn.grouped_matmul: impl='mosaic' cannot run: " + "; ".join(problems)
+        )
     return "xla"
 
 
@@ -149,12 +157,17 @@ def mosaic_misfits(lhs_shape, rhs_shape, dtype, blocks=MOSAIC_BLOCKS):
     (m, k), (_, _, n) = lhs_shape, rhs_shape
     # (product, dimension name, size, multiple it must be of): forward [M,K]x[K,N], d lhs
     # [M,N]x[N,K] (rhs transposed), d rhs [K,M]x[M,N] contracting over the rows.
-    needs = [("gmm", "M", m, blocks.gmm.block_m), ("gmm", "K", k, blocks.gmm.block_k),
-             ("gmm", "N", n, blocks.gmm.block_n),
-             ("gmm_t", "M", m, blocks.gmm_t.block_m), ("gmm_t", "N", n, blocks.gmm_t.block_k),
-             ("gmm_t", "K", k, blocks.gmm_t.block_n),
-             ("tgmm", "M", m, blocks.tgmm.block_k), ("tgmm", "K", k, blocks.tgmm.block_m),
-             ("tgmm", "N", n, blocks.tgmm.block_n)]
+    needs = [
+        ("gmm", "M", m, blocks.gmm.block_m),
+        ("gmm", "K", k, blocks.gmm.block_k),
+        ("gmm", "N", n, blocks.gmm.block_n),
+        ("gmm_t", "M", m, blocks.gmm_t.block_m),
+        ("gmm_t", "N", n, blocks.gmm_t.block_k),
+        ("gmm_t", "K", k, blocks.gmm_t.block_n),
+        ("tgmm", "M", m, blocks.tgmm.block_k),
+        ("tgmm", "K", k, blocks.tgmm.block_m),
+        ("tgmm", "N", n, blocks.tgmm.block_n),
+    ]
     for product, name, size, multiple in needs:
         if size == 0 or size % multiple:
             problems.append(f"{product}: {name}={size} is not a positive multiple of {multiple}")
@@ -166,8 +179,10 @@ def _platform_misfits():
     device = jax.devices()[0]
     capability = str(getattr(device, "compute_capability", ""))
     if device.platform != "gpu" or capability.split(".")[0] != "9":
-        return (f"the default device is {device.device_kind} ({device.platform}), not a CUDA GPU "
-                f"of compute capability 9.x",)
+        return (
+            f"the default device is {device.device_kind} ({device.platform}), not a CUDA GPU "
+            f"of compute capability 9.x",
+        )
     try:
         _mosaic_kernels()
     except ImportError as e:
@@ -177,10 +192,12 @@ def _platform_misfits():
 
 def _mosaic_kernels():
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
     return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
 
 
 # ---------------------------------------------------------------- the three products
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _product(kind, plan, a, b, group_sizes):
@@ -197,11 +214,11 @@ def _product_bwd(kind, plan, residuals, ct):
     def run(kind, x, y):
         return _product(kind, plan, x, y, group_sizes)
 
-    if kind == "gmm":      # out = a @ b_g
+    if kind == "gmm":  # out = a @ b_g
         grads = run("gmm_t", ct, b), run("tgmm", a, ct)
     elif kind == "gmm_t":  # out = a @ b_g^T
         grads = run("gmm", ct, b), run("tgmm", ct, a)
-    else:                  # out_g = a_g^T @ b_g
+    else:  # out_g = a_g^T @ b_g
         grads = run("gmm_t", b, ct), run("gmm", a, ct)
     return grads + (None,)
 
@@ -219,7 +236,8 @@ def _compute(kind, plan, a, b, group_sizes):
     if plan.impl == "xla":
         dot, ragged, group = _XLA_DIMENSIONS[kind]
         return jax.lax.ragged_dot_general(
-            a, b, group_sizes, jax.lax.RaggedDotDimensionNumbers(dot, ragged, group))
+            a, b, group_sizes, jax.lax.RaggedDotDimensionNumbers(dot, ragged, group)
+        )
     ragged_dot, transposed_ragged_dot = _mosaic_kernels()
     tiles = getattr(plan.blocks, kind)
     if kind == "tgmm" and plan.group_alignment % tiles.block_k == 0:
@@ -229,8 +247,9 @@ def _compute(kind, plan, a, b, group_sizes):
     elif plan.group_alignment % tiles.block_m == 0:
         out = _aligned_gmm(a, b, group_sizes, tiles, transpose_rhs=kind == "gmm_t")
     else:
-        out = ragged_dot(a, b, group_sizes=group_sizes, transpose_rhs=kind == "gmm_t",
-                         **tiles.jax_kernel_args())
+        out = ragged_dot(
+            a, b, group_sizes=group_sizes, transpose_rhs=kind == "gmm_t", **tiles.jax_kernel_args()
+        )
     # A custom call's outputs look replicated to shard_map: they vary like the operands.
     out = varying_like(out, a, b, group_sizes)
     if kind == "tgmm":
@@ -250,9 +269,9 @@ def _row_blocks(group_sizes, m, bm):
     row) and [1] the number of blocks the groups fill."""
     ends = jnp.cumsum(group_sizes)
     block_group = (ends[None, :] <= jnp.arange(m // bm, dtype=jnp.int32)[:, None] * bm).sum(
-        axis=1, dtype=jnp.int32)
-    return (jnp.minimum(block_group, group_sizes.shape[0] - 1),
-            (ends[-1:] // bm).astype(jnp.int32))
+        axis=1, dtype=jnp.int32
+    )
+    return (jnp.minimum(block_group, group_sizes.shape[0] - 1), (ends[-1:] // bm).astype(jnp.int32))
 
 
 def _over_tiles(body, out_type, tiles, *operands):
@@ -279,10 +298,13 @@ def _over_tiles(body, out_type, tiles, *operands):
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
-        kernel, out_type=out_type, scratch_types=[plgpu.SMEM((bm, bn), out_type.dtype)],
-        grid=(tiles.programs_per_sm * jax.devices()[0].core_count,), grid_names=("sm",),
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(*operands)
+        kernel,
+        out_type=out_type,
+        scratch_types=[plgpu.SMEM((bm, bn), out_type.dtype)],
+        grid=(tiles.programs_per_sm * jax.devices()[0].core_count,),
+        grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(*operands)
 
 
 def _aligned_gmm(lhs, rhs, group_sizes, tiles, transpose_rhs):
@@ -305,13 +327,15 @@ def _aligned_gmm(lhs, rhs, group_sizes, tiles, transpose_rhs):
 
         @plgpu.nd_loop((used_row_blocks * column_blocks,), collective_axes="sm")
         def tile(loop):
-            mi, ni = plgpu.planar_snake(loop.index[0], (used_row_blocks, column_blocks), 1,
-                                        columns_together)
+            mi, ni = plgpu.planar_snake(
+                loop.index[0], (used_row_blocks, column_blocks), 1, columns_together
+            )
             weights = rhs_ref.at[block_group_ref[mi]]
 
             def multiply(_, lhs_smem, rhs_smem, acc_ref):
-                plgpu.wgmma(acc_ref, lhs_smem,
-                            rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem)
+                plgpu.wgmma(
+                    acc_ref, lhs_smem, rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
+                )
 
             def accumulate(acc_ref):
                 plgpu.emit_pipeline(
@@ -320,8 +344,8 @@ def _aligned_gmm(lhs, rhs, group_sizes, tiles, transpose_rhs):
                     in_specs=[
                         plgpu.BlockSpec((bm, bk), lambda ki: (mi, ki), delay_release=1),
                         plgpu.BlockSpec((bn, bk), lambda ki: (ni, ki), delay_release=1)
-                        if transpose_rhs else
-                        plgpu.BlockSpec((bk, bn), lambda ki: (ki, ni), delay_release=1),
+                        if transpose_rhs
+                        else plgpu.BlockSpec((bk, bn), lambda ki: (ki, ni), delay_release=1),
                     ],
                     max_concurrent_steps=steps,
                 )(lhs_ref, weights)
@@ -329,8 +353,9 @@ def _aligned_gmm(lhs, rhs, group_sizes, tiles, transpose_rhs):
 
             store(pl.run_scoped(accumulate, plgpu.ACC((bm, bn))), out_ref, mi, ni)
 
-    return _over_tiles(body, jax.ShapeDtypeStruct((m, n), lhs.dtype), tiles, block_group,
-                       row_blocks, lhs, rhs)
+    return _over_tiles(
+        body, jax.ShapeDtypeStruct((m, n), lhs.dtype), tiles, block_group, row_blocks, lhs, rhs
+    )
 
 
 def _aligned_tgmm(lhs, rhs, group_sizes, tiles):
@@ -352,8 +377,12 @@ def _aligned_tgmm(lhs, rhs, group_sizes, tiles):
         @plgpu.nd_loop((num_groups * row_tiles * column_tiles,), collective_axes="sm")
         def tile(loop):
             group = loop.index[0] // (row_tiles * column_tiles)
-            mi, ni = plgpu.planar_snake(loop.index[0] % (row_tiles * column_tiles),
-                                        (row_tiles, column_tiles), 1, columns_together)
+            mi, ni = plgpu.planar_snake(
+                loop.index[0] % (row_tiles * column_tiles),
+                (row_tiles, column_tiles),
+                1,
+                columns_together,
+            )
             first = first_block_ref[group]
 
             def multiply(_, lhs_smem, rhs_smem, acc_ref):
@@ -366,19 +395,25 @@ def _aligned_tgmm(lhs, rhs, group_sizes, tiles):
                         functools.partial(multiply, acc_ref=acc_ref),
                         grid=(num_blocks_ref[group],),
                         in_specs=[
-                            plgpu.BlockSpec((bk, bm), lambda ki: (first + ki, mi),
-                                            delay_release=1),
-                            plgpu.BlockSpec((bk, bn), lambda ki: (first + ki, ni),
-                                            delay_release=1),
+                            plgpu.BlockSpec((bk, bm), lambda ki: (first + ki, mi), delay_release=1),
+                            plgpu.BlockSpec((bk, bn), lambda ki: (first + ki, ni), delay_release=1),
                         ],
                         max_concurrent_steps=steps,
                     )(lhs_ref, rhs_ref)
+
                 return acc_ref[...]
 
             store(pl.run_scoped(accumulate, plgpu.ACC((bm, bn))), out_ref.at[group], mi, ni)
 
-    return _over_tiles(body, jax.ShapeDtypeStruct((num_groups, k, n), lhs.dtype), tiles,
-                       first_block.astype(jnp.int32), num_blocks.astype(jnp.int32), lhs, rhs)
+    return _over_tiles(
+        body,
+        jax.ShapeDtypeStruct((num_groups, k, n), lhs.dtype),
+        tiles,
+        first_block.astype(jnp.int32),
+        num_blocks.astype(jnp.int32),
+        lhs,
+        rhs,
+    )
 
 
 # ---------------------------------------------------------------- FP8 (block-scaled) forward
@@ -398,11 +433,14 @@ def quantize_weights_fp8(w):
     g, k, n = w.shape
     b = layout.FP8_BLOCK
     if k % b or n % b:
-        raise ValueError(f"jax_ep.nn.quantize_weights_fp8: weights [G, K, N] need K and N "
-                         f"multiples of {b}, got {w.shape}")
+        raise ValueError(
+            f"jax_ep.nn.quantize_weights_fp8: weights [G, K, N] need K and N "
+            f"multiples of {b}, got {w.shape}"
+        )
     blocks = w.astype(jnp.float32).reshape(g, k // b, b, n // b, b)
     q, scales = layout.quantize_blocks(
-        blocks, jnp.max(jnp.abs(blocks), axis=(2, 4), keepdims=True))    # scales [G,K/b,1,N/b,1]
+        blocks, jnp.max(jnp.abs(blocks), axis=(2, 4), keepdims=True)
+    )  # scales [G,K/b,1,N/b,1]
     return jnp.swapaxes(q.reshape(g, k, n), 1, 2), jnp.swapaxes(scales[:, :, 0, :, 0], 1, 2)
 
 
@@ -412,8 +450,12 @@ def fp8_misfits(lhs_shape, rhs_shape, group_alignment):
     problems = list(_platform_misfits())
     (m, k), (_, _, n) = lhs_shape, rhs_shape
     bm, bn, bk = FP8_TILES[:3]
-    for name, size, multiple in (("M", m, bm), ("K", k, bk), ("N", n, bn),
-                                 ("group_alignment", group_alignment, bm)):
+    for name, size, multiple in (
+        ("M", m, bm),
+        ("K", k, bk),
+        ("N", n, bn),
+        ("group_alignment", group_alignment, bm),
+    ):
         if size == 0 or size % multiple:
             problems.append(f"fp8: {name}={size} is not a positive multiple of {multiple}")
     return problems
@@ -422,19 +464,29 @@ def fp8_misfits(lhs_shape, rhs_shape, group_alignment):
 def resolve_fp8_impl(impl, lhs_shape, rhs_shape, group_alignment):
     """The implementation fp8_grouped_matmul takes for these operands: "xla" or "mosaic"."""
     if impl not in IMPLS:
-        raise ValueError(f"jax_ep.nn.fp8_grouped_matmul: impl must be one of {IMPLS}, got "
-                         f"{impl!r}")
+        raise ValueError(f"jax_ep.nn.fp8_grouped_matmul: impl must be one of {IMPLS}, got {impl!r}")
     if impl == "xla":
         return impl
     problems = fp8_misfits(lhs_shape, rhs_shape, group_alignment)
     if problems and impl == "mosaic":
-        raise ValueError("jax_ep.nn.fp8_grouped_matmul: impl='mosaic' cannot run: "
-                         + "; ".join(problems))
+        raise ValueError(
+            "jax_ep.nn.fp8_grouped_matmul: impl='mosaic' cannot run: " + "; ".join(problems)
+        )
     return "xla" if problems else "mosaic"
 
 
-def fp8_grouped_matmul(lhs, lhs_q, lhs_scales, rhs, group_sizes, *, rhs_fp8=None, impl="auto",
-                       group_alignment=1, blocks=MOSAIC_BLOCKS):
+def fp8_grouped_matmul(
+    lhs,
+    lhs_q,
+    lhs_scales,
+    rhs,
+    group_sizes,
+    *,
+    rhs_fp8=None,
+    impl="auto",
+    group_alignment=1,
+    blocks=MOSAIC_BLOCKS,
+):
     """grouped_matmul(lhs, rhs, group_sizes) with an FP8 forward: lhs_q [M, K] e4m3fn and its
     1 x 128 scales lhs_scales [M, K/128] (what dispatch(fp8=True) delivers; lhs [M, K] their
     value in the compute dtype, e.g. Buffer.dequantize's, which only the backward reads), rhs
@@ -445,15 +497,24 @@ def fp8_grouped_matmul(lhs, lhs_q, lhs_scales, rhs, group_sizes, *, rhs_fp8=None
     (no gradient reaches the FP8 values or their scales). impl: "auto" ("mosaic" on Hopper when
     the shapes fit FP8_TILES and group_alignment is a multiple of its 64 rows, else "xla":
     dequantized, float32 ragged_dot), "xla" or "mosaic"."""
-    if lhs_q.dtype != jnp.float8_e4m3fn or lhs_q.shape != lhs.shape or lhs_scales.shape != (
-            lhs.shape[0], lhs.shape[1] // layout.FP8_BLOCK) or lhs.shape[1] % layout.FP8_BLOCK:
-        raise ValueError(f"jax_ep.nn.fp8_grouped_matmul: lhs_q must be e4m3fn like lhs "
-                         f"{lhs.shape} (K a multiple of {layout.FP8_BLOCK}) and lhs_scales "
-                         f"[M, K/{layout.FP8_BLOCK}], got {lhs_q.dtype}{lhs_q.shape} and "
-                         f"{lhs_scales.shape}")
+    if (
+        lhs_q.dtype != jnp.float8_e4m3fn
+        or lhs_q.shape != lhs.shape
+        or lhs_scales.shape != (lhs.shape[0], lhs.shape[1] // layout.FP8_BLOCK)
+        or lhs.shape[1] % layout.FP8_BLOCK
+    ):
+        raise ValueError(
+            f"jax_ep.nn.fp8_grouped_matmul: lhs_q must be e4m3fn like lhs "
+            f"{lhs.shape} (K a multiple of {layout.FP8_BLOCK}) and lhs_scales "
+            f"[M, K/{layout.FP8_BLOCK}], got {lhs_q.dtype}{lhs_q.shape} and "
+            f"{lhs_scales.shape}"
+        )
     fp8_impl = resolve_fp8_impl(impl, lhs.shape, rhs.shape, group_alignment)
-    backward = _Plan(resolve_impl(impl if impl == "xla" else "auto", lhs.shape, rhs.shape,
-                                  lhs.dtype, blocks), group_alignment, blocks)
+    backward = _Plan(
+        resolve_impl(impl if impl == "xla" else "auto", lhs.shape, rhs.shape, lhs.dtype, blocks),
+        group_alignment,
+        blocks,
+    )
     lhs, rhs, group_sizes = all_varying(lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32))
     fp8 = (lhs_q, lhs_scales) + tuple(quantize_weights_fp8(rhs) if rhs_fp8 is None else rhs_fp8)
     fp8 = [jax.lax.stop_gradient(a) for a in varying_like(fp8, lhs, rhs)]
@@ -465,15 +526,24 @@ def _fp8_gmm(fp8_impl, backward, lhs, rhs, group_sizes, lhs_q, lhs_scales, rhs_q
     if fp8_impl == "xla":
         b = layout.FP8_BLOCK
         g, n, k = rhs_q.shape
-        weights = (rhs_q.astype(jnp.float32).reshape(g, n // b, b, k // b, b)
-                   * rhs_scales[:, :, None, :, None]).reshape(g, n, k)
+        weights = (
+            rhs_q.astype(jnp.float32).reshape(g, n // b, b, k // b, b)
+            * rhs_scales[:, :, None, :, None]
+        ).reshape(g, n, k)
         out = jax.lax.ragged_dot_general(
-            layout.dequantize_fp8(lhs_q, lhs_scales), weights, group_sizes,
+            layout.dequantize_fp8(lhs_q, lhs_scales),
+            weights,
+            group_sizes,
             jax.lax.RaggedDotDimensionNumbers(_XLA_DIMENSIONS["gmm_t"][0], [0], [0]),
-            precision=jax.lax.Precision.HIGHEST)
+            precision=jax.lax.Precision.HIGHEST,
+        )
     else:
-        out = varying_like(_aligned_gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes,
-                                            FP8_TILES, lhs.dtype), lhs)
+        out = varying_like(
+            _aligned_gmm_fp8(
+                lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, FP8_TILES, lhs.dtype
+            ),
+            lhs,
+        )
     return _zero_past_groups(out.astype(lhs.dtype), group_sizes)
 
 
@@ -505,14 +575,23 @@ def _aligned_gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, tiles, o
     column_blocks = n // bn
     scales_by_step = lhs_scales.T  # [K/128, M]: one step's scales of a row block side by side
 
-    def body(block_group_ref, row_blocks_ref, lhs_ref, scales_ref, rhs_ref, rhs_scales_ref,
-             out_ref, store):
+    def body(
+        block_group_ref,
+        row_blocks_ref,
+        lhs_ref,
+        scales_ref,
+        rhs_ref,
+        rhs_scales_ref,
+        out_ref,
+        store,
+    ):
         used_row_blocks = row_blocks_ref[0]
 
         @plgpu.nd_loop((used_row_blocks * column_blocks,), collective_axes="sm")
         def tile(loop):
-            mi, ni = plgpu.planar_snake(loop.index[0], (used_row_blocks, column_blocks), 1,
-                                        columns_together)
+            mi, ni = plgpu.planar_snake(
+                loop.index[0], (used_row_blocks, column_blocks), 1, columns_together
+            )
             group = block_group_ref[mi]
 
             def step(indices, lhs_smem, rhs_smem, scale_smem, acc):
@@ -527,13 +606,24 @@ def _aligned_gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, tiles, o
             acc = plgpu.emit_pipeline(
                 step,
                 grid=(k // bk,),
-                in_specs=[plgpu.BlockSpec((bm, bk), lambda ki: (mi, ki)),
-                          plgpu.BlockSpec((bn, bk), lambda ki: (ni, ki)),
-                          plgpu.BlockSpec((None, bm), lambda ki: (ki, mi))],
+                in_specs=[
+                    plgpu.BlockSpec((bm, bk), lambda ki: (mi, ki)),
+                    plgpu.BlockSpec((bn, bk), lambda ki: (ni, ki)),
+                    plgpu.BlockSpec((None, bm), lambda ki: (ki, mi)),
+                ],
                 max_concurrent_steps=steps,
                 init_carry=jnp.zeros((bm, bn), jnp.float32),
             )(lhs_ref, rhs_ref.at[group], scales_ref)
             store(acc, out_ref, mi, ni)
 
-    return _over_tiles(body, jax.ShapeDtypeStruct((m, n), out_dtype), tiles, block_group,
-                       row_blocks, lhs_q, scales_by_step, rhs_q, rhs_scales)
+    return _over_tiles(
+        body,
+        jax.ShapeDtypeStruct((m, n), out_dtype),
+        tiles,
+        block_group,
+        row_blocks,
+        lhs_q,
+        scales_by_step,
+        rhs_q,
+        rhs_scales,
+    )

@@ -4,7 +4,7 @@
     layer = MoELayer(cfg, mesh, data_axis="dp", expert_axis="ep", tokens_per_rank=4096)
     params = init_params(jax.random.key(0), cfg, mesh=mesh, expert_axis="ep")  # made sharded
     y, aux = layer(params, x)     # under jit; x [tokens, hidden] sharded over (dp, ep)
-    loss = task_loss + 0.01 * aux.loss                # aux: MoEAux(loss, num_dropped, tokens_per_expert)
+    loss = task_loss + 0.01 * aux.loss  # aux: MoEAux(loss, num_dropped, tokens_per_expert)
 
 Inside shard_map call `moe_block(buffer, params_local, x, cfg, token_axes)` directly. The router
 (softmax or sigmoid scores, top-k, optional DeepSeek-V3 group-limited top-k, optional routing
@@ -15,6 +15,7 @@ jax.lax.ragged_dot elsewhere; SwiGLU); combine weights the outputs with the rout
 adds the shared expert as its bias. `dense_moe` is the same function without expert
 parallelism (capacity drops and the combine's partial sums modelled), for tests and checks.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_ep import layout
 from jax_ep.buffer import FLOAT_ROWS, Buffer
@@ -37,16 +39,16 @@ class MoEConfig:
     num_topk: int
     hidden: int
     ffn_hidden: int
-    score: str = "softmax"            # "softmax" or "sigmoid"
-    num_groups: int = 1               # > 1: group-limited top-k (DeepSeek-V3)
-    topk_groups: int = 1              # groups a token may use
-    normalize_weights: bool = True    # top-k weights sum to 1 before routed_scaling
+    score: str = "softmax"  # "softmax" or "sigmoid"
+    num_groups: int = 1  # > 1: group-limited top-k (DeepSeek-V3)
+    topk_groups: int = 1  # groups a token may use
+    normalize_weights: bool = True  # top-k weights sum to 1 before routed_scaling
     routed_scaling: float = 1.0
-    shared_ffn_hidden: int = 0        # 0: no shared expert
-    expert_alignment: int = 1         # rows per expert block rounded up to this (grouped GEMMs;
+    shared_ffn_hidden: int = 0  # 0: no shared expert
+    expert_alignment: int = 1  # rows per expert block rounded up to this (grouped GEMMs;
     #                                   128 lets the Mosaic kernels take one block per tile)
-    fp8: bool = False                 # FP8 dispatch (activations into the experts)
-    fp8_experts: bool = False         # with fp8: the gate and up projections multiply the FP8
+    fp8: bool = False  # FP8 dispatch (activations into the experts)
+    fp8_experts: bool = False  # with fp8: the gate and up projections multiply the FP8
     #                                   rows as they come (grouped.fp8_grouped_matmul, weights
     #                                   quantized 128 x 128 in the call; the layer's fp8_weights
     #                                   argument gives them quantized once); False: the rows are
@@ -56,11 +58,11 @@ class MoEConfig:
     # Rows past it drop in the expert layout's row order (the rank's last experts first) and
     # are counted in MoEAux.num_dropped.
     capacity_factor: float | None = None
-    routing_bias: bool = False        # top-k over scores + a per-expert bias (the layer's
+    routing_bias: bool = False  # top-k over scores + a per-expert bias (the layer's
     #                                   routing_bias argument), weights from the scores alone
     combine_partial_dtype: Any = jnp.float32  # each rank's sum of a token's expert rows (bf16:
     #                                   half the combine's bytes; needed with max_row_dtype=bf16)
-    grouped_matmul: str = "auto"      # jax_ep.nn.grouped impl: "auto", "xla" or "mosaic"
+    grouped_matmul: str = "auto"  # jax_ep.nn.grouped impl: "auto", "xla" or "mosaic"
 
     def __post_init__(self):
         if self.score not in ("softmax", "sigmoid"):
@@ -68,25 +70,33 @@ class MoEConfig:
         if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
             raise ValueError("jax_ep.nn: num_groups must divide num_experts and be >= topk_groups")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"jax_ep.nn: capacity_factor must be positive or None, got "
-                             f"{self.capacity_factor!r}")
+            raise ValueError(
+                f"jax_ep.nn: capacity_factor must be positive or None, got {self.capacity_factor!r}"
+            )
         if jnp.dtype(self.combine_partial_dtype) not in FLOAT_ROWS:
-            raise ValueError(f"jax_ep.nn: combine_partial_dtype must be float32 or bfloat16, got "
-                             f"{self.combine_partial_dtype!r}")
+            raise ValueError(
+                f"jax_ep.nn: combine_partial_dtype must be float32 or bfloat16, got "
+                f"{self.combine_partial_dtype!r}"
+            )
         if self.fp8 and self.fp8_experts and self.ffn_hidden % layout.FP8_BLOCK:
-            raise ValueError(f"jax_ep.nn: fp8_experts multiplies FP8 weights in "
-                             f"{layout.FP8_BLOCK} x {layout.FP8_BLOCK} blocks: ffn_hidden must be "
-                             f"a multiple of {layout.FP8_BLOCK}, got {self.ffn_hidden} (or set "
-                             f"fp8_experts=False)")
+            raise ValueError(
+                f"jax_ep.nn: fp8_experts multiplies FP8 weights in "
+                f"{layout.FP8_BLOCK} x {layout.FP8_BLOCK} blocks: ffn_hidden must be "
+                f"a multiple of {layout.FP8_BLOCK}, got {self.ffn_hidden} (or set "
+                f"fp8_experts=False)"
+            )
         if self.grouped_matmul not in grouped.IMPLS:
-            raise ValueError(f"jax_ep.nn: grouped_matmul must be one of {grouped.IMPLS}, got "
-                             f"{self.grouped_matmul!r}")
+            raise ValueError(
+                f"jax_ep.nn: grouped_matmul must be one of {grouped.IMPLS}, got "
+                f"{self.grouped_matmul!r}"
+            )
 
 
 class MoEAux(NamedTuple):
     """What a layer reports besides y, over every token of the layer (all ranks)."""
-    loss: jax.Array               # [] float32 load-balancing loss (load_balancing_loss)
-    num_dropped: jax.Array        # [] int32 (token, expert) rows dropped for capacity
+
+    loss: jax.Array  # [] float32 load-balancing loss (load_balancing_loss)
+    num_dropped: jax.Array  # [] int32 (token, expert) rows dropped for capacity
     tokens_per_expert: jax.Array  # [E] int32 tokens routed to each expert (before drops)
 
 
@@ -117,12 +127,19 @@ def _init_params(key, cfg, dtype):
     def dense(k, shape, fan_in):
         return (jax.random.normal(k, shape) / jnp.sqrt(fan_in)).astype(dtype)
 
-    params = dict(router=dense(keys[0], (h, e), h), w_gate=dense(keys[1], (e, h, f), h),
-                  w_up=dense(keys[2], (e, h, f), h), w_down=dense(keys[3], (e, f, h), f))
+    params = dict(
+        router=dense(keys[0], (h, e), h),
+        w_gate=dense(keys[1], (e, h, f), h),
+        w_up=dense(keys[2], (e, h, f), h),
+        w_down=dense(keys[3], (e, f, h), f),
+    )
     if cfg.shared_ffn_hidden:
         s = cfg.shared_ffn_hidden
-        params.update(s_gate=dense(keys[4], (h, s), h), s_up=dense(keys[5], (h, s), h),
-                      s_down=dense(keys[6], (s, h), s))
+        params.update(
+            s_gate=dense(keys[4], (h, s), h),
+            s_up=dense(keys[5], (h, s), h),
+            s_down=dense(keys[6], (s, h), s),
+        )
     return params
 
 
@@ -139,8 +156,11 @@ def route(x, router, cfg: MoEConfig, routing_bias=None):
         by_group = choose.reshape(scores.shape[0], cfg.num_groups, -1)
         group_score = jax.lax.top_k(by_group, min(2, by_group.shape[-1]))[0].sum(-1)
         _, best = jax.lax.top_k(group_score, cfg.topk_groups)
-        keep = jnp.zeros(group_score.shape, bool).at[
-            jnp.arange(scores.shape[0])[:, None], best].set(True)
+        keep = (
+            jnp.zeros(group_score.shape, bool)
+            .at[jnp.arange(scores.shape[0])[:, None], best]
+            .set(True)
+        )
         choose = jnp.where(jnp.repeat(keep, by_group.shape[-1], axis=1), choose, -jnp.inf)
     _, topk_idx = jax.lax.top_k(choose, cfg.num_topk)
     weights = jnp.take_along_axis(scores, topk_idx, axis=1)
@@ -184,10 +204,20 @@ def expert_capacity(cfg: MoEConfig, tokens_per_rank, num_ranks):
         return None
     experts_per_rank = cfg.num_experts // num_ranks
     balanced = tokens_per_rank * cfg.num_topk / experts_per_rank
-    rows = experts_per_rank * layout.align_up(math.ceil(cfg.capacity_factor * balanced),
-                                              cfg.expert_alignment)
-    return min(rows, layout.default_capacity("expert", num_ranks, tokens_per_rank, cfg.num_topk,
-                                             experts_per_rank, cfg.expert_alignment))
+    rows = experts_per_rank * layout.align_up(
+        math.ceil(cfg.capacity_factor * balanced), cfg.expert_alignment
+    )
+    return min(
+        rows,
+        layout.default_capacity(
+            "expert",
+            num_ranks,
+            tokens_per_rank,
+            cfg.num_topk,
+            experts_per_rank,
+            cfg.expert_alignment,
+        ),
+    )
 
 
 def _glu(gate, up):
@@ -213,25 +243,34 @@ def quantize_expert_weights(params):
     return {name: grouped.quantize_weights_fp8(params[name]) for name in FP8_WEIGHTS}
 
 
-def expert_ffn(params, rows, group_sizes, cfg: MoEConfig, group_alignment=None,
-               fp8_rows=None, fp8_weights=None):
+def expert_ffn(
+    params, rows, group_sizes, cfg: MoEConfig, group_alignment=None, fp8_rows=None, fp8_weights=None
+):
     """The local experts' SwiGLU on rows in groups ([M, H] -> [M, H]): grouped matmuls
     (cfg.grouped_matmul), rows promised aligned to group_alignment (default
     cfg.expert_alignment). fp8_rows: (e4m3fn [M, H], scales [M, H/128]) whose value rows is:
     the gate and up projections then multiply them (grouped.fp8_grouped_matmul), with
     fp8_weights (quantize_expert_weights) or weights quantized here."""
-    options = dict(impl=cfg.grouped_matmul, group_alignment=(
-        cfg.expert_alignment if group_alignment is None else group_alignment))
+    options = dict(
+        impl=cfg.grouped_matmul,
+        group_alignment=(cfg.expert_alignment if group_alignment is None else group_alignment),
+    )
 
     def project(name):
         if fp8_rows is None:
             return grouped.grouped_matmul(rows, params[name], group_sizes, **options)
         return grouped.fp8_grouped_matmul(
-            rows, *fp8_rows, params[name], group_sizes,
-            rhs_fp8=None if fp8_weights is None else fp8_weights[name], **options)
+            rows,
+            *fp8_rows,
+            params[name],
+            group_sizes,
+            rhs_fp8=None if fp8_weights is None else fp8_weights[name],
+            **options,
+        )
 
-    return grouped.grouped_matmul(_glu(project("w_gate"), project("w_up")), params["w_down"],
-                                  group_sizes, **options)
+    return grouped.grouped_matmul(
+        _glu(project("w_gate"), project("w_up")), params["w_down"], group_sizes, **options
+    )
 
 
 def fp8_rows(d, cfg: MoEConfig, fp8_weights=None):
@@ -240,31 +279,55 @@ def fp8_rows(d, cfg: MoEConfig, fp8_weights=None):
     return (d.x, d.scales) if cfg.fp8 and (cfg.fp8_experts or fp8_weights is not None) else None
 
 
-def moe_block(buffer: Buffer, params, x, cfg: MoEConfig, token_axes=(), routing_bias=None,
-              fp8_weights=None):
+def moe_block(
+    buffer: Buffer, params, x, cfg: MoEConfig, token_axes=(), routing_bias=None, fp8_weights=None
+):
     """Inside shard_map: x [T, H] this rank's tokens, params with this rank's experts ([E_l, ...])
     -> (y [T, H], MoEAux over every token of token_axes). routing_bias [E]: with
     cfg.routing_bias. fp8_weights: quantize_expert_weights(params) of this rank's experts, with
     cfg.fp8 (the gate and up projections then read them, whatever cfg.fp8_experts says)."""
     _check_routing_bias(cfg, routing_bias)
     if fp8_weights is not None and not cfg.fp8:
-        raise ValueError("jax_ep.nn: fp8_weights given but cfg.fp8 is False (the FP8 weights "
-                         "multiply the dispatch's FP8 rows)")
+        raise ValueError(
+            "jax_ep.nn: fp8_weights given but cfg.fp8 is False (the FP8 weights "
+            "multiply the dispatch's FP8 rows)"
+        )
     topk_idx, topk_weights, scores = route(x, params["router"], cfg, routing_bias)
     capacity = expert_capacity(cfg, x.shape[0], buffer.num_ranks)
-    d = buffer.dispatch(x, topk_idx, topk_weights, layout="expert",
-                        expert_alignment=cfg.expert_alignment, fp8=cfg.fp8, capacity=capacity)
+    d = buffer.dispatch(
+        x,
+        topk_idx,
+        topk_weights,
+        layout="expert",
+        expert_alignment=cfg.expert_alignment,
+        fp8=cfg.fp8,
+        capacity=capacity,
+    )
     # With FP8 rows, their dequantized value carries the gradient to x (and is all that the
     # backward reads when the projections take the FP8 rows themselves).
     rows = buffer.dequantize(d, x) if cfg.fp8 else d.x
-    out = expert_ffn(params, rows, d.group_sizes, cfg, fp8_rows=fp8_rows(d, cfg, fp8_weights),
-                     fp8_weights=fp8_weights)
+    out = expert_ffn(
+        params,
+        rows,
+        d.group_sizes,
+        cfg,
+        fp8_rows=fp8_rows(d, cfg, fp8_weights),
+        fp8_weights=fp8_weights,
+    )
     bias = shared_expert(params, x).astype(x.dtype) if cfg.shared_ffn_hidden else None
-    y = buffer.combine(out.astype(x.dtype), d.handle, topk_weights=d.topk_weights, bias=bias,
-                       partial_dtype=cfg.combine_partial_dtype)
+    y = buffer.combine(
+        out.astype(x.dtype),
+        d.handle,
+        topk_weights=d.topk_weights,
+        bias=bias,
+        partial_dtype=cfg.combine_partial_dtype,
+    )
     num_dropped = jax.lax.psum(d.num_dropped, token_axes) if token_axes else d.num_dropped
-    return y, MoEAux(load_balancing_loss(scores, topk_idx, cfg, token_axes), num_dropped,
-                     expert_load(topk_idx, cfg.num_experts, token_axes))
+    return y, MoEAux(
+        load_balancing_loss(scores, topk_idx, cfg, token_axes),
+        num_dropped,
+        expert_load(topk_idx, cfg.num_experts, token_axes),
+    )
 
 
 def grouped_matmul_path(cfg: MoEConfig, num_ranks, tokens_per_rank, dtype=jnp.bfloat16):
@@ -272,14 +335,25 @@ def grouped_matmul_path(cfg: MoEConfig, num_ranks, tokens_per_rank, dtype=jnp.bf
     "_fp8" where the FP8 rows are multiplied as they come, for the gate/up and the down
     projection) with tokens_per_rank tokens of `dtype` per rank."""
     rows = expert_capacity(cfg, tokens_per_rank, num_ranks) or layout.default_capacity(
-        "expert", num_ranks, tokens_per_rank, cfg.num_topk, cfg.num_experts // num_ranks,
-        cfg.expert_alignment)
+        "expert",
+        num_ranks,
+        tokens_per_rank,
+        cfg.num_topk,
+        cfg.num_experts // num_ranks,
+        cfg.expert_alignment,
+    )
     groups, h, f = cfg.num_experts // num_ranks, cfg.hidden, cfg.ffn_hidden
-    paths = {name: grouped.resolve_impl(cfg.grouped_matmul, (rows, k), (groups, k, n), dtype)
-             for name, (k, n) in (("gate_up", (h, f)), ("down", (f, h)))}
+    paths = {
+        name: grouped.resolve_impl(cfg.grouped_matmul, (rows, k), (groups, k, n), dtype)
+        for name, (k, n) in (("gate_up", (h, f)), ("down", (f, h)))
+    }
     if cfg.fp8 and cfg.fp8_experts:
-        paths["gate_up"] = grouped.resolve_fp8_impl(cfg.grouped_matmul, (rows, h),
-                                                    (groups, h, f), cfg.expert_alignment) + "_fp8"
+        paths["gate_up"] = (
+            grouped.resolve_fp8_impl(
+                cfg.grouped_matmul, (rows, h), (groups, h, f), cfg.expert_alignment
+            )
+            + "_fp8"
+        )
     return paths
 
 
@@ -289,12 +363,13 @@ def _check_routing_bias(cfg, routing_bias):
     if not cfg.routing_bias and routing_bias is not None:
         raise ValueError("jax_ep.nn: routing_bias given but cfg.routing_bias is False")
     if routing_bias is not None and routing_bias.shape != (cfg.num_experts,):
-        raise ValueError(f"jax_ep.nn: routing_bias must have shape ({cfg.num_experts},), got "
-                         f"{routing_bias.shape}")
+        raise ValueError(
+            f"jax_ep.nn: routing_bias must have shape ({cfg.num_experts},), got "
+            f"{routing_bias.shape}"
+        )
 
 
-def dense_moe(params, x, cfg: MoEConfig, *, num_ranks=1, tokens_per_rank=None,
-              routing_bias=None):
+def dense_moe(params, x, cfg: MoEConfig, *, num_ranks=1, tokens_per_rank=None, routing_bias=None):
     """The same MoE on one device without expert parallelism: every expert on every token.
     x [G * R * T, H] holds the tokens of G EP groups of num_ranks ranks with tokens_per_rank
     each (default: one group), in rank order, as MoELayer splits them; with a capacity_factor
@@ -304,10 +379,11 @@ def dense_moe(params, x, cfg: MoEConfig, *, num_ranks=1, tokens_per_rank=None,
     tokens_per_rank = tokens_per_rank or x.shape[0] // num_ranks
     topk_idx, topk_weights, scores = route(x, params["router"], cfg, routing_bias)
     per_expert = jax.vmap(lambda g, u, dn: _swiglu(x, g, u, dn, jnp.matmul), out_axes=1)(
-        params["w_gate"], params["w_up"], params["w_down"])                  # [T, E, H]
+        params["w_gate"], params["w_up"], params["w_down"]
+    )  # [T, E, H]
     routed = jax.nn.one_hot(topk_idx, cfg.num_experts)
-    mix = (routed * topk_weights[..., None]).sum(axis=1)                     # [T, E]
-    has = routed.max(axis=1) > 0                                             # one row each
+    mix = (routed * topk_weights[..., None]).sum(axis=1)  # [T, E]
+    has = routed.max(axis=1) > 0  # one row each
     kept = _kept_rows(has, cfg, num_ranks, tokens_per_rank)
     # Each rank's weighted sum of a token's expert rows, in combine_partial_dtype, then the sum
     # over ranks in float32 (the layer's expert outputs are in x.dtype before the combine).
@@ -316,8 +392,11 @@ def dense_moe(params, x, cfg: MoEConfig, *, num_ranks=1, tokens_per_rank=None,
     y = partial.astype(cfg.combine_partial_dtype).astype(jnp.float32).sum(axis=1)
     if cfg.shared_ffn_hidden:
         y = y + shared_expert(params, x).astype(x.dtype).astype(jnp.float32)
-    aux = MoEAux(load_balancing_loss(scores, topk_idx, cfg), (has & ~kept).sum(dtype=jnp.int32),
-                 expert_load(topk_idx, cfg.num_experts))
+    aux = MoEAux(
+        load_balancing_loss(scores, topk_idx, cfg),
+        (has & ~kept).sum(dtype=jnp.int32),
+        expert_load(topk_idx, cfg.num_experts),
+    )
     return y.astype(x.dtype), aux
 
 
@@ -344,57 +423,93 @@ class MoELayer:
     with explicit axes (jax.sharding.AxisType.Explicit) the inputs are resharded to those specs
     first; with auto axes shard_map does it."""
 
-    def __init__(self, cfg: MoEConfig, mesh, *, expert_axis, tokens_per_rank, data_axis=None,
-                 impl="auto", **buffer_options):
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        mesh,
+        *,
+        expert_axis,
+        tokens_per_rank,
+        data_axis=None,
+        impl="auto",
+        **buffer_options,
+    ):
         self.cfg, self.mesh = cfg, mesh
         self.token_axes = tuple(a for a in (data_axis, expert_axis) if a is not None)
         self.expert_axis = expert_axis
-        self.buffer = Buffer(mesh, expert_axis, num_experts=cfg.num_experts, hidden=cfg.hidden,
-                             num_topk=cfg.num_topk, max_tokens_per_rank=tokens_per_rank,
-                             impl=impl, **buffer_options)
+        self.buffer = Buffer(
+            mesh,
+            expert_axis,
+            num_experts=cfg.num_experts,
+            hidden=cfg.hidden,
+            num_topk=cfg.num_topk,
+            max_tokens_per_rank=tokens_per_rank,
+            impl=impl,
+            **buffer_options,
+        )
         if jnp.dtype(cfg.combine_partial_dtype).itemsize > self.buffer.max_row_dtype.itemsize:
-            raise ValueError(f"jax_ep.nn: combine_partial_dtype "
-                             f"{jnp.dtype(cfg.combine_partial_dtype)} is wider than the Buffer's "
-                             f"max_row_dtype {self.buffer.max_row_dtype}: set "
-                             f"combine_partial_dtype=jnp.bfloat16 too")
+            raise ValueError(
+                f"jax_ep.nn: combine_partial_dtype "
+                f"{jnp.dtype(cfg.combine_partial_dtype)} is wider than the Buffer's "
+                f"max_row_dtype {self.buffer.max_row_dtype}: set "
+                f"combine_partial_dtype=jnp.bfloat16 too"
+            )
 
     def param_specs(self, params):
         return param_specs(params, self.expert_axis)
 
     def grouped_matmul_path(self, dtype=jnp.bfloat16):
         """The grouped-matmul implementations of the experts for tokens of `dtype`."""
-        return grouped_matmul_path(self.cfg, self.buffer.num_ranks,
-                                   self.buffer.max_tokens_per_rank, dtype)
+        return grouped_matmul_path(
+            self.cfg, self.buffer.num_ranks, self.buffer.max_tokens_per_rank, dtype
+        )
 
     def __call__(self, params, x, routing_bias=None, fp8_weights=None):
         """x [..., H] -> (y [..., H], MoEAux). routing_bias [E] float32: with cfg.routing_bias
         (e.g. kept as optimizer-free state, stepped by update_routing_bias). fp8_weights: with
         cfg.fp8, quantize_expert_weights(params) made beforehand (see there)."""
         tokens = P(self.token_axes)
-        specs = (self.param_specs(params), tokens, P(),
-                 jax.tree.map(lambda _: P(self.expert_axis), fp8_weights))
-        args = self._resharded((params, x.reshape(-1, x.shape[-1]), routing_bias, fp8_weights),
-                               specs)
+        specs = (
+            self.param_specs(params),
+            tokens,
+            P(),
+            jax.tree.map(lambda _: P(self.expert_axis), fp8_weights),
+        )
+        args = self._resharded(
+            (params, x.reshape(-1, x.shape[-1]), routing_bias, fp8_weights), specs
+        )
         fn = jax.shard_map(
             lambda p, t, b, w: moe_block(self.buffer, p, t, self.cfg, self.token_axes, b, w),
-            mesh=self.mesh, in_specs=specs, out_specs=(tokens, P()))
+            mesh=self.mesh,
+            in_specs=specs,
+            out_specs=(tokens, P()),
+        )
         y, aux = fn(*args)
         return y.reshape(x.shape), aux
 
     def _resharded(self, args, specs):
         """args laid out as specs over the mesh's explicit axes (the ones shard_map checks)."""
-        explicit = {name for name, kind in zip(self.mesh.axis_names,
-                                               self.mesh.axis_types)
-                    if kind == jax.sharding.AxisType.Explicit}
+        explicit = {
+            name
+            for name, kind in zip(self.mesh.axis_names, self.mesh.axis_types)
+            if kind == jax.sharding.AxisType.Explicit
+        }
         if not explicit:
             return args
 
         def over_explicit(entry):
-            names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,))
-                          if n in explicit)
+            names = tuple(
+                n for n in (entry if isinstance(entry, tuple) else (entry,)) if n in explicit
+            )
             return names if len(names) > 1 else names[0] if names else None
 
         return jax.tree.map(
-            lambda spec, a: a if a is None else jax.sharding.reshard(
-                a, NamedSharding(self.mesh, P(*map(over_explicit, spec)))), specs, args,
-            is_leaf=lambda node: isinstance(node, P))
+            lambda spec, a: (
+                a
+                if a is None
+                else jax.sharding.reshard(a, NamedSharding(self.mesh, P(*map(over_explicit, spec))))
+            ),
+            specs,
+            args,
+            is_leaf=lambda node: isinstance(node, P),
+        )
