@@ -112,7 +112,8 @@ using T = Calls<CpuBackend>;
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_instantiate, Instantiate<CpuBackend>, instantiate_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_instantiate, Instantiate<CpuBackend>,
+                              instantiate_binding());
 #define JAX_EP_CPU_CALL(name) \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_##name, T::name, name##_binding<CpuBackend>());
 JAX_EP_BUFFER_CALLS(JAX_EP_CPU_CALL)
@@ -122,8 +123,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_expert_layout, ExpertLayout<CpuBackend>
 Targets cpu_targets() {
   const Handler inst = jax_ep_cpu_instantiate;
 #define JAX_EP_CPU_TARGET(name) {#name, {inst, jax_ep_cpu_##name}},
-  return {JAX_EP_BUFFER_CALLS(JAX_EP_CPU_TARGET)
-          {"expert_layout", {nullptr, jax_ep_cpu_expert_layout}}};
+  return {
+      JAX_EP_BUFFER_CALLS(JAX_EP_CPU_TARGET){"expert_layout", {nullptr, jax_ep_cpu_expert_layout}}};
 }
 
 XLA_FFI_TypeId* cpu_state_type_id() { return &CpuState::id; }
@@ -137,8 +138,12 @@ struct CpuBuffer::Segments {
 
 CpuBuffer::CpuBuffer(const Window& window, std::string prefix, double timeout_s,
                      std::vector<LocalRank> local, uint64_t first_op)
-    : window_(window), prefix_(std::move(prefix)), timeout_s_(timeout_s), local_(std::move(local)),
-      first_op_(first_op), segments_(std::make_shared<Segments>()) {}
+    : window_(window),
+      prefix_(std::move(prefix)),
+      timeout_s_(timeout_s),
+      local_(std::move(local)),
+      first_op_(first_op),
+      segments_(std::make_shared<Segments>()) {}
 
 std::string CpuBuffer::status() const {
   for (const auto& [device, rank] : ranks)
@@ -157,8 +162,8 @@ std::string segment_name(const std::string& prefix, int group, int rank) {
 void CpuBuffer::create() {
   for (const LocalRank& l : local_) {
     shm::Segment s;
-    if (auto err = shm::Segment::create(segment_name(prefix_, l.group, l.rank),
-                                        window_.total_bytes(), &s);
+    if (auto err =
+            shm::Segment::create(segment_name(prefix_, l.group, l.rank), window_.total_bytes(), &s);
         !err.empty())
       throw std::runtime_error(err);
     uint8_t* mine = s.data();  // before any peer maps it
@@ -174,7 +179,8 @@ void CpuBuffer::connect() {
     for (int r = 0; r < window_.num_ranks; ++r) {
       if (segments_->by_rank.count({l.group, r})) continue;
       shm::Segment s;
-      if (auto err = shm::Segment::open(segment_name(prefix_, l.group, r), window_.total_bytes(), &s);
+      if (auto err =
+              shm::Segment::open(segment_name(prefix_, l.group, r), window_.total_bytes(), &s);
           !err.empty())
         throw std::runtime_error(err);
       segments_->by_rank[{l.group, r}] = std::move(s);

@@ -53,15 +53,14 @@ struct CudaBackend {
   static ffi::Error dispatch(const Context& c, State& st, Rank& rank, Part part,
                              const DispatchSend* send, const DispatchRecv* recv, Tokens tokens) {
     handler_calls.fetch_add(1, std::memory_order_relaxed);
-    return to_error(cuda::dispatch(rank, c.stream, part, send, recv,
-                                   st.config.low_latency, tokens.ticket, tokens.out));
+    return to_error(cuda::dispatch(rank, c.stream, part, send, recv, st.config.low_latency,
+                                   tokens.ticket, tokens.out));
   }
 
   static ffi::Error combine(const Context& c, State&, Rank& rank, Part part,
                             const CombineSend* send, const CombineRecv* recv, Tokens tokens) {
     handler_calls.fetch_add(1, std::memory_order_relaxed);
-    return to_error(cuda::combine(rank, c.stream, part, send, recv,
-                                  tokens.ticket, tokens.out));
+    return to_error(cuda::combine(rank, c.stream, part, send, recv, tokens.ticket, tokens.out));
   }
 
   static std::string expert_layout(const Context& c, const ExpertLayoutArgs& a) {
@@ -76,7 +75,7 @@ constexpr auto kGraphSafe = ffi::Traits::kCmdBufferCompatible;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_instantiate, Instantiate<CudaBackend>,
                               instantiate_binding());
-#define JAX_EP_CUDA_CALL(name)                                                                \
+#define JAX_EP_CUDA_CALL(name)                                                              \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_##name, T::name, name##_binding<CudaBackend>(), \
                                 {kGraphSafe});
 JAX_EP_BUFFER_CALLS(JAX_EP_CUDA_CALL)
@@ -86,8 +85,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_expert_layout, ExpertLayout<CudaBacken
 Targets cuda_targets() {
   const Handler inst = jax_ep_cuda_instantiate;
 #define JAX_EP_CUDA_TARGET(name) {#name, {inst, jax_ep_cuda_##name}},
-  return {JAX_EP_BUFFER_CALLS(JAX_EP_CUDA_TARGET)
-          {"expert_layout", {nullptr, jax_ep_cuda_expert_layout}}};
+  return {JAX_EP_BUFFER_CALLS(JAX_EP_CUDA_TARGET){"expert_layout",
+                                                  {nullptr, jax_ep_cuda_expert_layout}}};
 }
 
 XLA_FFI_TypeId* cuda_state_type_id() { return &CudaState::id; }
@@ -110,7 +109,8 @@ void check(cudaError_t e, const char* what) {
 std::shared_ptr<cuda::Failure> host_failure_record(cuda::Failure** on_device) {
   cuda::Failure* f = nullptr;
   check(cudaHostAlloc(reinterpret_cast<void**>(&f), sizeof(cuda::Failure),
-                      cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+                      cudaHostAllocMapped | cudaHostAllocPortable),
+        "cudaHostAlloc");
   *f = cuda::Failure{};
   check(cudaHostGetDevicePointer(reinterpret_cast<void**>(on_device), f, 0),
         "cudaHostGetDevicePointer");
@@ -190,13 +190,12 @@ CudaBuffer::CudaBuffer(const Window& window, const std::string& nccl_library, do
   std::map<int, std::vector<std::pair<int, int>>> by_group;  // in group order on every process
   for (const LocalRank& l : local) by_group[l.group].push_back({l.device, l.rank});
   for (const auto& [group, members] : by_group) {
-    auto comms = std::make_shared<nccl::Group>(nccl_library, unique_ids.at(group),
-                                               window.num_ranks, members,
-                                               size_t(align_bytes(window.total_bytes(), 4096)),
-                                               timeout_s);
+    auto comms =
+        std::make_shared<nccl::Group>(nccl_library, unique_ids.at(group), window.num_ranks, members,
+                                      size_t(align_bytes(window.total_bytes(), 4096)), timeout_s);
     for (const nccl::Group::Member& m : comms->members)
-      ranks[m.device] = make_rank(window, group, m.rank, m.device, num_sms, timeout_s,
-                                  direct_local, m.peers, comms, first_op);
+      ranks[m.device] = make_rank(window, group, m.rank, m.device, num_sms, timeout_s, direct_local,
+                                  m.peers, comms, first_op);
   }
   cudaSetDevice(previous);
 }
@@ -226,7 +225,10 @@ struct CudaIpcBuffer::Engine : cuda_ipc::Engine {
 CudaIpcBuffer::CudaIpcBuffer(const Window& window, const std::string& prefix, uint64_t tag,
                              double timeout_s, int num_sms, std::vector<LocalRank> local,
                              bool direct_local, uint64_t first_op)
-    : window_(window), timeout_s_(timeout_s), num_sms_(num_sms), direct_local_(direct_local),
+    : window_(window),
+      timeout_s_(timeout_s),
+      num_sms_(num_sms),
+      direct_local_(direct_local),
       first_op_(first_op) {
   std::vector<cuda_ipc::Engine::Member> members;
   for (const LocalRank& l : local) members.push_back({l.device, l.group, l.rank, nullptr, {}});

@@ -79,14 +79,16 @@ inline ffi::Error decode_send(const Window& w, const CallConfig& cfg, ffi::AnyBu
   a->topk_weights = topk_weights;
   a->send_pos = send_pos;
   a->num_invalid = num_invalid;
-  if (!to_dtype(x.element_type(), &a->x_dtype)) return invalid("dispatch: x must be float32 or bfloat16");
+  if (!to_dtype(x.element_type(), &a->x_dtype))
+    return invalid("dispatch: x must be float32 or bfloat16");
   if (a->num_tokens > w.rows_per_source)
     return invalid("dispatch: more tokens than the Buffer's max_tokens_per_rank");
   if (a->hidden > w.hidden || (a->fp8 && a->hidden % kFp8Block))
     return invalid("dispatch: rows wider than the Buffer's hidden, or fp8 with hidden % 128 != 0");
   if (a->wire_row_bytes() > w.payload_bytes())
     return invalid("dispatch: x's element type is wider than the Buffer's rows (max_row_dtype)");
-  if (topk_idx && num_topk != w.num_topk) return invalid("dispatch: topk_idx does not match num_topk");
+  if (topk_idx && num_topk != w.num_topk)
+    return invalid("dispatch: topk_idx does not match num_topk");
   if (send_pos_rows != a->num_tokens || send_pos_cols != w.num_ranks)
     return invalid("dispatch: the handle does not match x");
   return ffi::Error::Success();
@@ -154,7 +156,8 @@ inline ffi::Error decode_combine_send(const Window& w, ffi::AnyBuffer rows,
     return invalid("combine: rows must be float32 or bfloat16");
   if (a->width > w.hidden || int64_t(a->width) * dtype_size(a->rows_dtype) > w.payload_bytes())
     return invalid("combine: rows wider than the Buffer's (hidden, max_row_dtype)");
-  if (recv_counts.element_count() != w.num_ranks) return invalid("combine: the handle does not match");
+  if (recv_counts.element_count() != w.num_ranks)
+    return invalid("combine: the handle does not match");
   return ffi::Error::Success();
 }
 
@@ -180,7 +183,8 @@ inline ffi::Error decode_combine_recv(const Window& w, Dtype rows_dtype,
 inline ffi::Error decode_bias(ffi::RemainingArgs bias, CombineRecv* a) {
   if (bias.size() == 0) return ffi::Error::Success();
   auto b = bias.get<ffi::AnyBuffer>(0);
-  if (bias.size() > 1 || !b.has_value() || b->element_count() != int64_t(a->num_tokens) * a->width ||
+  if (bias.size() > 1 || !b.has_value() ||
+      b->element_count() != int64_t(a->num_tokens) * a->width ||
       !to_dtype(b->element_type(), &a->bias_dtype))
     return invalid("combine: bias must be one [tokens, width] float32 or bfloat16 array");
   a->bias = b->untyped_data();
@@ -206,23 +210,19 @@ struct Calls {
   // This device's rank of the call's Buffer.
   static Rank* rank_of(const Ctx& ctx, const State& st) { return st.rank_on(ctx.device); }
   static Result no_rank(const Ctx& ctx) {
-    return B::error(invalid("device " + std::to_string(ctx.device) +
-                            " is not in the mesh of this Buffer"));
+    return B::error(
+        invalid("device " + std::to_string(ctx.device) + " is not in the mesh of this Buffer"));
   }
 
   // A fresh dispatch, whole.
-  static Result dispatch(Ctx ctx, State* st, OrderArg, ffi::AnyBuffer x,
-                         ffi::Buffer<ffi::S32, 2> topk_idx, ffi::Buffer<ffi::F32, 2> topk_weights,
-                         OrderRet, TokenRet token_out, ffi::Result<ffi::AnyBuffer> x_out,
-                         ffi::Result<ffi::AnyBuffer> scales_out,
-                         ffi::ResultBuffer<ffi::S32, 2> topk_out,
-                         ffi::ResultBuffer<ffi::F32, 2> weights_out,
-                         ffi::ResultBuffer<ffi::S32, 1> recv_counts,
-                         ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert,
-                         ffi::ResultBuffer<ffi::S32, 0> num_recv,
-                         ffi::ResultBuffer<ffi::S32, 0> num_dropped,
-                         ffi::ResultBuffer<ffi::S32, 2> send_pos,
-                         ffi::ResultBuffer<ffi::S32, 0> num_invalid) {
+  static Result dispatch(
+      Ctx ctx, State* st, OrderArg, ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 2> topk_idx,
+      ffi::Buffer<ffi::F32, 2> topk_weights, OrderRet, TokenRet token_out,
+      ffi::Result<ffi::AnyBuffer> x_out, ffi::Result<ffi::AnyBuffer> scales_out,
+      ffi::ResultBuffer<ffi::S32, 2> topk_out, ffi::ResultBuffer<ffi::F32, 2> weights_out,
+      ffi::ResultBuffer<ffi::S32, 1> recv_counts, ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert,
+      ffi::ResultBuffer<ffi::S32, 0> num_recv, ffi::ResultBuffer<ffi::S32, 0> num_dropped,
+      ffi::ResultBuffer<ffi::S32, 2> send_pos, ffi::ResultBuffer<ffi::S32, 0> num_invalid) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
     const Window& w = rank->window;
@@ -230,19 +230,20 @@ struct Calls {
     DispatchRecv recv;
     ffi::Error err = check_tokens(token_out);
     if (err.success())
-      err = decode_fresh_send(w, st->config, x, topk_idx, topk_weights, send_pos, num_invalid, &send);
+      err =
+          decode_fresh_send(w, st->config, x, topk_idx, topk_weights, send_pos, num_invalid, &send);
     if (err.success())
       err = decode_fresh_recv(w, st->config, *x_out, *scales_out, topk_out, weights_out,
                               recv_counts, tokens_per_expert, num_recv, num_dropped, &recv);
     if (err.success()) err = check_whole(send, recv);
     if (err.failure()) return B::error(std::move(err));
-    return B::dispatch(ctx, *st, *rank, Part::kWhole, &send, &recv, {nullptr, token_out->typed_data()});
+    return B::dispatch(ctx, *st, *rank, Part::kWhole, &send, &recv,
+                       {nullptr, token_out->typed_data()});
   }
 
   static Result dispatch_send(Ctx ctx, State* st, OrderArg, ffi::AnyBuffer x,
                               ffi::Buffer<ffi::S32, 2> topk_idx,
-                              ffi::Buffer<ffi::F32, 2> topk_weights, OrderRet,
-                              TokenRet ticket,
+                              ffi::Buffer<ffi::F32, 2> topk_weights, OrderRet, TokenRet ticket,
                               ffi::ResultBuffer<ffi::S32, 2> send_pos,
                               ffi::ResultBuffer<ffi::S32, 0> num_invalid) {
     Rank* rank = rank_of(ctx, *st);
@@ -253,18 +254,16 @@ struct Calls {
       err = decode_fresh_send(rank->window, st->config, x, topk_idx, topk_weights, send_pos,
                               num_invalid, &send);
     if (err.failure()) return B::error(std::move(err));
-    return B::dispatch(ctx, *st, *rank, Part::kSend, &send, nullptr, {nullptr, ticket->typed_data()});
+    return B::dispatch(ctx, *st, *rank, Part::kSend, &send, nullptr,
+                       {nullptr, ticket->typed_data()});
   }
 
-  static Result dispatch_recv(Ctx ctx, State* st, OrderArg, TokenArg ticket,
-                              OrderRet, TokenRet token_out, ffi::Result<ffi::AnyBuffer> x_out,
-                              ffi::Result<ffi::AnyBuffer> scales_out,
-                              ffi::ResultBuffer<ffi::S32, 2> topk_out,
-                              ffi::ResultBuffer<ffi::F32, 2> weights_out,
-                              ffi::ResultBuffer<ffi::S32, 1> recv_counts,
-                              ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert,
-                              ffi::ResultBuffer<ffi::S32, 0> num_recv,
-                              ffi::ResultBuffer<ffi::S32, 0> num_dropped) {
+  static Result dispatch_recv(
+      Ctx ctx, State* st, OrderArg, TokenArg ticket, OrderRet, TokenRet token_out,
+      ffi::Result<ffi::AnyBuffer> x_out, ffi::Result<ffi::AnyBuffer> scales_out,
+      ffi::ResultBuffer<ffi::S32, 2> topk_out, ffi::ResultBuffer<ffi::F32, 2> weights_out,
+      ffi::ResultBuffer<ffi::S32, 1> recv_counts, ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert,
+      ffi::ResultBuffer<ffi::S32, 0> num_recv, ffi::ResultBuffer<ffi::S32, 0> num_dropped) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
     const Window& w = rank->window;
@@ -281,8 +280,8 @@ struct Calls {
 
   // A dispatch along a handle's routes, whole: only x moves.
   static Result dispatch_cached(Ctx ctx, State* st, OrderArg, ffi::AnyBuffer x,
-                                ffi::Buffer<ffi::S32, 2> send_pos, OrderRet,
-                                TokenRet token_out, ffi::Result<ffi::AnyBuffer> x_out,
+                                ffi::Buffer<ffi::S32, 2> send_pos, OrderRet, TokenRet token_out,
+                                ffi::Result<ffi::AnyBuffer> x_out,
                                 ffi::Result<ffi::AnyBuffer> scales_out) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
@@ -294,23 +293,24 @@ struct Calls {
     if (err.success()) err = decode_recv(w, st->config, *x_out, *scales_out, &recv);
     if (err.success()) err = check_whole(send, recv);
     if (err.failure()) return B::error(std::move(err));
-    return B::dispatch(ctx, *st, *rank, Part::kWhole, &send, &recv, {nullptr, token_out->typed_data()});
+    return B::dispatch(ctx, *st, *rank, Part::kWhole, &send, &recv,
+                       {nullptr, token_out->typed_data()});
   }
 
   static Result dispatch_cached_send(Ctx ctx, State* st, OrderArg, ffi::AnyBuffer x,
-                                     ffi::Buffer<ffi::S32, 2> send_pos, OrderRet,
-                                     TokenRet ticket) {
+                                     ffi::Buffer<ffi::S32, 2> send_pos, OrderRet, TokenRet ticket) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
     DispatchSend send;
     ffi::Error err = check_tokens(ticket);
     if (err.success()) err = decode_cached_send(rank->window, st->config, x, send_pos, &send);
     if (err.failure()) return B::error(std::move(err));
-    return B::dispatch(ctx, *st, *rank, Part::kSend, &send, nullptr, {nullptr, ticket->typed_data()});
+    return B::dispatch(ctx, *st, *rank, Part::kSend, &send, nullptr,
+                       {nullptr, ticket->typed_data()});
   }
 
-  static Result dispatch_cached_recv(Ctx ctx, State* st, OrderArg, TokenArg ticket,
-                                     OrderRet, TokenRet token_out, ffi::Result<ffi::AnyBuffer> x_out,
+  static Result dispatch_cached_recv(Ctx ctx, State* st, OrderArg, TokenArg ticket, OrderRet,
+                                     TokenRet token_out, ffi::Result<ffi::AnyBuffer> x_out,
                                      ffi::Result<ffi::AnyBuffer> scales_out) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
@@ -326,8 +326,8 @@ struct Calls {
   // A combine, whole: out = bias + the rows each token sent, summed in rank order.
   static Result combine(Ctx ctx, State* st, OrderArg, ffi::AnyBuffer rows,
                         ffi::Buffer<ffi::S32, 2> send_pos, ffi::Buffer<ffi::S32, 1> recv_counts,
-                        ffi::Buffer<ffi::S32, 0> num_rows, ffi::RemainingArgs bias,
-                        OrderRet, TokenRet token_out, ffi::Result<ffi::AnyBuffer> out) {
+                        ffi::Buffer<ffi::S32, 0> num_rows, ffi::RemainingArgs bias, OrderRet,
+                        TokenRet token_out, ffi::Result<ffi::AnyBuffer> out) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
     const Window& w = rank->window;
@@ -337,15 +337,16 @@ struct Calls {
     if (err.success()) err = decode_combine_send(w, rows, recv_counts, num_rows, &send);
     if (err.success()) err = decode_combine_recv(w, send.rows_dtype, send_pos, *out, &recv);
     if (err.success()) err = decode_bias(bias, &recv);
-    if (err.success() && recv.width != send.width) err = invalid("combine: rows and output widths differ");
+    if (err.success() && recv.width != send.width)
+      err = invalid("combine: rows and output widths differ");
     if (err.failure()) return B::error(std::move(err));
-    return B::combine(ctx, *st, *rank, Part::kWhole, &send, &recv, {nullptr, token_out->typed_data()});
+    return B::combine(ctx, *st, *rank, Part::kWhole, &send, &recv,
+                      {nullptr, token_out->typed_data()});
   }
 
   static Result combine_send(Ctx ctx, State* st, OrderArg, ffi::AnyBuffer rows,
                              ffi::Buffer<ffi::S32, 1> recv_counts,
-                             ffi::Buffer<ffi::S32, 0> num_rows, OrderRet,
-                             TokenRet ticket) {
+                             ffi::Buffer<ffi::S32, 0> num_rows, OrderRet, TokenRet ticket) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
     CombineSend send;
@@ -354,20 +355,20 @@ struct Calls {
     if (err.success() && int32_t(send.rows_dtype) != st->config.rows_dtype)
       err = invalid("combine: rows of another type than the call was built for");
     if (err.failure()) return B::error(std::move(err));
-    return B::combine(ctx, *st, *rank, Part::kSend, &send, nullptr, {nullptr, ticket->typed_data()});
+    return B::combine(ctx, *st, *rank, Part::kSend, &send, nullptr,
+                      {nullptr, ticket->typed_data()});
   }
 
   static Result combine_recv(Ctx ctx, State* st, OrderArg, TokenArg ticket,
-                             ffi::Buffer<ffi::S32, 2> send_pos, ffi::RemainingArgs bias,
-                             OrderRet, TokenRet token_out, ffi::Result<ffi::AnyBuffer> out) {
+                             ffi::Buffer<ffi::S32, 2> send_pos, ffi::RemainingArgs bias, OrderRet,
+                             TokenRet token_out, ffi::Result<ffi::AnyBuffer> out) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
     CombineRecv recv;
     ffi::Error err = check_tokens(token_out);
     if (err.success()) err = check_tokens(ticket, token_out);
     if (err.success())
-      err = decode_combine_recv(rank->window, Dtype(st->config.rows_dtype), send_pos, *out,
-                                &recv);
+      err = decode_combine_recv(rank->window, Dtype(st->config.rows_dtype), send_pos, *out, &recv);
     if (err.success()) err = decode_bias(bias, &recv);
     if (err.failure()) return B::error(std::move(err));
     return B::combine(ctx, *st, *rank, Part::kRecv, nullptr, &recv,
@@ -380,8 +381,8 @@ struct Calls {
                                  ffi::Buffer<ffi::F32, 2> ct_weights,
                                  ffi::Buffer<ffi::S32, 2> send_pos,
                                  ffi::Buffer<ffi::S32, 1> recv_counts,
-                                 ffi::Buffer<ffi::S32, 0> num_rows, OrderRet,
-                                 TokenRet token_out, ffi::Result<ffi::AnyBuffer> ct_x,
+                                 ffi::Buffer<ffi::S32, 0> num_rows, OrderRet, TokenRet token_out,
+                                 ffi::Result<ffi::AnyBuffer> ct_x,
                                  ffi::ResultBuffer<ffi::F32, 2> ct_w) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
@@ -390,19 +391,20 @@ struct Calls {
     CombineRecv recv;
     ffi::Error err = check_tokens(token_out);
     if (err.success()) err = decode_combine_send(w, ct_rows, recv_counts, num_rows, &send);
-    if (err.success())
-      err = decode_combine_recv(w, send.rows_dtype, send_pos, *ct_x, &recv);
+    if (err.success()) err = decode_combine_recv(w, send.rows_dtype, send_pos, *ct_x, &recv);
     if (err.success() && recv.width != send.width)
       err = invalid("dispatch adjoint: the rows' and x's cotangents differ in width");
     const int64_t cols = ct_weights.dimensions()[1];
-    if (err.success() && (ct_weights.dimensions()[0] != send.rows || 4 * cols > w.meta_bytes() ||
-                          ct_w->dimensions()[0] != recv.num_tokens || ct_w->dimensions()[1] != cols))
+    if (err.success() &&
+        (ct_weights.dimensions()[0] != send.rows || 4 * cols > w.meta_bytes() ||
+         ct_w->dimensions()[0] != recv.num_tokens || ct_w->dimensions()[1] != cols))
       err = invalid("dispatch adjoint: the weights' cotangents do not match the rows");
     if (err.failure()) return B::error(std::move(err));
     send.extra = ct_weights.typed_data();
     send.extra_cols = recv.extra_cols = int(cols);
     recv.extra_out = ct_w->typed_data();
-    return B::combine(ctx, *st, *rank, Part::kWhole, &send, &recv, {nullptr, token_out->typed_data()});
+    return B::combine(ctx, *st, *rank, Part::kWhole, &send, &recv,
+                      {nullptr, token_out->typed_data()});
   }
 
  private:
@@ -430,9 +432,11 @@ struct Calls {
 };
 
 // The targets that run on a Buffer, listed once: each is Calls<B>::name bound by name_binding<B>.
+// clang-format off
 #define JAX_EP_BUFFER_CALLS(X)                                                             \
   X(dispatch) X(dispatch_send) X(dispatch_recv) X(dispatch_cached) X(dispatch_cached_send) \
   X(dispatch_cached_recv) X(combine) X(combine_send) X(combine_recv) X(dispatch_adjoint)
+// clang-format on
 
 // The type information XLA keeps for a backend's call state.
 template <class State>
@@ -461,7 +465,9 @@ inline auto instantiate_binding() {
 
 template <class B>
 auto bind() {
-  return ffi::Ffi::Bind().template Ctx<typename B::Context>().template Ctx<ffi::State<typename B::State>>();
+  return ffi::Ffi::Bind()
+      .template Ctx<typename B::Context>()
+      .template Ctx<ffi::State<typename B::State>>();
 }
 
 // The execute bindings, in the order of the Targets' parameters.
@@ -469,87 +475,137 @@ auto bind() {
 template <class B>
 auto dispatch_binding() {
   return bind<B>()
-      .template Arg<OrderArg>().template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::S32, 2>>().template Arg<ffi::Buffer<ffi::F32, 2>>()
-      .template Ret<OrderArg>().template Ret<TokenArg>().template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::S32, 2>>().template Ret<ffi::Buffer<ffi::F32, 2>>()
-      .template Ret<ffi::Buffer<ffi::S32, 1>>().template Ret<ffi::Buffer<ffi::S32, 1>>()
-      .template Ret<ffi::Buffer<ffi::S32, 0>>().template Ret<ffi::Buffer<ffi::S32, 0>>()
-      .template Ret<ffi::Buffer<ffi::S32, 2>>().template Ret<ffi::Buffer<ffi::S32, 0>>();
+      .template Arg<OrderArg>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32, 2>>()
+      .template Arg<ffi::Buffer<ffi::F32, 2>>()
+      .template Ret<OrderArg>()
+      .template Ret<TokenArg>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::S32, 2>>()
+      .template Ret<ffi::Buffer<ffi::F32, 2>>()
+      .template Ret<ffi::Buffer<ffi::S32, 1>>()
+      .template Ret<ffi::Buffer<ffi::S32, 1>>()
+      .template Ret<ffi::Buffer<ffi::S32, 0>>()
+      .template Ret<ffi::Buffer<ffi::S32, 0>>()
+      .template Ret<ffi::Buffer<ffi::S32, 2>>()
+      .template Ret<ffi::Buffer<ffi::S32, 0>>();
 }
 
 template <class B>
 auto dispatch_send_binding() {
   return bind<B>()
-      .template Arg<OrderArg>().template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::S32, 2>>().template Arg<ffi::Buffer<ffi::F32, 2>>()
-      .template Ret<OrderArg>().template Ret<TokenArg>().template Ret<ffi::Buffer<ffi::S32, 2>>()
+      .template Arg<OrderArg>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32, 2>>()
+      .template Arg<ffi::Buffer<ffi::F32, 2>>()
+      .template Ret<OrderArg>()
+      .template Ret<TokenArg>()
+      .template Ret<ffi::Buffer<ffi::S32, 2>>()
       .template Ret<ffi::Buffer<ffi::S32, 0>>();
 }
 
 template <class B>
 auto dispatch_recv_binding() {
   return bind<B>()
-      .template Arg<OrderArg>().template Arg<TokenArg>()
-      .template Ret<OrderArg>().template Ret<TokenArg>().template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::S32, 2>>().template Ret<ffi::Buffer<ffi::F32, 2>>()
-      .template Ret<ffi::Buffer<ffi::S32, 1>>().template Ret<ffi::Buffer<ffi::S32, 1>>()
-      .template Ret<ffi::Buffer<ffi::S32, 0>>().template Ret<ffi::Buffer<ffi::S32, 0>>();
+      .template Arg<OrderArg>()
+      .template Arg<TokenArg>()
+      .template Ret<OrderArg>()
+      .template Ret<TokenArg>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::S32, 2>>()
+      .template Ret<ffi::Buffer<ffi::F32, 2>>()
+      .template Ret<ffi::Buffer<ffi::S32, 1>>()
+      .template Ret<ffi::Buffer<ffi::S32, 1>>()
+      .template Ret<ffi::Buffer<ffi::S32, 0>>()
+      .template Ret<ffi::Buffer<ffi::S32, 0>>();
 }
 
 template <class B>
 auto dispatch_cached_binding() {
   return bind<B>()
-      .template Arg<OrderArg>().template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::S32, 2>>()
-      .template Ret<OrderArg>().template Ret<TokenArg>().template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>();
+      .template Arg<OrderArg>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32, 2>>()
+      .template Ret<OrderArg>()
+      .template Ret<TokenArg>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
 }
 
 template <class B>
 auto dispatch_cached_send_binding() {
   return bind<B>()
-      .template Arg<OrderArg>().template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::S32, 2>>()
-      .template Ret<OrderArg>().template Ret<TokenArg>();
+      .template Arg<OrderArg>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32, 2>>()
+      .template Ret<OrderArg>()
+      .template Ret<TokenArg>();
 }
 
 template <class B>
 auto dispatch_cached_recv_binding() {
   return bind<B>()
-      .template Arg<OrderArg>().template Arg<TokenArg>()
-      .template Ret<OrderArg>().template Ret<TokenArg>().template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>();
+      .template Arg<OrderArg>()
+      .template Arg<TokenArg>()
+      .template Ret<OrderArg>()
+      .template Ret<TokenArg>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
 }
 
 template <class B>
 auto combine_binding() {
   return bind<B>()
-      .template Arg<OrderArg>().template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::S32, 2>>().template Arg<ffi::Buffer<ffi::S32, 1>>()
-      .template Arg<ffi::Buffer<ffi::S32, 0>>().RemainingArgs()
-      .template Ret<OrderArg>().template Ret<TokenArg>().template Ret<ffi::AnyBuffer>();
+      .template Arg<OrderArg>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32, 2>>()
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()
+      .template Arg<ffi::Buffer<ffi::S32, 0>>()
+      .RemainingArgs()
+      .template Ret<OrderArg>()
+      .template Ret<TokenArg>()
+      .template Ret<ffi::AnyBuffer>();
 }
 
 template <class B>
 auto combine_send_binding() {
   return bind<B>()
-      .template Arg<OrderArg>().template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::S32, 1>>().template Arg<ffi::Buffer<ffi::S32, 0>>()
-      .template Ret<OrderArg>().template Ret<TokenArg>();
+      .template Arg<OrderArg>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()
+      .template Arg<ffi::Buffer<ffi::S32, 0>>()
+      .template Ret<OrderArg>()
+      .template Ret<TokenArg>();
 }
 
 template <class B>
 auto combine_recv_binding() {
   return bind<B>()
-      .template Arg<OrderArg>().template Arg<TokenArg>()
-      .template Arg<ffi::Buffer<ffi::S32, 2>>().RemainingArgs()
-      .template Ret<OrderArg>().template Ret<TokenArg>().template Ret<ffi::AnyBuffer>();
+      .template Arg<OrderArg>()
+      .template Arg<TokenArg>()
+      .template Arg<ffi::Buffer<ffi::S32, 2>>()
+      .RemainingArgs()
+      .template Ret<OrderArg>()
+      .template Ret<TokenArg>()
+      .template Ret<ffi::AnyBuffer>();
 }
 
 template <class B>
 auto dispatch_adjoint_binding() {
   return bind<B>()
-      .template Arg<OrderArg>().template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::F32, 2>>()
-      .template Arg<ffi::Buffer<ffi::S32, 2>>().template Arg<ffi::Buffer<ffi::S32, 1>>()
+      .template Arg<OrderArg>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32, 2>>()
+      .template Arg<ffi::Buffer<ffi::S32, 2>>()
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()
       .template Arg<ffi::Buffer<ffi::S32, 0>>()
-      .template Ret<OrderArg>().template Ret<TokenArg>().template Ret<ffi::AnyBuffer>().template Ret<ffi::Buffer<ffi::F32, 2>>();
+      .template Ret<OrderArg>()
+      .template Ret<TokenArg>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32, 2>>();
 }
 
 // ---- the expert layout of received rows (local to the rank, no Buffer)

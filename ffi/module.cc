@@ -60,14 +60,15 @@ NB_MODULE(_native, m) {
   });
 
   nb::class_<Window>(m, "Window")
-      .def("__init__",
-           [](Window* w, int num_ranks, int experts_per_rank, int hidden, int num_topk,
-              int rows_per_source, int element_bytes) {
-             new (w) Window{num_ranks, experts_per_rank, hidden, num_topk, rows_per_source,
-                            element_bytes};
-           },
-           nb::arg("num_ranks"), nb::arg("experts_per_rank"), nb::arg("hidden"),
-           nb::arg("num_topk"), nb::arg("rows_per_source"), nb::arg("element_bytes"))
+      .def(
+          "__init__",
+          [](Window* w, int num_ranks, int experts_per_rank, int hidden, int num_topk,
+             int rows_per_source, int element_bytes) {
+            new (w) Window{num_ranks, experts_per_rank, hidden,
+                           num_topk,  rows_per_source,  element_bytes};
+          },
+          nb::arg("num_ranks"), nb::arg("experts_per_rank"), nb::arg("hidden"), nb::arg("num_topk"),
+          nb::arg("rows_per_source"), nb::arg("element_bytes"))
       .def("total_bytes", &Window::total_bytes)
       .def("row_bytes", &Window::row_bytes);
 
@@ -90,25 +91,26 @@ NB_MODULE(_native, m) {
 
   // The descriptor passing of the CUDA-IPC engine, on any descriptor (tests run it without GPUs).
   nb::class_<fd_socket::Server>(m, "FdServer")
-      .def("__init__",
-           [](fd_socket::Server* s, const std::string& name, int fd, uint64_t bytes,
-              uint64_t tag) {
-             new (s) fd_socket::Server(name, fd, {fd_socket::kMagic, bytes, tag});
-           },
-           nb::arg("name"), nb::arg("fd"), nb::arg("bytes"), nb::arg("tag"))
+      .def(
+          "__init__",
+          [](fd_socket::Server* s, const std::string& name, int fd, uint64_t bytes, uint64_t tag) {
+            new (s) fd_socket::Server(name, fd, {fd_socket::kMagic, bytes, tag});
+          },
+          nb::arg("name"), nb::arg("fd"), nb::arg("bytes"), nb::arg("tag"))
       .def("stop", &fd_socket::Server::stop)
       .def_prop_ro("served", &fd_socket::Server::served);
-  m.def("receive_fd",
-        [](const std::string& name, uint64_t tag, double timeout_s, const std::string& who) {
-          fd_socket::Header h{};
-          int fd;
-          {
-            nb::gil_scoped_release release;
-            fd = fd_socket::receive(name, tag, timeout_s, who, &h);
-          }
-          return std::make_tuple(fd, h.bytes);
-        },
-        nb::arg("name"), nb::arg("tag"), nb::arg("timeout_s"), nb::arg("who"));
+  m.def(
+      "receive_fd",
+      [](const std::string& name, uint64_t tag, double timeout_s, const std::string& who) {
+        fd_socket::Header h{};
+        int fd;
+        {
+          nb::gil_scoped_release release;
+          fd = fd_socket::receive(name, tag, timeout_s, who, &h);
+        }
+        return std::make_tuple(fd, h.bytes);
+      },
+      nb::arg("name"), nb::arg("tag"), nb::arg("timeout_s"), nb::arg("who"));
 
 #ifdef JAX_EP_WITH_CUDA
   m.attr("has_cuda") = true;
@@ -145,8 +147,7 @@ NB_MODULE(_native, m) {
                                    direct_local, first_op);
            })
       .def("connect", &CudaIpcBuffer::connect, nb::call_guard<nb::gil_scoped_release>())
-      .def("stop_serving", &CudaIpcBuffer::stop_serving,
-           nb::call_guard<nb::gil_scoped_release>());
+      .def("stop_serving", &CudaIpcBuffer::stop_serving, nb::call_guard<nb::gil_scoped_release>());
 #else
   m.attr("has_cuda") = false;
 #endif

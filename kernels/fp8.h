@@ -1,5 +1,5 @@
-// The FP8 rule (docs/API.md, FP8), shared by the CPU and CUDA backends; jax_ep/layout.py states it in JAX.
-// One float32 scale per 128 channels; e4m3fn values rounded to nearest even.
+// The FP8 rule (docs/API.md, FP8), shared by the CPU and CUDA backends; jax_ep/layout.py states it
+// in JAX. One float32 scale per 128 channels; e4m3fn values rounded to nearest even.
 #pragma once
 #include "kernels/layout.h"
 #include <cmath>

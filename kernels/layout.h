@@ -16,7 +16,8 @@ JAX_EP_HD bool is_invalid(int32_t expert, int num_experts) {
 
 // Whether slot k is the first of the token's slots naming a routed expert on `rank`: the token
 // goes to each such rank once.
-JAX_EP_HD bool first_slot_on_rank(const int32_t* topk, int k, int num_experts, int experts_per_rank) {
+JAX_EP_HD bool first_slot_on_rank(const int32_t* topk, int k, int num_experts,
+                                  int experts_per_rank) {
   if (!is_routed(topk[k], num_experts)) return false;
   const int rank = topk[k] / experts_per_rank;
   for (int p = 0; p < k; ++p)

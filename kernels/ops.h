@@ -24,12 +24,12 @@ JAX_EP_HD int64_t dispatch_row_bytes(bool fp8, int hidden, Dtype x_dtype) {
 struct DispatchSend {
   int num_experts, num_topk, hidden, num_tokens;
   bool fp8, round_scale;
-  Dtype x_dtype;                 // kF32 or kBF16
-  const void* x;                 // [T, H]
-  const int32_t* topk_idx;       // [T, K]; null for a cached dispatch
-  const float* topk_weights;     // [T, K]; null for a cached dispatch
-  int32_t* send_pos;             // [T, R] j per destination or -1: written when fresh, read when cached
-  int32_t* num_invalid;          // []: this rank's expert ids outside [-1, E) (fresh)
+  Dtype x_dtype;              // kF32 or kBF16
+  const void* x;              // [T, H]
+  const int32_t* topk_idx;    // [T, K]; null for a cached dispatch
+  const float* topk_weights;  // [T, K]; null for a cached dispatch
+  int32_t* send_pos;     // [T, R] j per destination or -1: written when fresh, read when cached
+  int32_t* num_invalid;  // []: this rank's expert ids outside [-1, E) (fresh)
   JAX_EP_HD bool fresh() const { return topk_idx != nullptr; }
   JAX_EP_HD int64_t wire_row_bytes() const { return dispatch_row_bytes(fp8, hidden, x_dtype); }
 };
@@ -39,15 +39,15 @@ struct DispatchRecv {
   int hidden, num_topk, out_rows;
   bool fp8;
   Dtype x_dtype;
-  void* x_out;                   // [out_rows, H] x_dtype, or e4m3 bytes when fp8
-  float* scales_out;             // [out_rows, H / 128] when fp8
+  void* x_out;        // [out_rows, H] x_dtype, or e4m3 bytes when fp8
+  float* scales_out;  // [out_rows, H / 128] when fp8
   // Fresh only (null for a cached dispatch):
-  int32_t* topk_out;             // [out_rows, K] local expert ids or -1
-  float* weights_out;            // [out_rows, K]
-  int32_t* recv_counts;          // [R] rows each source sent here, before capacity
-  int32_t* tokens_per_expert;    // [E / R] distinct (row, local expert) pairs present
-  int32_t* num_recv;             // [] rows present
-  int32_t* num_dropped;          // [] rows beyond out_rows
+  int32_t* topk_out;           // [out_rows, K] local expert ids or -1
+  float* weights_out;          // [out_rows, K]
+  int32_t* recv_counts;        // [R] rows each source sent here, before capacity
+  int32_t* tokens_per_expert;  // [E / R] distinct (row, local expert) pairs present
+  int32_t* num_recv;           // [] rows present
+  int32_t* num_dropped;        // [] rows beyond out_rows
   JAX_EP_HD bool fresh() const { return topk_out != nullptr; }
   JAX_EP_HD int64_t wire_row_bytes() const { return dispatch_row_bytes(fp8, hidden, x_dtype); }
 };
@@ -55,12 +55,12 @@ struct DispatchRecv {
 // Combine, send half: each rank-level row this rank received goes back into row j of its
 // source's window; rows dropped at dispatch stay here.
 struct CombineSend {
-  int width, rows;               // row_data is [rows, width]
+  int width, rows;  // row_data is [rows, width]
   Dtype rows_dtype;
   const void* row_data;
-  const int32_t* recv_counts;    // [R] the dispatch's rows per source (before capacity)
-  const int32_t* num_rows;       // [] rows present at dispatch
-  const float* extra;            // [rows, extra_cols] float32 columns moved with the rows, or null
+  const int32_t* recv_counts;  // [R] the dispatch's rows per source (before capacity)
+  const int32_t* num_rows;     // [] rows present at dispatch
+  const float* extra;          // [rows, extra_cols] float32 columns moved with the rows, or null
   int extra_cols;
 };
 
@@ -68,26 +68,26 @@ struct CombineSend {
 // sent to d, accumulated in float32 and rounded once; extra_out likewise, without bias.
 struct CombineRecv {
   int num_tokens, width;
-  const int32_t* send_pos;       // [T, R] j per destination or -1
-  Dtype rows_dtype;              // what the ranks send back (the same on every rank)
+  const int32_t* send_pos;  // [T, R] j per destination or -1
+  Dtype rows_dtype;         // what the ranks send back (the same on every rank)
   Dtype out_dtype, bias_dtype;
-  const void* bias;              // [T, width] or null
-  void* out;                     // [T, width]
-  float* extra_out;              // [T, extra_cols] or null
+  const void* bias;  // [T, width] or null
+  void* out;         // [T, width]
+  float* extra_out;  // [T, extra_cols] or null
   int extra_cols;
 };
 
 // Receiver-local: rank-layout rows -> expert-layout positions (by local expert, then row).
 struct ExpertLayoutArgs {
   int rows, num_topk, experts_per_rank, alignment, capacity;
-  int block_rows;                // > 0: expert e's rows are [e * block_rows, (e + 1) * block_rows)
-  const int32_t* topk_rows;      // [rows, K] local expert ids or -1
-  int32_t* expert_src;           // [capacity] rank-layout row of each expert row, -1 on padding
-  int32_t* expert_rows;          // [rows, M] expert rows of each rank-layout row by expert, -1
-  int32_t* expert_of_row;        // [capacity] local expert of each expert row, -1 on padding
-  int32_t* tokens_per_expert;    // [E_l] rows present per expert
-  int32_t* num_dropped;          // [] (row, expert) items beyond capacity
-  int32_t* expert_counts;        // [E_l] rows per expert before the capacity (scratch)
+  int block_rows;              // > 0: expert e's rows are [e * block_rows, (e + 1) * block_rows)
+  const int32_t* topk_rows;    // [rows, K] local expert ids or -1
+  int32_t* expert_src;         // [capacity] rank-layout row of each expert row, -1 on padding
+  int32_t* expert_rows;        // [rows, M] expert rows of each rank-layout row by expert, -1
+  int32_t* expert_of_row;      // [capacity] local expert of each expert row, -1 on padding
+  int32_t* tokens_per_expert;  // [E_l] rows present per expert
+  int32_t* num_dropped;        // [] (row, expert) items beyond capacity
+  int32_t* expert_counts;      // [E_l] rows per expert before the capacity (scratch)
   JAX_EP_HD int max_per_row() const { return max_experts_per_row(num_topk, experts_per_rank); }
 };
 

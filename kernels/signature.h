@@ -25,11 +25,11 @@ enum class OpKind : uint32_t {
 struct Signature {
   OpKind kind;
   bool fp8, round_scale;
-  Dtype dtype;        // dispatch: x's type (fp8: what was quantised); combine: the rows' type
-  int32_t width;      // dispatch: hidden; combine: the rows' width
-  int32_t columns;    // dispatch: top-k (fresh) or 0; adjoint: extra float32 columns; else 0
-  int32_t tokens;     // dispatch: tokens per rank; combine: rank-level rows sent back
-  int32_t experts;    // experts of the Buffer
+  Dtype dtype;      // dispatch: x's type (fp8: what was quantised); combine: the rows' type
+  int32_t width;    // dispatch: hidden; combine: the rows' width
+  int32_t columns;  // dispatch: top-k (fresh) or 0; adjoint: extra float32 columns; else 0
+  int32_t tokens;   // dispatch: tokens per rank; combine: rank-level rows sent back
+  int32_t experts;  // experts of the Buffer
 };
 
 // Two words: kind | fp8 | round_scale | dtype | columns (16 bits) | experts (32 bits), and
@@ -68,11 +68,11 @@ enum Wait : int32_t {
 // record (state 0 -> 1), writes it, then publishes it (state 2, a release). Every wait of a rank
 // checks its own window's state, so one rank's failure stops every peer at once.
 struct AbortRecord {
-  uint64_t code;      // a Wait
-  uint64_t giver;     // the rank that gave up
-  uint64_t peer;      // the rank it waited for, or whose op differed
-  uint64_t op;        // the op it gave up in
-  uint64_t mine[2];   // kMismatch: the giver's signature and the peer's
+  uint64_t code;     // a Wait
+  uint64_t giver;    // the rank that gave up
+  uint64_t peer;     // the rank it waited for, or whose op differed
+  uint64_t op;       // the op it gave up in
+  uint64_t mine[2];  // kMismatch: the giver's signature and the peer's
   uint64_t theirs[2];
 };
 constexpr int kAbortWords = 1 + int(sizeof(AbortRecord) / 8);  // the state word, then the record
@@ -104,18 +104,22 @@ inline std::string describe(const Signature& s) {
       return "combine(" + std::string(dtype_name(s.dtype)) + " rows, width " + w + ", " + n +
              " rows)";
     case OpKind::kDispatchAdjoint:
-      return "dispatch adjoint(" + std::string(dtype_name(s.dtype)) + " rows, width " + w +
-             ", " + std::to_string(s.columns) + " weight columns, " + n + " rows)";
+      return "dispatch adjoint(" + std::string(dtype_name(s.dtype)) + " rows, width " + w + ", " +
+             std::to_string(s.columns) + " weight columns, " + n + " rows)";
   }
   return "an unknown op (kind " + std::to_string(uint32_t(s.kind)) + ")";
 }
 
 inline const char* what_waited(int64_t code) {
   switch (code) {
-    case kWaitRows: return "its rows";
-    case kWaitCounts: return "its row counts";
-    case kWaitRelease: return "it to release the window";
-    case kWaitLower: return "its row counts (rows placed after its)";
+    case kWaitRows:
+      return "its rows";
+    case kWaitCounts:
+      return "its row counts";
+    case kWaitRelease:
+      return "it to release the window";
+    case kWaitLower:
+      return "its row counts (rows placed after its)";
   }
   return "it";
 }
@@ -131,16 +135,17 @@ inline std::string abort_message(const AbortRecord& a, int group, int observer, 
          " at op " + std::to_string(a.op) + g +
          ": every rank of a Buffer must run the same jax_ep ops in the same order.";
   } else {
-    m += "rank " + std::to_string(a.giver) + g + " waited more than " +
-         std::to_string(timeout_s) + " s for rank " + std::to_string(a.peer) + " (" +
-         what_waited(int64_t(a.code)) + ", op " + std::to_string(a.op) +
+    m += "rank " + std::to_string(a.giver) + g + " waited more than " + std::to_string(timeout_s) +
+         " s for rank " + std::to_string(a.peer) + " (" + what_waited(int64_t(a.code)) + ", op " +
+         std::to_string(a.op) +
          "): every rank of the group must run the same jax_ep ops; did a process stop?";
   }
   if (uint64_t(observer) != a.giver)
     m += " (Rank " + std::to_string(observer) + " stopped at once: rank " +
          std::to_string(a.giver) + " wrote the abort into its window.)";
-  return m + " The op's results are NaN (integers -1, counts 0); this Buffer stopped: create "
-             "a new one.";
+  return m +
+         " The op's results are NaN (integers -1, counts 0); this Buffer stopped: create "
+         "a new one.";
 }
 
 }  // namespace jax_ep

@@ -18,8 +18,8 @@
 
 namespace jax_ep {
 
-constexpr int kSlots = 2;          // ops a rank can have sent and not yet received: slot = op % 2
-constexpr int kPartElems = 1024;   // payload elements under one flag
+constexpr int kSlots = 2;         // ops a rank can have sent and not yet received: slot = op % 2
+constexpr int kPartElems = 1024;  // payload elements under one flag
 
 // Words peers write hold whole 64-bit op numbers (they never wrap). A count record (what source s
 // sends this rank in op n) is four words: the op number, written last with release semantics
@@ -28,31 +28,37 @@ constexpr int kPartElems = 1024;   // payload elements under one flag
 constexpr int64_t kCountRecordBytes = 32;
 constexpr int64_t kCountRows = 8, kCountSignature = 16;  // offsets in a count record
 constexpr int64_t kExpertRowsBytes = 16;
-constexpr int64_t kExpertRowsValue = 8;                   // offset in an entry
+constexpr int64_t kExpertRowsValue = 8;  // offset in an entry
 
 JAX_EP_HD int64_t align_bytes(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 struct Window {
   int num_ranks, experts_per_rank, hidden, num_topk;
-  int rows_per_source;   // N: max tokens per rank
-  int element_bytes;     // the widest payload element (4: float32, 2: bfloat16)
+  int rows_per_source;  // N: max tokens per rank
+  int element_bytes;    // the widest payload element (4: float32, 2: bfloat16)
 
   // ---- a row
-  JAX_EP_HD int64_t payload_bytes() const { return align_bytes(int64_t(hidden) * element_bytes, 16); }
+  JAX_EP_HD int64_t payload_bytes() const {
+    return align_bytes(int64_t(hidden) * element_bytes, 16);
+  }
   JAX_EP_HD int num_scales() const { return hidden / kFp8Block; }
   JAX_EP_HD int64_t scales_at() const { return payload_bytes(); }
   JAX_EP_HD int64_t meta_at() const { return scales_at() + align_bytes(4 * num_scales(), 16); }
   JAX_EP_HD int64_t meta_bytes() const { return align_bytes(8 * int64_t(num_topk), 16); }
   JAX_EP_HD int num_parts() const { return (hidden + kPartElems - 1) / kPartElems; }
   JAX_EP_HD int64_t flags_at() const { return meta_at() + meta_bytes(); }
-  JAX_EP_HD int64_t row_bytes() const { return flags_at() + align_bytes(8 * int64_t(num_parts()), 16); }
+  JAX_EP_HD int64_t row_bytes() const {
+    return flags_at() + align_bytes(8 * int64_t(num_parts()), 16);
+  }
 
   // ---- control: kept by the owner
-  JAX_EP_HD int64_t started_at() const { return 0; }            // u64: kernels that began an op
+  JAX_EP_HD int64_t started_at() const { return 0; }  // u64: kernels that began an op
   JAX_EP_HD int64_t received_at(int slot) const { return 8 + 8 * slot; }  // u64: last op received
-  JAX_EP_HD int64_t ticket_at() const { return 24; }            // u32: blocks of a grid done
-  JAX_EP_HD int64_t invalid_tally_at() const { return 28; }     // u32: a route's invalid ids
-  JAX_EP_HD int64_t failure_claim_at() const { return 32; }     // u32: GPUs: who writes the host record
+  JAX_EP_HD int64_t ticket_at() const { return 24; }         // u32: blocks of a grid done
+  JAX_EP_HD int64_t invalid_tally_at() const { return 28; }  // u32: a route's invalid ids
+  JAX_EP_HD int64_t failure_claim_at() const {
+    return 32;
+  }  // u32: GPUs: who writes the host record
   // The abort record (kernels/signature.h): its state word, then an AbortRecord. Written by
   // whichever rank of the group gives up first.
   JAX_EP_HD int64_t aborted_at() const { return 64; }

@@ -13,8 +13,8 @@
 namespace jax_ep::probe {
 namespace {
 
-using cuda::RowStep;
 using cuda::quantize16;
+using cuda::RowStep;
 using cuda::send_row;
 using cuda::sum_rows;
 
@@ -33,7 +33,8 @@ __global__ void __launch_bounds__(kWarps * 32) push_bulk(uint8_t* dst, int64_t b
   __syncwarp();
   const int64_t chunks = bytes / kChunk;
   int slot = 0;
-  for (int64_t c = int64_t(blockIdx.x) * kWarps + warp; c < chunks; c += int64_t(gridDim.x) * kWarps) {
+  for (int64_t c = int64_t(blockIdx.x) * kWarps + warp; c < chunks;
+       c += int64_t(gridDim.x) * kWarps) {
     if (lane == 0) {
       bulk_wait_read<kDepth - 1>();
       bulk_store(dst + c * kChunk, mine + slot * kChunk, kChunk);
@@ -83,8 +84,8 @@ constexpr int kRowWarps = 24;
 constexpr int kMaxStaged = 8;  // chunks of a staged copy (modes 8, 9)
 
 __global__ void __launch_bounds__(kRowWarps * 32, 1)
-    push_send_rows(const uint8_t* x, uint8_t* local, uint8_t* peer, int64_t rows,
-                   int64_t first_row, int64_t end_row) {
+    push_send_rows(const uint8_t* x, uint8_t* local, uint8_t* peer, int64_t rows, int64_t first_row,
+                   int64_t end_row) {
   using Step = RowStep<__nv_bfloat16, true>;
   __shared__ float stage[kRowWarps][kRowScales];
   __shared__ uint8_t* row_on[kRowWarps][2];
@@ -105,14 +106,16 @@ __global__ void __launch_bounds__(kRowWarps * 32, 1)
   }
 }
 
-// A lean FP8 row path, specialised to V3 rows, against send_row (modes 12 local, 13 peer): a warp quantises a whole V3 row, all loads of half a
-// row in flight, the scales gathered by shuffles and stored at the row's end.
+// A lean FP8 row path, specialised to V3 rows, against send_row (modes 12 local, 13 peer): a warp
+// quantises a whole V3 row, all loads of half a row in flight, the scales gathered by shuffles and
+// stored at the row's end.
 __global__ void __launch_bounds__(kRowWarps * 32, 1)
     quantise_rows_lean(const uint8_t* x, uint8_t* dst, int64_t rows) {
   constexpr int kSteps = kRowElems / 512, kHalf = kSteps / 2;  // 512 elements a warp step
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* scales = reinterpret_cast<float*>(dst + rows * kRowElems);
-  for (int64_t r = int64_t(blockIdx.x) * kRowWarps + warp; r < rows; r += int64_t(gridDim.x) * kRowWarps) {
+  for (int64_t r = int64_t(blockIdx.x) * kRowWarps + warp; r < rows;
+       r += int64_t(gridDim.x) * kRowWarps) {
     const int4* src = reinterpret_cast<const int4*>(x + r * kRowElems * 2) + lane * 2;
     int4* out = reinterpret_cast<int4*>(dst + r * kRowElems) + lane;
     float kept[2] = {0.f, 0.f};  // lane l keeps the scales of blocks l and 32 + l
@@ -153,7 +156,8 @@ __global__ void __launch_bounds__(kSumWarps * 32)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t r = int64_t(blockIdx.x) * kSumWarps + warp; r < rows;
        r += int64_t(gridDim.x) * kSumWarps) {
-    if (lane < 2) row_at[warp][lane] = reinterpret_cast<const int4*>((lane ? peer : local) + r * kRowBytes);
+    if (lane < 2)
+      row_at[warp][lane] = reinterpret_cast<const int4*>((lane ? peer : local) + r * kRowBytes);
     __syncwarp();
     sum_rows(a, int(r), 3u, row_at[warp], 0, kRowBytes / 16);
     __syncwarp();
@@ -161,8 +165,8 @@ __global__ void __launch_bounds__(kSumWarps * 32)
 }
 
 // One warp bulk-loads chunks of peer memory into a ring of stages; the other warps release them.
-__global__ void __launch_bounds__((kWarps + 1) * 32) pull_bulk(const uint8_t* src, int64_t bytes,
-                                                               uint64_t timeout_ns) {
+__global__ void __launch_bounds__((kWarps + 1) * 32)
+    pull_bulk(const uint8_t* src, int64_t bytes, uint64_t timeout_ns) {
   extern __shared__ __align__(128) uint8_t ring[];
   constexpr int kStages = 12;
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
@@ -223,7 +227,7 @@ struct Transfer {
   void *src = nullptr, *dst = nullptr;
   int* sink = nullptr;
   cudaStream_t stream = nullptr;
-  cudaStream_t copier = nullptr;            // modes 8, 9: the copy engine's stream
+  cudaStream_t copier = nullptr;  // modes 8, 9: the copy engine's stream
   cudaEvent_t packed[kMaxStaged] = {}, copied = nullptr;
 
   int chunks() const { return mode == 8 ? 4 : 8; }  // modes 8, 9
@@ -231,7 +235,9 @@ struct Transfer {
   // their scales (4 bytes per 128) after them; mode 10 keeps its local rows and output on `to`.
   bool quantises() const { return mode >= 6 && mode != 10; }
   int64_t rows() const { return bytes / kRowElems; }
-  int64_t dst_bytes() const { return mode == 10 ? 2 * bytes : quantises() ? bytes + bytes / 32 : bytes; }
+  int64_t dst_bytes() const {
+    return mode == 10 ? 2 * bytes : quantises() ? bytes + bytes / 32 : bytes;
+  }
   int runner() const { return mode == 2 || mode == 3 || mode == 10 ? to : from; }
   bool setup() {
     if (!enable_peer_access(from, to) || !enable_peer_access(to, from)) return false;
@@ -247,7 +253,8 @@ struct Transfer {
     cudaStreamCreate(&stream);
     if (mode == 8 || mode == 9) {
       cudaStreamCreateWithFlags(&copier, cudaStreamNonBlocking);
-      for (int c = 0; c < chunks(); ++c) cudaEventCreateWithFlags(&packed[c], cudaEventDisableTiming);
+      for (int c = 0; c < chunks(); ++c)
+        cudaEventCreateWithFlags(&packed[c], cudaEventDisableTiming);
       cudaEventCreateWithFlags(&copied, cudaEventDisableTiming);
     }
     cudaFuncSetAttribute(push_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -258,23 +265,38 @@ struct Transfer {
   void launch() {
     cudaSetDevice(runner());
     switch (mode) {
-      case -1: cudaMemcpyPeerAsync(dst, to, src, from, bytes, stream); break;
-      case 0: push_bulk<<<blocks, kWarps * 32, kWarps * kDepth * kChunk, stream>>>(static_cast<uint8_t*>(dst), bytes); break;
-      case 1: push_stores<<<blocks, 512, 0, stream>>>(static_cast<int4*>(dst), bytes / 16, nullptr); break;
-      case 4: push_stores<<<blocks, 512, 0, stream>>>(static_cast<int4*>(dst), bytes / 16, static_cast<int4*>(src)); break;
-      case 5: push_rows<<<blocks, 768, 0, stream>>>(static_cast<uint8_t*>(dst), bytes, kRowElems); break;
+      case -1:
+        cudaMemcpyPeerAsync(dst, to, src, from, bytes, stream);
+        break;
+      case 0:
+        push_bulk<<<blocks, kWarps * 32, kWarps * kDepth * kChunk, stream>>>(
+            static_cast<uint8_t*>(dst), bytes);
+        break;
+      case 1:
+        push_stores<<<blocks, 512, 0, stream>>>(static_cast<int4*>(dst), bytes / 16, nullptr);
+        break;
+      case 4:
+        push_stores<<<blocks, 512, 0, stream>>>(static_cast<int4*>(dst), bytes / 16,
+                                                static_cast<int4*>(src));
+        break;
+      case 5:
+        push_rows<<<blocks, 768, 0, stream>>>(static_cast<uint8_t*>(dst), bytes, kRowElems);
+        break;
       case 11:  // the quantisation alone, into local rows
       case 6:
       case 7: {
         uint8_t* x = static_cast<uint8_t*>(src);
         push_send_rows<<<blocks, kRowWarps * 32, 0, stream>>>(
-            x, mode == 7 ? nullptr : x + 2 * bytes, mode == 11 ? nullptr : static_cast<uint8_t*>(dst), rows(), 0, rows());
+            x, mode == 7 ? nullptr : x + 2 * bytes,
+            mode == 11 ? nullptr : static_cast<uint8_t*>(dst), rows(), 0, rows());
         break;
       }
       case 12:
       case 13:
         quantise_rows_lean<<<blocks, kRowWarps * 32, 0, stream>>>(
-            static_cast<const uint8_t*>(src), mode == 12 ? static_cast<uint8_t*>(src) + 2 * bytes : static_cast<uint8_t*>(dst), rows());
+            static_cast<const uint8_t*>(src),
+            mode == 12 ? static_cast<uint8_t*>(src) + 2 * bytes : static_cast<uint8_t*>(dst),
+            rows());
         break;
       case 8:
       case 9: {  // chunks quantised into local staging, each moved by the copy engine meanwhile
@@ -282,7 +304,8 @@ struct Transfer {
         uint8_t *staging = x + 2 * bytes, *to_rows = static_cast<uint8_t*>(dst);
         for (int c = 0; c < chunks(); ++c) {
           const int64_t first = rows() * c / chunks(), end = rows() * (c + 1) / chunks();
-          push_send_rows<<<blocks, kRowWarps * 32, 0, stream>>>(x, staging, nullptr, rows(), first, end);
+          push_send_rows<<<blocks, kRowWarps * 32, 0, stream>>>(x, staging, nullptr, rows(), first,
+                                                                end);
           cudaEventRecord(packed[c], stream);
           cudaStreamWaitEvent(copier, packed[c], 0);
           cudaMemcpyPeerAsync(to_rows + first * kRowElems, to, staging + first * kRowElems, from,
@@ -297,12 +320,16 @@ struct Transfer {
       }
       case 10: {  // bytes: the peer's BF16 rows; local rows and the output live in dst
         uint8_t* here = static_cast<uint8_t*>(dst);
-        pull_sum_rows<<<blocks, kSumWarps * 32, 0, stream>>>(
-            here, static_cast<const uint8_t*>(src), here + bytes, bytes / (kRowElems * 2));
+        pull_sum_rows<<<blocks, kSumWarps * 32, 0, stream>>>(here, static_cast<const uint8_t*>(src),
+                                                             here + bytes, bytes / (kRowElems * 2));
         break;
       }
-      case 2: pull_bulk<<<blocks, (kWarps + 1) * 32, 12 * 2 * kChunk, stream>>>(static_cast<const uint8_t*>(src), bytes, uint64_t(10e9)); break;
-      case 3: pull_loads<<<blocks, 512, 0, stream>>>(static_cast<const int4*>(src), bytes / 16, sink);
+      case 2:
+        pull_bulk<<<blocks, (kWarps + 1) * 32, 12 * 2 * kChunk, stream>>>(
+            static_cast<const uint8_t*>(src), bytes, uint64_t(10e9));
+        break;
+      case 3:
+        pull_loads<<<blocks, 512, 0, stream>>>(static_cast<const int4*>(src), bytes / 16, sink);
     }
   }
   void finish() {

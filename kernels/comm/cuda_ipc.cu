@@ -81,8 +81,8 @@ void check(CUresult r, const std::string& what) {
   if (r == CUDA_SUCCESS) return;
   const char* text = nullptr;
   driver().GetErrorString(r, &text);
-  throw std::runtime_error("jax_ep: " + what + ": " + (text ? text : "CUDA driver error " +
-                                                                    std::to_string(int(r))));
+  throw std::runtime_error("jax_ep: " + what + ": " +
+                           (text ? text : "CUDA driver error " + std::to_string(int(r))));
 }
 
 CUdevice cu_device(int ordinal) {
@@ -130,7 +130,8 @@ std::string unsupported(int device) {
     check(d.DeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev),
           "cuDeviceGetAttribute");
     check(d.DeviceGetAttribute(&fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-                               dev), "cuDeviceGetAttribute");
+                               dev),
+          "cuDeviceGetAttribute");
     if (!vmm) return "GPU " + std::to_string(device) + " has no virtual memory management";
     if (!fd) return "GPU " + std::to_string(device) + " cannot share memory as file descriptors";
     return {};
@@ -153,11 +154,11 @@ struct Engine::Impl {
   int num_ranks;
   size_t window_bytes;
   double timeout_s;
-  std::vector<Mapping> own;                  // by member
-  std::vector<int> exported;                 // by member: the descriptor served, or -1
+  std::vector<Mapping> own;   // by member
+  std::vector<int> exported;  // by member: the descriptor served, or -1
   std::vector<std::unique_ptr<fd_socket::Server>> servers;
-  std::map<std::pair<int, int>, Mapping> imported;  // (group, rank) of other processes
-  std::map<int, std::vector<int>> devices_of_group; // this process's devices of each group
+  std::map<std::pair<int, int>, Mapping> imported;   // (group, rank) of other processes
+  std::map<int, std::vector<int>> devices_of_group;  // this process's devices of each group
 
   // Maps `m.handle` into a fresh address range readable and writable by `devices`.
   static void map(Mapping& m, size_t alignment, const std::vector<int>& devices) {
@@ -210,9 +211,9 @@ Engine::Engine(const std::string& prefix, uint64_t tag, int num_ranks,
       check_cuda(cudaSetDevice(m.device), "cudaSetDevice");
       const CUmemAllocationProp prop = allocation(cu_device(m.device));
       size_t granularity = 0;
-      check(d.MemGetAllocationGranularity(&granularity, &prop,
-                                          CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
-            "cuMemGetAllocationGranularity");
+      check(
+          d.MemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+          "cuMemGetAllocationGranularity");
       Mapping& own = im.own[i];
       own.bytes = (window_bytes + granularity - 1) / granularity * granularity;
       check(d.MemCreate(&own.handle, own.bytes, &prop, 0),
@@ -259,8 +260,10 @@ void Engine::connect() {
         if (header.bytes < im.window_bytes) {
           close(fd);
           throw std::runtime_error("jax_ep: " + who(group, r) + " has a " +
-                                   std::to_string(header.bytes) + "-byte window, this Buffer "
-                                   "needs " + std::to_string(im.window_bytes));
+                                   std::to_string(header.bytes) +
+                                   "-byte window, this Buffer "
+                                   "needs " +
+                                   std::to_string(im.window_bytes));
         }
         check_cuda(cudaSetDevice(devices[0]), "cudaSetDevice");
         Mapping& m = im.imported[{group, r}];

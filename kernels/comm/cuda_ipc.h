@@ -42,8 +42,8 @@ class Engine {
   };
   // Allocates, zeroes and exports the windows of this process's ranks (device, group, rank) and
   // serves them at `prefix`_g<group>_r<rank>; `tag` (the Buffer's key) must match on the peers.
-  Engine(const std::string& prefix, uint64_t tag, int num_ranks,
-         const std::vector<Member>& local, size_t window_bytes, double timeout_s);
+  Engine(const std::string& prefix, uint64_t tag, int num_ranks, const std::vector<Member>& local,
+         size_t window_bytes, double timeout_s);
   // Once every process of the mesh was constructed: receives, imports and maps every other
   // rank's window of this process's groups (a rank that does not answer within timeout_s is
   // named in the error) and fills members[i].peers.

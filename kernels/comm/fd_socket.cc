@@ -96,7 +96,8 @@ Server::Server(const std::string& name, int fd, Header header) : impl_(new Impl)
       listen(impl_->listener, 64) != 0) {
     std::string err = failed("binding the Unix socket '@" + name + "'" +
                              (errno == EADDRINUSE ? " (the name is taken: another Buffer of "
-                                                    "the same name on this host?)" : ""));
+                                                    "the same name on this host?)"
+                                                  : ""));
     close(impl_->listener);
     throw std::runtime_error(err);
   }
@@ -169,11 +170,14 @@ int receive(const std::string& name, uint64_t tag, double timeout_s, const std::
       std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
   if (got != ssize_t(sizeof(h)) || fd < 0 || h.magic != kMagic || h.tag != tag) {
     if (fd >= 0) close(fd);
-    throw std::runtime_error(
-        "jax_ep: " + who + " answered at socket '@" + name + "' with something else than its "
-        "window (" + (got != ssize_t(sizeof(h)) ? "a short message" :
-                      fd < 0 ? "no descriptor" : h.magic != kMagic ? "another protocol" :
-                      "another Buffer's tag") + ")");
+    throw std::runtime_error("jax_ep: " + who + " answered at socket '@" + name +
+                             "' with something else than its "
+                             "window (" +
+                             (got != ssize_t(sizeof(h)) ? "a short message"
+                              : fd < 0                  ? "no descriptor"
+                              : h.magic != kMagic       ? "another protocol"
+                                                        : "another Buffer's tag") +
+                             ")");
   }
   if (header) *header = h;
   return fd;

@@ -18,8 +18,9 @@ struct Header {
 constexpr uint64_t kMagic = 0x6a61785f65703031ull;  // "jax_ep01"
 
 // Serves one descriptor at an abstract socket `name` from a thread of its own: every connection
-// of a process of this user (SO_PEERCRED) gets the header and a duplicate of `fd` (the caller keeps `fd` and closes it). Binding fails
-// (throws) if the name is taken. stop() (or the destructor) ends the thread and frees the name.
+// of a process of this user (SO_PEERCRED) gets the header and a duplicate of `fd` (the caller keeps
+// `fd` and closes it). Binding fails (throws) if the name is taken. stop() (or the destructor) ends
+// the thread and frees the name.
 class Server {
  public:
   Server(const std::string& name, int fd, Header header);

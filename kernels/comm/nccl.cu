@@ -149,7 +149,8 @@ Group::Group(const std::string& path, const std::string& id_bytes, int num_ranks
   int previous = 0;
   cudaGetDevice(&previous);
   try {
-    for (auto [device, rank] : devices_and_ranks) members.push_back(Member{device, rank, nullptr, {}});
+    for (auto [device, rank] : devices_and_ranks)
+      members.push_back(Member{device, rank, nullptr, {}});
     impl_->comms.resize(members.size());
     impl_->windows.resize(members.size());
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -177,8 +178,9 @@ Group::Group(const std::string& path, const std::string& id_bytes, int num_ranks
     // Registration is collective: no rank's window is written before every rank zeroed its own.
     check(lib, lib.GroupStart(), "ncclGroupStart");
     for (size_t i = 0; i < members.size(); ++i)
-      check(lib, lib.CommWindowRegister(impl_->comms[i], members[i].window, window_bytes,
-                                        &impl_->windows[i], NCCL_WIN_COLL_SYMMETRIC),
+      check(lib,
+            lib.CommWindowRegister(impl_->comms[i], members[i].window, window_bytes,
+                                   &impl_->windows[i], NCCL_WIN_COLL_SYMMETRIC),
             "ncclCommWindowRegister");
     check(lib, lib.GroupEnd(), "ncclGroupEnd");
     wait_ready(lib, impl_->comms, deadline, "registering the Buffer's windows");

@@ -25,8 +25,8 @@ class Group {
  public:
   struct Member {
     int device, rank;
-    void* window = nullptr;            // this rank's window (ncclMemAlloc), zeroed
-    std::vector<uint8_t*> peers;       // every rank's window as this device reaches it
+    void* window = nullptr;       // this rank's window (ncclMemAlloc), zeroed
+    std::vector<uint8_t*> peers;  // every rank's window as this device reaches it
   };
   // Collective over the group's processes; gives up after timeout_s. Throws on failure.
   Group(const std::string& path, const std::string& unique_id, int num_ranks,

@@ -12,8 +12,8 @@ namespace jax_ep::shm {
 namespace {
 
 std::string failed(const char* what, const std::string& name) {
-  return "jax_ep: " + std::string(what) + " of shared memory " + name + " failed: " +
-         std::strerror(errno);
+  return "jax_ep: " + std::string(what) + " of shared memory " + name +
+         " failed: " + std::strerror(errno);
 }
 
 }  // namespace
@@ -63,10 +63,11 @@ std::string Segment::create(const std::string& name, size_t bytes, Segment* out)
 std::string Segment::open(const std::string& name, size_t bytes, Segment* out) {
   const int fd = shm_open(name.c_str(), O_RDWR, 0600);
   if (fd < 0) return failed("shm_open", name);
-  struct stat st {};
+  struct stat st{};
   if (fstat(fd, &st) != 0 || size_t(st.st_size) != bytes) {
     close(fd);
-    return "jax_ep: shared memory " + name + " has another size than this Buffer's window "
+    return "jax_ep: shared memory " + name +
+           " has another size than this Buffer's window "
            "(do all processes create the Buffer with the same arguments?)";
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

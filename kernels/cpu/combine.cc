@@ -27,9 +27,11 @@ std::string combine_send(Rank& r, uint64_t op, const CombineSend& a) {
     const int kept = std::clamp(present - first, 0, counts[s]);
     for (int j = 0; j < kept; ++j) {
       uint8_t* row = r.window_of(s) + w.row_at(slot, me, j);
-      std::memcpy(row, static_cast<const uint8_t*>(a.row_data) + (first + j) * row_bytes, row_bytes);
+      std::memcpy(row, static_cast<const uint8_t*>(a.row_data) + (first + j) * row_bytes,
+                  row_bytes);
       if (a.extra)
-        std::memcpy(row + w.meta_at(), a.extra + int64_t(first + j) * a.extra_cols, 4 * a.extra_cols);
+        std::memcpy(row + w.meta_at(), a.extra + int64_t(first + j) * a.extra_cols,
+                    4 * a.extra_cols);
     }
     send_count(r, s, op, kept, sig);
   }
@@ -54,7 +56,8 @@ std::string combine_recv(Rank& r, uint64_t op, const CombineRecv& a) {
       const float* cols = reinterpret_cast<const float*>(row + w.meta_at());
       for (int c = 0; c < a.extra_cols; ++c) extra[c] += cols[c];
     }
-    for (int c = 0; c < a.width; ++c) store_float(a.out, int64_t(t) * a.width + c, a.out_dtype, acc[c]);
+    for (int c = 0; c < a.width; ++c)
+      store_float(a.out, int64_t(t) * a.width + c, a.out_dtype, acc[c]);
     if (a.extra_out) std::copy(extra.begin(), extra.end(), a.extra_out + int64_t(t) * a.extra_cols);
   }
   release(r, op);

@@ -144,7 +144,8 @@ std::string dispatch_recv(Rank& r, uint64_t op, const DispatchRecv& a) {
     for (int j = 0; j < first[s + 1] - first[s] && i < present; ++j, ++i) {
       const uint8_t* row = r.window_of(r.rank) + w.row_at(slot, s, j);
       std::memcpy(x_out + i * row_bytes, row, row_bytes);
-      if (num_scales) std::memcpy(a.scales_out + i * num_scales, row + w.scales_at(), 4 * num_scales);
+      if (num_scales)
+        std::memcpy(a.scales_out + i * num_scales, row + w.scales_at(), 4 * num_scales);
       if (!a.fresh()) continue;
       std::memcpy(a.topk_out + int64_t(i) * K, row + w.meta_at(), 4 * int64_t(K));
       std::memcpy(a.weights_out + int64_t(i) * K, row + w.meta_at() + 4 * K, 4 * int64_t(K));

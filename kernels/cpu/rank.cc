@@ -10,8 +10,13 @@ namespace jax_ep::cpu {
 
 Rank::Rank(const Window& window, int group, int rank, std::vector<uint8_t*> windows,
            std::shared_ptr<void> keep, double timeout_s, uint64_t first_op)
-    : window(window), group(group), rank(rank), windows_(std::move(windows)),
-      keep_(std::move(keep)), timeout_s_(timeout_s), sent_(first_op),
+    : window(window),
+      group(group),
+      rank(rank),
+      windows_(std::move(windows)),
+      keep_(std::move(keep)),
+      timeout_s_(timeout_s),
+      sent_(first_op),
       queues_(std::make_shared<Queues>()) {
   worker_ = std::thread(work, queues_, this);
   completer_ = std::thread(complete, queues_);

@@ -71,7 +71,6 @@ class Rank {
   bool aborted(uint64_t* op, std::string* error) const;
 
  private:
-
   // The threads' state, theirs as much as the rank's: the last reference to a rank may drop on
   // one of them (a completed call ends a program, which may free it), which then lets the
   // threads finish on their own instead of joining itself.
@@ -88,7 +87,7 @@ class Rank {
     std::deque<std::pair<Done, std::string>> completions;
     std::string broken;
     uint64_t broken_op = 0;  // the op that failed here (its other parts are poisoned, not failed)
-    int running = 0;  // jobs taken whose completion is not queued yet
+    int running = 0;         // jobs taken whose completion is not queued yet
     bool stop = false;
   };
   static void work(std::shared_ptr<Queues> q, const Rank* rank);

@@ -177,7 +177,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) combine_kernel(Params P) {
   if (blockIdx.x == 0 && threadIdx.x == 0 && P.token_out) *P.token_out = int32_t(op);
   if (sending) {
     wait_slot_free(P.p, op);
-    dispatch_offsets(P.s, P.p.w.num_ranks, P.p.w.rows_per_source, first);  // its barrier completes the wait
+    dispatch_offsets(P.s, P.p.w.num_ranks, P.p.w.rows_per_source,
+                     first);  // its barrier completes the wait
     send_back(P, op, first);
   }
   if (P.part != Part::kSend) sum_back(P, op);
@@ -189,8 +190,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) combine_kernel(Params P) {
 std::string combine(const Rank& r, cudaStream_t stream, Part part, const CombineSend* send,
                     const CombineRecv* recv, const int32_t* ticket, int32_t* token_out) {
   if (auto err = r.failed(); !err.empty()) return err;
-  const Params P{r.peers(), send ? *send : CombineSend{}, recv ? *recv : CombineRecv{}, part,
-                 ticket, token_out};
+  const Params P{
+      r.peers(), send ? *send : CombineSend{}, recv ? *recv : CombineRecv{}, part, ticket,
+      token_out};
   combine_kernel<<<r.blocks, kWarps * 32, 0, stream>>>(P);
   JAX_EP_CUDA_TRY(cudaGetLastError());
   return {};

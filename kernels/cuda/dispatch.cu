@@ -174,7 +174,8 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(Params P) {
     if (t < a.num_tokens)
 #pragma unroll
       for (int d = 0; d < kMaxGpuRanks; ++d)
-        if (d < R) chunk_slot[int64_t(t) * R + d] = m >> d & 1u ? warp_rows[warp][d] + below[d] : -1;
+        if (d < R)
+          chunk_slot[int64_t(t) * R + d] = m >> d & 1u ? warp_rows[warp][d] + below[d] : -1;
     tally_tokens(a, c * kRouteThreads, min(a.num_tokens, (c + 1) * kRouteThreads), block_tally);
     __syncthreads();
   }
@@ -219,7 +220,8 @@ __device__ int32_t row_on(const Params& P, const SendScan& scan, int t, uint32_t
       j = P.s.send_pos[int64_t(t) * R + lane];
     } else {
       j = reinterpret_cast<const int32_t*>(mine + w.chunk_slot_at(t, lane))[0];
-      if (j >= 0) j += reinterpret_cast<const int32_t*>(mine + w.chunk_rows_at(t / kRouteThreads, lane))[0];
+      if (j >= 0)
+        j += reinterpret_cast<const int32_t*>(mine + w.chunk_rows_at(t / kRouteThreads, lane))[0];
     }
     if (j >= w.rows_per_source) j = -1;  // a handle that does not fit the window: not sent
   }
@@ -420,7 +422,8 @@ __device__ void receive_tokens(const Params& P, uint64_t op, int32_t* tally) {
       if (!wait_parts(p, row, p0, p1, op, s)) continue;
       __syncwarp();  // every lane's reads of the row after the flags the warp voted on
     }
-    const int64_t e0 = int64_t(p0) * kPartElems, e1 = min(int64_t(v.hidden), int64_t(p1) * kPartElems);
+    const int64_t e0 = int64_t(p0) * kPartElems,
+                  e1 = min(int64_t(v.hidden), int64_t(p1) * kPartElems);
     copy_bytes(static_cast<uint8_t*>(v.x_out) + i * v.wire_row_bytes(), row, e0 * x_elem,
                e1 * x_elem);
     if (num_scales)
@@ -491,8 +494,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) dispatch_kernel(Params P, bool
   if (stop) return poison(P);
   const bool sending = P.part != Part::kRecv;
   const bool in_block = sending && P.routing == Routing::kInBlock;
-  begin_op(p, !sending ? Begin::kTicket : P.routing == Routing::kRouted ? Begin::kFollow
-                                                                         : Begin::kCount,
+  begin_op(p,
+           !sending                        ? Begin::kTicket
+           : P.routing == Routing::kRouted ? Begin::kFollow
+                                           : Begin::kCount,
            P.ticket, &op);
   const bool counts_here = blockIdx.x == 0 && sending && P.routing != Routing::kRouted;
   if (counts_here && in_block)
@@ -544,8 +549,13 @@ std::string dispatch(const Rank& r, cudaStream_t stream, Part part, const Dispat
                      const DispatchRecv* recv, bool low_latency, const int32_t* ticket,
                      int32_t* token_out) {
   if (auto err = r.failed(); !err.empty()) return err;
-  Params P{r.peers(), send ? *send : DispatchSend{}, recv ? *recv : DispatchRecv{}, part,
-           Routing::kCached, ticket, token_out};
+  Params P{r.peers(),
+           send ? *send : DispatchSend{},
+           recv ? *recv : DispatchRecv{},
+           part,
+           Routing::kCached,
+           ticket,
+           token_out};
   if (send && send->fp8 && r.window.num_scales() > kMaxScalesPerRow)  // the kernel's shared memory
     return "jax_ep: fp8 dispatch on GPUs supports hidden <= " +
            std::to_string(kMaxScalesPerRow * kFp8Block);

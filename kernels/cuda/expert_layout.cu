@@ -14,8 +14,8 @@ __global__ void __launch_bounds__(kThreads) count_kernel(ExpertLayoutArgs a) {
   int count = 0;
   for (int base = 0; base < a.rows; base += kThreads) {
     const int r = base + threadIdx.x;
-    count += __syncthreads_count(r < a.rows &&
-                                 row_has_expert(a.topk_rows + int64_t(r) * a.num_topk, a.num_topk, e));
+    count += __syncthreads_count(
+        r < a.rows && row_has_expert(a.topk_rows + int64_t(r) * a.num_topk, a.num_topk, e));
   }
   if (threadIdx.x == 0) a.expert_counts[e] = count;
 }

@@ -27,8 +27,8 @@ struct Peers {
   uint8_t* window[kMaxGpuRanks];  // window[r]: rank r's window as this GPU reaches it
   int rank;
   uint64_t timeout_ns;
-  Failure* failure;               // device view of the host-mapped record
-  bool direct_local;              // whole ops write a rank's own rows in place
+  Failure* failure;   // device view of the host-mapped record
+  bool direct_local;  // whole ops write a rank's own rows in place
 
   __device__ uint64_t* word(int r, int64_t offset) const {
     return reinterpret_cast<uint64_t*>(window[r] + offset);
@@ -41,13 +41,13 @@ struct Peers {
 struct Rank {
   Window window;
   int group, rank, device;
-  int blocks;                     // of every kernel that begins an op (they number the ops)
+  int blocks;  // of every kernel that begins an op (they number the ops)
   double timeout_s;
   bool direct_local;
-  std::vector<uint8_t*> windows;  // device pointers, by rank
-  Failure* failure = nullptr;     // host-mapped
+  std::vector<uint8_t*> windows;         // device pointers, by rank
+  Failure* failure = nullptr;            // host-mapped
   Failure* failure_on_device = nullptr;  // the same record as kernels address it
-  std::shared_ptr<void> keep;     // the group's communicators and memory
+  std::shared_ptr<void> keep;            // the group's communicators and memory
 
   Peers peers() const;
   // "" while no kernel of this rank gave up, else what happened (the Buffer is then unusable).

@@ -27,9 +27,9 @@ template <typename T, bool kFp8>
 struct RowStep {
   static constexpr int kLoads = kFp8 ? int(sizeof(T)) : 1;
   static constexpr int kElems = kLoads * 16 / int(sizeof(T));
-  static constexpr int kStep = 32 * kElems;                    // elements per warp step
-  static constexpr int kLanesPerBlock = kFp8Block / kElems;    // lanes sharing one scale
-  static constexpr int kUnroll = 8 / kLoads;                  // steps with loads in flight
+  static constexpr int kStep = 32 * kElems;                  // elements per warp step
+  static constexpr int kLanesPerBlock = kFp8Block / kElems;  // lanes sharing one scale
+  static constexpr int kUnroll = 8 / kLoads;                 // steps with loads in flight
 };
 
 // The largest |x| of one lane's 16 elements (bfloat16 pairs compared as pairs: exact).
@@ -79,8 +79,10 @@ __device__ __forceinline__ int4 quantize16(const int4* v, bool round_scale, floa
     float f[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) f[j] = block.scaled(element_as_float<T>(v, 4 * i + j));
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(f[0], f[1]), __NV_SATFINITE, __NV_E4M3);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(f[2], f[3]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t lo =
+        __nv_cvt_float2_to_fp8x2(make_float2(f[0], f[1]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi =
+        __nv_cvt_float2_to_fp8x2(make_float2(f[2], f[3]), __NV_SATFINITE, __NV_E4M3);
     q[i] = lo | hi << 16;
   }
   return make_int4(int(q[0]), int(q[1]), int(q[2]), int(q[3]));
@@ -152,8 +154,7 @@ __device__ __forceinline__ void send_row(const uint8_t* row, int hidden, bool ro
 
 // One warp copies bytes [begin, end) of src to dst (zeros when src is null): 16-byte vectors,
 // eight per lane in flight, when sizes and addresses allow; else byte by byte.
-__device__ __forceinline__ void copy_bytes(void* dst, const void* src, int64_t begin,
-                                           int64_t end) {
+__device__ __forceinline__ void copy_bytes(void* dst, const void* src, int64_t begin, int64_t end) {
   const int lane = threadIdx.x % 32;
   uint8_t* to = static_cast<uint8_t*>(dst);
   const uint8_t* from = static_cast<const uint8_t*>(src);
@@ -207,7 +208,8 @@ __device__ __forceinline__ void load_run(float* acc, const void* base, int64_t i
 __device__ __forceinline__ void store_run(void* base, int64_t index, const float* acc, int n,
                                           Dtype t) {
   uint8_t* at = static_cast<uint8_t*>(base) + index * dtype_size(t);
-  if (t == Dtype::kBF16 && n == 8 && (index * 2) % 16 == 0) {  // float_to_bf16, in pairs, in hardware
+  if (t == Dtype::kBF16 && n == 8 &&
+      (index * 2) % 16 == 0) {  // float_to_bf16, in pairs, in hardware
     __nv_bfloat162 h[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
@@ -216,7 +218,8 @@ __device__ __forceinline__ void store_run(void* base, int64_t index, const float
   }
   if (t == Dtype::kF32 && n % 4 == 0 && (index * 4) % 16 == 0) {
     for (int i = 0; i < n; i += 4)
-      reinterpret_cast<float4*>(at)[i / 4] = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
+      reinterpret_cast<float4*>(at)[i / 4] =
+          make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
     return;
   }
   for (int i = 0; i < n; ++i) store_float(base, index + i, t, acc[i]);

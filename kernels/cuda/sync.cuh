@@ -29,7 +29,9 @@ __device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
 
 // Orders this thread's earlier writes (and those it observed) before its later ones, for every
 // observer in the system: with a relaxed flag store after it, a release.
-__device__ __forceinline__ void fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ void fence_release_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
 
 __device__ __forceinline__ uint64_t global_time_ns() {
   uint64_t t;
@@ -66,17 +68,17 @@ static __device__ __noinline__ void record_failure(const Peers& p) {
 // every rank at once; then into this rank's host record. The kernels end; their results are
 // NaN (the kernels' ends poison them) and the next call raises.
 static __device__ __noinline__ void give_up(const Peers& p, Wait what, int peer, uint64_t op,
-                                     const uint64_t* mine = nullptr,
-                                     const uint64_t* theirs = nullptr) {
+                                            const uint64_t* mine = nullptr,
+                                            const uint64_t* theirs = nullptr) {
   const Window& w = p.w;
   for (int i = 0; i < w.num_ranks; ++i) {
     const int r = (p.rank + i) % w.num_ranks;
     auto* state = reinterpret_cast<unsigned long long*>(p.word(r, w.aborted_at()));
     if (atomicCAS_system(state, 0ull, (unsigned long long)kAbortClaimed) != 0ull) continue;
     uint64_t* record = p.word(r, w.abort_record_at());
-    const uint64_t words[8] = {uint64_t(what), uint64_t(p.rank), uint64_t(peer), op,
-                               mine ? mine[0] : 0, mine ? mine[1] : 0,
-                               theirs ? theirs[0] : 0, theirs ? theirs[1] : 0};
+    const uint64_t words[8] = {
+        uint64_t(what),     uint64_t(p.rank),   uint64_t(peer),         op,
+        mine ? mine[0] : 0, mine ? mine[1] : 0, theirs ? theirs[0] : 0, theirs ? theirs[1] : 0};
     for (int k = 0; k < 8; ++k) store_relaxed(record + k, words[k]);
     store_release(reinterpret_cast<uint64_t*>(state), kAbortWritten);
   }
@@ -139,7 +141,8 @@ __device__ __forceinline__ void check_signatures(const Peers& p, uint64_t op) {
   const int slot = int(op % kSlots);
   const uint64_t* mine = p.word(p.rank, p.w.counts_at(slot, p.rank)) + kCountSignature / 8;
   const uint64_t* theirs = p.word(p.rank, p.w.counts_at(slot, s)) + kCountSignature / 8;
-  if (load_volatile(mine - kCountSignature / 8) < op || load_volatile(theirs - kCountSignature / 8) < op)
+  if (load_volatile(mine - kCountSignature / 8) < op ||
+      load_volatile(theirs - kCountSignature / 8) < op)
     return;  // a record that never came: its wait gave up
   const uint64_t a[2] = {load_volatile(mine), load_volatile(mine + 1)};
   const uint64_t b[2] = {load_volatile(theirs), load_volatile(theirs + 1)};
@@ -267,8 +270,8 @@ cudaError_t launch(void (*kernel)(Params...), int blocks, int threads, size_t sm
       err != cudaSuccess)
     return err;
   if (static_smem + smem > kDefaultSharedBytes)
-    if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               int(smem));
+    if (cudaError_t err =
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
         err != cudaSuccess)
       return err;
   kernel<<<blocks, threads, smem, stream>>>(args...);
