@@ -16,8 +16,12 @@ PjRt hands on to every later program that takes the token; an op that raised on 
 (check_invalid) must leave its Buffer usable, so a Buffer's token is dropped once it holds an
 error (`_token_input`); a Buffer stopped by a timeout raises on its next call by itself.
 
-None of this is public JAX API, so it fails loudly here, at import, naming the jax version,
-rather than as wrong results later.
+Also here: the key-value store of jax.distributed (`distributed_client`, where the processes
+of a mesh meet to bring a Buffer up) and the mesh axes a value varies over inside shard_map
+(`varying_axes`), whose attribute changed name between jax versions.
+
+None of this is public JAX API, so it fails loudly here, naming the jax version, rather than as
+wrong results later.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 import jax
 
 try:
-    from jax._src import core, dispatch, effects
+    from jax._src import core, dispatch, distributed, effects
     from jax._src.interpreters import ad, batching, mlir, pxla
 except ImportError as e:  # pragma: no cover - only on a jax that moved its internals
     raise ImportError(
@@ -211,3 +215,29 @@ call_p.def_effectful_abstract_eval(_abstract_eval)
 mlir.register_lowering(call_p, _lowering)
 batching.primitive_batchers[call_p] = _batch
 ad.primitive_jvps[call_p] = _not_differentiable
+
+
+def distributed_client():
+    """jax.distributed's key-value client, or a ValueError when it is not initialized."""
+    client = distributed.global_state.client
+    if client is None:
+        raise ValueError(
+            "jax_ep: the mesh spans several processes but jax.distributed is not "
+            "initialized (call jax.distributed.initialize() first)"
+        )
+    return client
+
+
+def varying_axes(value) -> frozenset:
+    """The mesh axes `value` varies over inside shard_map (jax >= 0.10: the aval's
+    manual_axis_type; earlier: its vma)."""
+    aval = jax.typeof(value)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    if hasattr(aval, "vma"):
+        return frozenset(aval.vma)
+    raise TypeError(
+        f"jax_ep: jax {jax.__version__}: an abstract value without manual_axis_type or vma "
+        f"({type(aval).__name__}); jax_ep cannot tell which mesh axes it varies over"
+    )

@@ -23,6 +23,8 @@ import secrets
 
 import numpy as np
 
+from jax_ep._jax import distributed_client
+
 _created: dict[tuple, int] = {}  # Buffers created so far, per set of processes
 
 
@@ -93,21 +95,9 @@ def first_op():
     return value
 
 
-def _client():
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:
-        raise ValueError(
-            "jax_ep: the mesh spans several processes but jax.distributed is not "
-            "initialized (call jax.distributed.initialize() first)"
-        )
-    return client
-
-
 def _wait_all(p: Plan, step: str, timeout_s: float):
     """Every process of the mesh has reached `step`; names the missing ones after timeout_s."""
-    client = _client()
+    client = distributed_client()
     prefix = f"jax_ep/{p.key:x}/{step}"
     client.key_value_set(f"{prefix}/{p.process}", "1", allow_overwrite=True)
     try:
@@ -139,7 +129,7 @@ def share(p: Plan, name: str, make, owner: int, timeout_s: float) -> bytes:
     """make() on process `owner`, its bytes on every process that asks."""
     if not p.multi_process:
         return make()
-    client = _client()
+    client = distributed_client()
     key = f"jax_ep/{p.key:x}/share/{name}"
     if p.process == owner:
         value = make()
@@ -165,7 +155,7 @@ def check_same_arguments(p: Plan, arguments: dict, timeout_s: float):
     """Raises on every process if the processes asked for different Buffers."""
     if not p.multi_process:
         return
-    client = _client()
+    client = distributed_client()
     prefix = f"jax_ep/{p.key:x}/arguments"
     mine = json.dumps(arguments, sort_keys=True)
     client.key_value_set(f"{prefix}/{p.process}", mine)
@@ -312,7 +302,7 @@ def exchange(p: Plan, name: str, mine: dict, timeout_s: float) -> dict:
     """Every process's `mine` (JSON), by process; names the processes missing after timeout_s."""
     if not p.multi_process:
         return {p.process: mine}
-    client = _client()
+    client = distributed_client()
     prefix = f"jax_ep/{p.key:x}/{name}"
     client.key_value_set(f"{prefix}/{p.process}", json.dumps(mine))
     out = {}

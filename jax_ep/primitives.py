@@ -22,22 +22,18 @@ from typing import Any, NamedTuple
 
 import jax
 
+from jax_ep._jax import varying_axes
+
 Array = Any
-
-
-def _varying_axes(value):
-    aval = jax.typeof(value)
-    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; older: aval.vma
-    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
 def varying_like(outputs, *inputs):
     """outputs varying over every mesh axis that one of inputs varies over: custom calls return
     values JAX sees as the same on every rank (shard_map's check_vma needs to know)."""
-    axes = frozenset().union(*map(_varying_axes, inputs))
+    axes = frozenset().union(*map(varying_axes, inputs))
 
     def vary(out):
-        missing = tuple(sorted(axes - _varying_axes(out)))
+        missing = tuple(sorted(axes - varying_axes(out)))
         return jax.lax.pcast(out, missing, to="varying") if missing else out
 
     return jax.tree.map(vary, outputs)

@@ -1,0 +1,38 @@
+"""jax_ep/_jax.py, the one module that uses JAX internals, on the jax this run has (CI runs the
+oldest and the newest jax jax_ep supports): everything it takes from jax._src is there and does
+what jax_ep relies on."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import make_mesh
+from jax.sharding import PartitionSpec as P
+
+from jax_ep import _jax
+
+
+def test_a_buffer_order_is_an_ordered_effect_allowed_wherever_jax_ep_calls_go():
+    from jax._src import effects
+
+    order = _jax.BufferOrder(7)
+    assert order == _jax.BufferOrder(7) and order != _jax.BufferOrder(8)
+    for name in _jax._EFFECT_SETS:
+        assert getattr(effects, name).contains(order), name
+
+
+def test_varying_axes_inside_and_outside_shard_map():
+    mesh = make_mesh(2)
+    seen = {}
+
+    def body(x):
+        seen["sharded"] = _jax.varying_axes(x)
+        seen["replicated"] = _jax.varying_axes(jnp.zeros(()))
+        return x
+
+    jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(jnp.zeros(4))
+    assert seen == {"sharded": frozenset({"ep"}), "replicated": frozenset()}
+
+
+def test_distributed_client_says_what_to_do_when_jax_distributed_is_off():
+    with pytest.raises(ValueError, match=r"jax.distributed.initialize\(\)"):
+        _jax.distributed_client()
