@@ -1,6 +1,6 @@
 // CPU handlers: every cross-rank call queues its op on the rank's worker and returns a future
 // (kernels/cpu/rank.h says why); the op's number is drawn here, in the order XLA calls the
-// handlers of the device, which the Buffer's ordering token fixes.
+// handlers of the device, which the Buffer's XLA token fixes.
 #include <stdexcept>
 
 #include "ffi/backends.h"

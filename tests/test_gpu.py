@@ -431,7 +431,7 @@ def _run_under_concurrent_command_buffers(code):
 
 def test_cuda_two_layer_gradients_under_concurrent_command_buffers():
     """The gradients of a two-layer model, step after step, under command buffers whose commands
-    XLA orders only by the buffers they share: the ordering token keeps the Buffer's calls
+    XLA orders only by the buffers they share: the Buffer's ordered effect keeps its calls
     (forward, and the backward's combines and cached dispatches) apart. Equal to the reference
     path, and bitwise equal run to run."""
     code = """
