@@ -7,14 +7,17 @@ the Buffer carries it, and JAX threads one XLA token per effect through the whol
 program order: through jit and nested jit, shard_map, scan / while / cond, jax.checkpoint and
 custom_vjp, forward and backward. `ordered_ffi_call` makes such a call: an XLA FFI custom call
 whose first operand and first result are that token, so XLA cannot reorder or overlap two calls
-of one Buffer. Between programs JAX passes the token from one execution to the next one the
-same host thread launches (JAX keeps these runtime tokens per thread).
+of one Buffer. Between programs JAX passes the token from one execution to the next.
 
-Two JAX behaviours are mended here. An ahead-of-time compiled program's second call passes no
-token (`_create_cpp_call`). A program that fails leaves its error in its output token, which
-PjRt hands on to every later program that takes the token; an op that raised on purpose
-(check_invalid) must leave its Buffer usable, so a Buffer's token is dropped once it holds an
-error (`_token_input`); a Buffer stopped by a timeout raises on its next call by itself.
+Three JAX behaviours are mended here. JAX keeps those runtime tokens per host thread: a
+Buffer's are kept per process, and the programs that use a Buffer are launched one at a time,
+so programs launched from several threads reach every device in one order, each after the one
+before (`_token_input`, `_token_result`, `_execute`). An ahead-of-time compiled program's second
+call passes no token (`_create_cpp_call`). A program that fails leaves its error in its output
+token, which PjRt hands on to every later program that takes the token; an op that raised on
+purpose (check_invalid) must leave its Buffer usable, so a Buffer's token is dropped once it
+holds an error (`_token_input`); a Buffer stopped by a timeout raises on its next call by
+itself.
 
 Also here: the key-value store of jax.distributed (`distributed_client`, where the processes
 of a mesh meet to bring a Buffer up) and the mesh axes a value varies over inside shard_map
@@ -26,6 +29,7 @@ wrong results later.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import jax
@@ -104,16 +108,43 @@ def _failed(token) -> bool:
     return False
 
 
+# JAX keeps runtime tokens per host thread. A Buffer's are kept per process instead, and the
+# programs that use a Buffer are launched one at a time: then every device gets them in one
+# order, and each waits for the one before, whichever thread launched it.
+_buffer_tokens: dict[BufferOrder, Any] = {}
+_launch = threading.RLock()
 _jax_token_input = dispatch.RuntimeTokenSet.get_token_input
+_jax_token_result = dispatch.RuntimeTokenSet.set_token_result
+_jax_execute = pxla.ExecuteReplicated.__call__
 
 
 def _token_input(self, effect, devices):
-    if isinstance(effect, BufferOrder) and _failed(self.current_tokens.get(effect)):
-        del self.current_tokens[effect]
+    if isinstance(effect, BufferOrder):
+        token = _buffer_tokens.get(effect)
+        if token is None or _failed(token):
+            self.current_tokens.pop(effect, None)
+        else:
+            self.current_tokens[effect] = token
     return _jax_token_input(self, effect, devices)
 
 
+def _token_result(self, effect, token):
+    if isinstance(effect, BufferOrder):
+        _buffer_tokens[effect] = token
+    _jax_token_result(self, effect, token)
+
+
+def _execute(self, *args):
+    if any(isinstance(e, BufferOrder) for e in self.ordered_effects):
+        with _launch:
+            return _jax_execute(self, *args)
+    return _jax_execute(self, *args)
+
+
 dispatch.RuntimeTokenSet.get_token_input = _token_input
+dispatch.RuntimeTokenSet.set_token_result = _token_result
+pxla.ExecuteReplicated.__call__ = _execute
+
 
 # An ahead-of-time compiled program (jit(f).lower(...).compile()) runs its second call through
 # JAX's C++ fast path, which passes no runtime tokens: XLA then refuses the call ("Execution

@@ -300,9 +300,11 @@ def test_vmap_runs_whole_ops_one_after_another_and_refuses_halves():
         ).lower(xs, idx, w)
 
 
-def test_programs_launched_from_several_threads_in_turn_all_match_the_reference():
-    # JAX keeps runtime tokens per thread; threads that take turns launching keep every rank's
-    # ops in one order (docs/ARCHITECTURE.md).
+def test_programs_launched_from_several_threads_all_match_the_reference():
+    # A Buffer's runtime token is kept per process (JAX keeps them per thread) and its programs
+    # are launched one at a time, so every device runs them in one order (_jax.py).
+    from jax_ep import _jax
+
     mesh, buf, x, idx, w = setup()
     step = jax.jit(
         jax.shard_map(
@@ -313,14 +315,12 @@ def test_programs_launched_from_several_threads_in_turn_all_match_the_reference(
         )
     )
     want = np.asarray(step(x, idx, w))
-    turn = threading.Lock()
-    results = {}
+    order = buf._ops._cfg.order
+    results, tokens = {}, {}
 
     def launch(s, xs):
-        results[s] = []
-        for _ in range(5):
-            with turn:
-                results[s].append(step(xs, idx, w))
+        results[s] = [step(xs, idx, w) for _ in range(5)]
+        tokens[s] = _jax._buffer_tokens[order]
 
     threads = [threading.Thread(target=launch, args=(s, x * s)) for s in (1.0, 2.0, 3.0, 4.0)]
     for t in threads:
@@ -330,6 +330,10 @@ def test_programs_launched_from_several_threads_in_turn_all_match_the_reference(
     for s, outs in results.items():
         for out in outs:
             np.testing.assert_array_equal(np.asarray(out), s * want)
+    # One chain: the last launch's token is the process's, whichever thread made it.
+    assert _jax._buffer_tokens[order] in tokens.values()
+    step(x, idx, w)  # and this thread's next launch continues it
+    assert _jax._buffer_tokens[order] not in tokens.values()
 
 
 def test_a_user_custom_vjp_and_a_scan_with_unroll_match_the_reference():
