@@ -22,7 +22,7 @@ grouped matmuls (jax_ep.nn.grouped: the Mosaic GPU kernels on Hopper):
   grouped matmuls of equal groups (R*C rows), all_to_all back, weighted sum, shared expert.
 
 Each layer is timed whole ("total") and in parts, each part its own jitted program on the same
-inputs (the parts before it run once before the timed loop; bench.ep.loop_seconds): routing
+inputs (the parts before it run once before the timed loop; bench.harness.loop_seconds): routing
 (router and top-k, plus what the layer does with the routing before sending: the sort of the
 maxtext layer, the slot of every row of the padded one), dispatch, matmuls (experts and shared
 expert), combine. "train" is the value and gradient of sum(y) with respect to the parameters and
@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +46,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from bench.ep import common_arguments, loop_seconds, save_record
 from bench.grouped_matmul import forward_rates, fp8_forward_rate
+from bench.harness import common_arguments, loop_seconds, new_record, save_record
 from jax_ep import layout
 from jax_ep.nn import moe
 from jax_ep.primitives import varying_like
@@ -549,10 +547,10 @@ def main(argv=None):
             f"  FP8 forward (weights quantized {'beforehand' if once else 'in the call'}): "
             f"{matmul['fp8_tflops']:.1f} TFLOP/s"
         )
-    record = dict(
-        machine=args.machine,
-        date=datetime.date.today().isoformat(),
-        command="python -m bench.moe_layer " + " ".join(sys.argv[1:] if argv is None else argv),
+    record = new_record(
+        args,
+        "moe_layer",
+        argv,
         config="moe_layer",
         num_ranks=num_ranks,
         device=devices[0].device_kind,
