@@ -50,7 +50,6 @@ from bench.grouped_matmul import forward_rates, fp8_forward_rate
 from bench.harness import common_arguments, loop_seconds, new_record, save_record
 from jax_ep import layout
 from jax_ep.nn import moe
-from jax_ep.primitives import varying_like
 
 IMPLS = ("jax_ep", "maxtext", "lax_all_to_all")
 FP8_WEIGHTS = "fp8_weights"  # with --fp8-experts once: the params' entry of the FP8 weights
@@ -134,10 +133,13 @@ class MaxTextLayer:
         everyone = jax.lax.all_gather(counts, AXIS)  # [src, E]
         me = jax.lax.axis_index(AXIS)
         by_rank = everyone.reshape(r, r, self.local).sum(-1)  # [src, dst]
-        # The output operand varies like the rows (its type is the result's inside shard_map).
+        # The output operand varies over the EP axis like the rows (its type is the result's
+        # inside shard_map).
         received = jax.lax.ragged_all_to_all(
             rows,
-            varying_like(jnp.zeros((r * rows.shape[0], rows.shape[1]), rows.dtype), rows),
+            jax.lax.pcast(
+                jnp.zeros((r * rows.shape[0], rows.shape[1]), rows.dtype), (AXIS,), to="varying"
+            ),
             layout.exclusive_cumsum(by_rank[me]),
             by_rank[me],
             layout.exclusive_cumsum(by_rank, axis=0)[me],
@@ -173,8 +175,10 @@ class MaxTextLayer:
         unsorted = jnp.zeros_like(rows).at[local_order].set(rows)
         back = jax.lax.ragged_all_to_all(
             unsorted,
-            varying_like(
-                jnp.zeros((x.shape[0] * self.cfg.num_topk, x.shape[1]), rows.dtype), unsorted
+            jax.lax.pcast(
+                jnp.zeros((x.shape[0] * self.cfg.num_topk, x.shape[1]), rows.dtype),
+                (AXIS,),
+                to="varying",
             ),
             layout.exclusive_cumsum(by_rank[:, me]),
             by_rank[:, me],
