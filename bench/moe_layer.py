@@ -46,9 +46,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from bench.baselines import exclusive_cumsum
 from bench.grouped_matmul import forward_rates, fp8_forward_rate
 from bench.harness import common_arguments, loop_seconds, new_record, save_record
-from jax_ep import layout
 from jax_ep.nn import moe
 
 IMPLS = ("jax_ep", "maxtext", "lax_all_to_all")
@@ -140,9 +140,9 @@ class MaxTextLayer:
             jax.lax.pcast(
                 jnp.zeros((r * rows.shape[0], rows.shape[1]), rows.dtype), (AXIS,), to="varying"
             ),
-            layout.exclusive_cumsum(by_rank[me]),
+            exclusive_cumsum(by_rank[me]),
             by_rank[me],
-            layout.exclusive_cumsum(by_rank, axis=0)[me],
+            exclusive_cumsum(by_rank, axis=0)[me],
             by_rank[:, me],
             axis_name=AXIS,
         )
@@ -180,9 +180,9 @@ class MaxTextLayer:
                 (AXIS,),
                 to="varying",
             ),
-            layout.exclusive_cumsum(by_rank[:, me]),
+            exclusive_cumsum(by_rank[:, me]),
             by_rank[:, me],
-            layout.exclusive_cumsum(by_rank, axis=1)[:, me],
+            exclusive_cumsum(by_rank, axis=1)[:, me],
             by_rank[me],
             axis_name=AXIS,
         )
@@ -532,9 +532,8 @@ def main(argv=None):
             print(f"  {impl}: {skipped[impl]}", flush=True)
     print(table(results))
     local = args.experts // num_ranks
-    balanced = np.full(
-        local, layout.align_up(args.tokens * args.topk // local, args.alignment), np.int32
-    )
+    per_group = args.tokens * args.topk // local
+    balanced = np.full(local, -(-per_group // args.alignment) * args.alignment, np.int32)
     rows = int(balanced.sum())
     rate, dense_rate = forward_rates(rows, args.hidden, args.ffn, balanced, "auto", args.alignment)
     matmul = dict(impl=paths["down"], tflops=rate, dense_tflops=dense_rate)
