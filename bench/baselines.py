@@ -17,9 +17,18 @@ import jax.numpy as jnp
 from jax_ep import layout
 
 
+def exclusive_cumsum(values, axis=0):
+    """int32 sums of the values before each one along axis."""
+    return jnp.cumsum(values, axis=axis, dtype=jnp.int32) - values.astype(jnp.int32)
+
+
 def _route(topk_idx, num_ranks, num_experts):
-    goes = layout.dest_ranks(topk_idx, num_ranks, num_experts)
-    return goes, layout.exclusive_cumsum(goes, axis=0)
+    """[T, R] bool: the token goes to rank d (once, however many of its experts live there; a
+    slot outside [0, num_experts) goes nowhere), and the token's row among those rank d gets."""
+    routed = (topk_idx >= 0) & (topk_idx < num_experts)
+    owner = jnp.where(routed, topk_idx // (num_experts // num_ranks), -1)
+    goes = (owner[:, :, None] == jnp.arange(num_ranks)).any(axis=1)
+    return goes, exclusive_cumsum(goes, axis=0)
 
 
 def _payload(x, fp8):
@@ -67,14 +76,14 @@ class RaggedAllToAll:
         sizes = goes.sum(axis=0, dtype=jnp.int32)  # rows to each rank
         counts = jax.lax.all_gather(sizes, self.axis)  # [src, dst]
         me = jax.lax.axis_index(self.axis)
-        send_offsets = layout.exclusive_cumsum(sizes)
+        send_offsets = exclusive_cumsum(sizes)
         packed = jnp.where(goes, send_offsets[None, :] + slot, r * t)  # [T, R]
         token_of_row = (
             jnp.zeros(r * t, jnp.int32)
             .at[packed.reshape(-1)]
             .set(jnp.repeat(jnp.arange(t, dtype=jnp.int32), r), mode="drop")
         )
-        recv_offsets = layout.exclusive_cumsum(counts, axis=0)[me]  # where mine land at d
+        recv_offsets = exclusive_cumsum(counts, axis=0)[me]  # where mine land at d
         recv_sizes = counts[:, me]
         out = []
         for part in _payload(x, fp8):
@@ -91,8 +100,8 @@ class RaggedAllToAll:
     def combine(self, rows, routing):
         """rows [R*T, H] in the received order -> [T, H]."""
         goes, packed, counts, me, send_offsets, sizes = routing
-        first_row = layout.exclusive_cumsum(counts[:, me])  # rows from each source
-        back_to = layout.exclusive_cumsum(counts, axis=1)[:, me]  # at the source
+        first_row = exclusive_cumsum(counts[:, me])  # rows from each source
+        back_to = exclusive_cumsum(counts, axis=1)[:, me]  # at the source
         output = jnp.zeros_like(rows)
         back = jax.lax.ragged_all_to_all(
             rows, output, first_row, counts[:, me], back_to, sizes, axis_name=self.axis

@@ -14,11 +14,8 @@ Writes bench/results/<config>-<machine>-<date>.json and a PNG; prints a table.
 from __future__ import annotations
 
 import argparse
-import datetime
-import functools
 import json
 import os
-import sys
 import time
 
 import jax
@@ -29,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from bench.baselines import AllToAll, RaggedAllToAll
+from bench.harness import common_arguments, copy_engine_gbps, new_record, save_record
 from bench.trace import device_kernels, kernel_summary, print_summary
 
 CONFIGS = {
@@ -138,81 +136,6 @@ def repeat(op):
         return value, routing, outputs + (out,)
 
     return step
-
-
-_PERTURBABLE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-
-
-def loop_seconds(step, args, counts=(1, 4), repeats=5, mesh=None, in_specs=None, prologue=None):
-    """Seconds per call of `step(*inputs) -> out`, for work too large to keep every call's output
-    (Timer keeps them): one jitted program computes inputs = prologue(*args) (or args) once,
-    then calls step n times in a while loop, n a run-time argument (one compilation), each
-    call's first floating-point input depending on the last output through one element (no
-    call is loop-invariant or dead code); the difference of the best times at the counts over
-    the extra calls cancels launch, prologue and sync costs. With a mesh, the program is a
-    shard_map over it (in_specs per argument, step per rank) and every output leaf is split
-    over the mesh's axes."""
-
-    def program(n, *args):
-        inputs = tuple(prologue(*args)) if prologue else args
-
-        def again(_, carry):
-            inputs, out = carry
-            inputs = _perturbed(inputs, jax.tree.leaves(out)[0].reshape(-1)[0])
-            return inputs, step(*inputs)
-
-        out = jax.lax.fori_loop(1, n, again, (inputs, step(*inputs)))[1]
-        return jax.tree.map(lambda a: a.reshape((1,) + a.shape) if a.ndim == 0 else a, out)
-
-    if mesh is None:
-        run = jax.jit(program)
-    else:
-        run = jax.jit(
-            lambda n, *args: jax.shard_map(
-                functools.partial(program, n),
-                mesh=mesh,
-                in_specs=tuple(in_specs),
-                out_specs=P(tuple(mesh.axis_names)),
-            )(*args)
-        )
-
-    def best(n):
-        jax.block_until_ready(run(n, *args))  # compile (once) and warm up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(run(n, *args))
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    low, high = counts
-    return (best(high) - best(low)) / (high - low)
-
-
-def _perturbed(inputs, value):
-    """inputs with value * 0 added to one element of their first floating-point leaf."""
-    leaves, tree = jax.tree.flatten(inputs)
-    i = next(i for i, leaf in enumerate(leaves) if jnp.dtype(leaf.dtype) in _PERTURBABLE)
-    tick = (value.astype(jnp.float32) * 0).astype(leaves[i].dtype)
-    leaves[i] = leaves[i].at[(0,) * leaves[i].ndim].add(tick)
-    return jax.tree.unflatten(tree, leaves)
-
-
-def common_arguments(parser):
-    """The options every benchmark takes: where results go and under which machine name."""
-    parser.add_argument("--machine", default=os.environ.get("JAX_EP_MACHINE", "unknown"))
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--no-plot", action="store_true")
-
-
-def save_record(record, out_dir, name, suffix=""):
-    """Writes record as <out_dir>/<name>-<machine>-<date><suffix>.json; returns the path
-    without .json (for the plot)."""
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{name}-{record['machine']}-{record['date']}{suffix}")
-    with open(stem + ".json", "w") as f:
-        json.dump(record, f, indent=1)
-    return stem
 
 
 def harness_seconds(mesh, x, idx, steps):
@@ -490,8 +413,6 @@ def main(argv=None):
     sizes = [int(t) for t in args.tokens.split(",")] if args.tokens else list(cfg["sweep"])
     p2p = p2p_both = None
     if len(devices) > 1 and devices[0].platform == "gpu":
-        from bench.probe import copy_engine_gbps
-
         p2p, p2p_both = copy_engine_gbps(False), copy_engine_gbps(True)
         if p2p is None or p2p_both is None:
             print(
@@ -536,10 +457,10 @@ def main(argv=None):
         if args.overlap
         else None
     )
-    record = dict(
-        machine=args.machine,
-        date=datetime.date.today().isoformat(),
-        command="python -m bench.ep " + " ".join(sys.argv[1:] if argv is None else argv),
+    record = new_record(
+        args,
+        "ep",
+        argv,
         config=args.config,
         num_ranks=len(devices),
         device=devices[0].device_kind,

@@ -7,7 +7,7 @@ The rows of one rank of an EP group of R ranks (R = 1, 2: 256 and 128 local expe
 tokens x top-8 = 32768 rows in groups of multiples of 128 rows (as a dispatch with
 expert_alignment=128 delivers them), sizes uniform or skewed (Zipf: a few large groups, many
 empty); gate/up (K 7168, N 2048) and down (K 2048, N 7168). Each product (forward gmm, d lhs
-gmm_t, d rhs tgmm) is timed with bench.ep.loop_seconds; TFLOP/s count 2 * rows * K * N.
+gmm_t, d rhs tgmm) is timed with bench.harness.loop_seconds; TFLOP/s count 2 * rows * K * N.
 "dense" is the batched einsum of the same FLOPs ([G, rows/G, K] x [G, K, N]: the grouped
 matmul of uniform groups known in advance); "xla" jax.lax.ragged_dot's product (the forward
 only, and skipped where its dense operand [M, G*K] would exceed 20 GB); "mosaic" the kernels of
@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.ep import common_arguments, loop_seconds, save_record
+from bench.harness import common_arguments, loop_seconds, new_record, save_record
 from jax_ep import layout
 from jax_ep.nn import grouped
 from jax_ep.nn.grouped import Blocks
@@ -321,11 +319,10 @@ def main(argv=None):
     print(table(results))
     best_blocks = {p: {kind: list(b) for kind, b in found.items()} for p, found in blocks.items()}
     print("best blocks:", best_blocks)
-    record = dict(
-        machine=args.machine,
-        date=datetime.date.today().isoformat(),
-        command="python -m bench.grouped_matmul "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+    record = new_record(
+        args,
+        "grouped_matmul",
+        argv,
         config="grouped_matmul",
         device=jax.devices()[0].device_kind,
         jax_version=jax.__version__,

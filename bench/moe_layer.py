@@ -22,7 +22,7 @@ grouped matmuls (jax_ep.nn.grouped: the Mosaic GPU kernels on Hopper):
   grouped matmuls of equal groups (R*C rows), all_to_all back, weighted sum, shared expert.
 
 Each layer is timed whole ("total") and in parts, each part its own jitted program on the same
-inputs (the parts before it run once before the timed loop; bench.ep.loop_seconds): routing
+inputs (the parts before it run once before the timed loop; bench.harness.loop_seconds): routing
 (router and top-k, plus what the layer does with the routing before sending: the sort of the
 maxtext layer, the slot of every row of the padded one), dispatch, matmuls (experts and shared
 expert), combine. "train" is the value and gradient of sum(y) with respect to the parameters and
@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -48,11 +46,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from bench.ep import common_arguments, loop_seconds, save_record
+from bench.baselines import exclusive_cumsum
 from bench.grouped_matmul import forward_rates, fp8_forward_rate
-from jax_ep import layout
+from bench.harness import common_arguments, loop_seconds, new_record, save_record
 from jax_ep.nn import moe
-from jax_ep.primitives import varying_like
 
 IMPLS = ("jax_ep", "maxtext", "lax_all_to_all")
 FP8_WEIGHTS = "fp8_weights"  # with --fp8-experts once: the params' entry of the FP8 weights
@@ -136,13 +133,16 @@ class MaxTextLayer:
         everyone = jax.lax.all_gather(counts, AXIS)  # [src, E]
         me = jax.lax.axis_index(AXIS)
         by_rank = everyone.reshape(r, r, self.local).sum(-1)  # [src, dst]
-        # The output operand varies like the rows (its type is the result's inside shard_map).
+        # The output operand varies over the EP axis like the rows (its type is the result's
+        # inside shard_map).
         received = jax.lax.ragged_all_to_all(
             rows,
-            varying_like(jnp.zeros((r * rows.shape[0], rows.shape[1]), rows.dtype), rows),
-            layout.exclusive_cumsum(by_rank[me]),
+            jax.lax.pcast(
+                jnp.zeros((r * rows.shape[0], rows.shape[1]), rows.dtype), (AXIS,), to="varying"
+            ),
+            exclusive_cumsum(by_rank[me]),
             by_rank[me],
-            layout.exclusive_cumsum(by_rank, axis=0)[me],
+            exclusive_cumsum(by_rank, axis=0)[me],
             by_rank[:, me],
             axis_name=AXIS,
         )
@@ -175,12 +175,14 @@ class MaxTextLayer:
         unsorted = jnp.zeros_like(rows).at[local_order].set(rows)
         back = jax.lax.ragged_all_to_all(
             unsorted,
-            varying_like(
-                jnp.zeros((x.shape[0] * self.cfg.num_topk, x.shape[1]), rows.dtype), unsorted
+            jax.lax.pcast(
+                jnp.zeros((x.shape[0] * self.cfg.num_topk, x.shape[1]), rows.dtype),
+                (AXIS,),
+                to="varying",
             ),
-            layout.exclusive_cumsum(by_rank[:, me]),
+            exclusive_cumsum(by_rank[:, me]),
             by_rank[:, me],
-            layout.exclusive_cumsum(by_rank, axis=1)[:, me],
+            exclusive_cumsum(by_rank, axis=1)[:, me],
             by_rank[me],
             axis_name=AXIS,
         )
@@ -530,9 +532,8 @@ def main(argv=None):
             print(f"  {impl}: {skipped[impl]}", flush=True)
     print(table(results))
     local = args.experts // num_ranks
-    balanced = np.full(
-        local, layout.align_up(args.tokens * args.topk // local, args.alignment), np.int32
-    )
+    per_group = args.tokens * args.topk // local
+    balanced = np.full(local, -(-per_group // args.alignment) * args.alignment, np.int32)
     rows = int(balanced.sum())
     rate, dense_rate = forward_rates(rows, args.hidden, args.ffn, balanced, "auto", args.alignment)
     matmul = dict(impl=paths["down"], tflops=rate, dense_tflops=dense_rate)
@@ -549,10 +550,10 @@ def main(argv=None):
             f"  FP8 forward (weights quantized {'beforehand' if once else 'in the call'}): "
             f"{matmul['fp8_tflops']:.1f} TFLOP/s"
         )
-    record = dict(
-        machine=args.machine,
-        date=datetime.date.today().isoformat(),
-        command="python -m bench.moe_layer " + " ".join(sys.argv[1:] if argv is None else argv),
+    record = new_record(
+        args,
+        "moe_layer",
+        argv,
         config="moe_layer",
         num_ranks=num_ranks,
         device=devices[0].device_kind,

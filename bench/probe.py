@@ -54,16 +54,6 @@ MODES = {
 # to V3 rows (all loads of half a row in flight), into local rows or the peer's
 
 
-def copy_engine_gbps(both_ways):
-    """GB/s per direction of 256 MiB copied GPU0 -> GPU1 by the copy engine (and GPU1 -> GPU0 at
-    the same time when both_ways), or None when it was not measured: bench._probe not built, or
-    the copy failed."""
-    if _probe is None:
-        return None
-    gbps = _probe.peer_gbps(0, 1, 256 << 20, 0, -1, 20, both_ways)
-    return gbps if gbps > 0 else None
-
-
 def main():
     if _probe is None:
         raise SystemExit(

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from bench import probe
+from bench import harness, probe
 from bench.ep import JAX_EP, bench_size, table
 from bench.trace import device_kernels, kernel_summary
 
@@ -68,6 +68,6 @@ def test_peer_bandwidth_is_not_measured_without_the_probe():
     rather than a made-up one."""
     if probe._probe is not None:
         pytest.skip("bench._probe is built here")
-    assert probe.copy_engine_gbps(False) is None and probe.copy_engine_gbps(True) is None
+    assert harness.copy_engine_gbps(False) is None and harness.copy_engine_gbps(True) is None
     with pytest.raises(SystemExit, match="bench._probe"):
         probe.main()

@@ -1,0 +1,114 @@
+"""What every benchmark shares: loop timing (loop_seconds), the options every command takes
+(common_arguments), result records with the run's machine, date and command (new_record,
+save_record), and the machine's peer copy bandwidth (copy_engine_gbps, through bench._probe)."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+_PERTURBABLE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def loop_seconds(step, args, counts=(1, 4), repeats=5, mesh=None, in_specs=None, prologue=None):
+    """Seconds per call of `step(*inputs) -> out`, for work too large to keep every call's output
+    (bench.ep's Timer keeps them): one jitted program computes inputs = prologue(*args) (or args)
+    once, then calls step n times in a while loop, n a run-time argument (one compilation), each
+    call's first floating-point input depending on the last output through one element (no
+    call is loop-invariant or dead code); the difference of the best times at the counts over
+    the extra calls cancels launch, prologue and sync costs. With a mesh, the program is a
+    shard_map over it (in_specs per argument, step per rank) and every output leaf is split
+    over the mesh's axes."""
+
+    def program(n, *args):
+        inputs = tuple(prologue(*args)) if prologue else args
+
+        def again(_, carry):
+            inputs, out = carry
+            inputs = _perturbed(inputs, jax.tree.leaves(out)[0].reshape(-1)[0])
+            return inputs, step(*inputs)
+
+        out = jax.lax.fori_loop(1, n, again, (inputs, step(*inputs)))[1]
+        return jax.tree.map(lambda a: a.reshape((1,) + a.shape) if a.ndim == 0 else a, out)
+
+    if mesh is None:
+        run = jax.jit(program)
+    else:
+        run = jax.jit(
+            lambda n, *args: jax.shard_map(
+                functools.partial(program, n),
+                mesh=mesh,
+                in_specs=tuple(in_specs),
+                out_specs=P(tuple(mesh.axis_names)),
+            )(*args)
+        )
+
+    def best(n):
+        jax.block_until_ready(run(n, *args))  # compile (once) and warm up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(run(n, *args))
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    low, high = counts
+    return (best(high) - best(low)) / (high - low)
+
+
+def _perturbed(inputs, value):
+    """inputs with value * 0 added to one element of their first floating-point leaf."""
+    leaves, tree = jax.tree.flatten(inputs)
+    i = next(i for i, leaf in enumerate(leaves) if jnp.dtype(leaf.dtype) in _PERTURBABLE)
+    tick = (value.astype(jnp.float32) * 0).astype(leaves[i].dtype)
+    leaves[i] = leaves[i].at[(0,) * leaves[i].ndim].add(tick)
+    return jax.tree.unflatten(tree, leaves)
+
+
+def common_arguments(parser):
+    """The options every benchmark takes: where results go and under which machine name."""
+    parser.add_argument("--machine", default=os.environ.get("JAX_EP_MACHINE", "unknown"))
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--no-plot", action="store_true")
+
+
+def new_record(args, command, argv, **fields):
+    """A result record: the machine (args.machine), today's date and the command line
+    (`python -m bench.<command>` and argv, or this process's arguments when argv is None), then
+    fields."""
+    return dict(
+        machine=args.machine,
+        date=datetime.date.today().isoformat(),
+        command=f"python -m bench.{command} " + " ".join(sys.argv[1:] if argv is None else argv),
+        **fields,
+    )
+
+
+def save_record(record, out_dir, name, suffix=""):
+    """Writes record as <out_dir>/<name>-<machine>-<date><suffix>.json; returns the path
+    without .json (for the plot)."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"{name}-{record['machine']}-{record['date']}{suffix}")
+    with open(stem + ".json", "w") as f:
+        json.dump(record, f, indent=1)
+    return stem
+
+
+def copy_engine_gbps(both_ways):
+    """GB/s per direction of 256 MiB copied GPU0 -> GPU1 by the copy engine (and GPU1 -> GPU0 at
+    the same time when both_ways), or None when it was not measured: bench._probe not built
+    (bench/probe.py says how to build it), or the copy failed."""
+    try:
+        from bench import _probe
+    except ImportError:
+        return None
+    gbps = _probe.peer_gbps(0, 1, 256 << 20, 0, -1, 20, both_ways)
+    return gbps if gbps > 0 else None
