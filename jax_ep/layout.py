@@ -90,7 +90,7 @@ def quantize_fp8(x, round_scale):
     q, scale = quantize_blocks(
         blocks, jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), round_scale
     )
-    return _straight_through(x.dtype, x, q.reshape(t, h)), jax.lax.stop_gradient(scale[..., 0])
+    return _with_gradient_to_x(x.dtype, x, q.reshape(t, h)), jax.lax.stop_gradient(scale[..., 0])
 
 
 def quantize_blocks(values, amax, round_scale=False):
@@ -157,19 +157,20 @@ def float_to_e4m3(v):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _straight_through(dtype, x, q):
+def _with_gradient_to_x(dtype, x, q):
+    """q, whose cotangent goes to x unchanged (cast to x's dtype)."""
     return q
 
 
-def _straight_through_fwd(dtype, x, q):
+def _with_gradient_to_x_fwd(dtype, x, q):
     return q, None
 
 
-def _straight_through_bwd(dtype, _, ct_q):
+def _with_gradient_to_x_bwd(dtype, _, ct_q):
     return ct_q.astype(dtype), None
 
 
-_straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
+_with_gradient_to_x.defvjp(_with_gradient_to_x_fwd, _with_gradient_to_x_bwd)
 
 
 def dequantize_fp8(q, scales):
