@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jax_ep import bootstrap
 from jax_ep import layout as layouts
+from jax_ep.fp8 import FP8_BLOCK, dequantize_fp8
 from jax_ep.primitives import all_varying, done
 from jax_ep.reference import Reference
 from jax_ep.types import DispatchResult, Handle, Pending, Receipt
@@ -49,7 +50,7 @@ def _raise_if_invalid(here, everywhere, num_experts):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dequantize_with_combined_grad(combine, x, q, scales, handle):
     """q * scales as x.dtype; x's gradient is the combine of the rows' cotangents."""
-    return layouts.dequantize_fp8(q, scales).astype(x.dtype)
+    return dequantize_fp8(q, scales).astype(x.dtype)
 
 
 def _dequantize_with_combined_grad_fwd(combine, x, q, scales, handle):
@@ -776,7 +777,7 @@ class Buffer:
                 f"x has {tokens} tokens per rank, more than max_tokens_per_rank="
                 f"{self.max_tokens_per_rank}"
             )
-        if fp8 and self.hidden % layouts.FP8_BLOCK:
+        if fp8 and self.hidden % FP8_BLOCK:
             _fail(f"fp8 needs hidden % 128 == 0, got hidden={self.hidden}")
         if round_scale and not fp8:
             _fail("round_scale=True needs fp8=True")

@@ -2,7 +2,8 @@
 (grouped.py) and thin adapters for Flax NNX (jax_ep.nn.flax_nnx, extra "flax") and Equinox
 (jax_ep.nn.eqx, extra "equinox")."""
 
-from jax_ep.nn.grouped import fp8_grouped_matmul, grouped_matmul, quantize_weights_fp8
+from jax_ep.fp8 import quantize_weights_fp8
+from jax_ep.nn.grouped import fp8_grouped_matmul, grouped_matmul
 from jax_ep.nn.moe import (
     EXPERT_WEIGHTS,
     MoEAux,

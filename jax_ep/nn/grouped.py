@@ -46,7 +46,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ep import layout
+from jax_ep.fp8 import FP8_BLOCK, dequantize_fp8, quantize_weights_fp8
 from jax_ep.primitives import all_varying, varying_like
 
 IMPLS = ("auto", "xla", "mosaic")
@@ -418,30 +418,10 @@ def _aligned_tgmm(lhs, rhs, group_sizes, tiles):
 
 # ---------------------------------------------------------------- FP8 (block-scaled) forward
 
-FP8_TILES = Blocks(64, 128, layout.FP8_BLOCK, 4, 8)
+FP8_TILES = Blocks(64, 128, FP8_BLOCK, 4, 8)
 """The FP8 kernel's tiling: block_k is the FP8 block (one scale per row and per weight block
 each step); 64 rows, as the step's product and the running sum (two float32 tiles) must fit in
 one warpgroup's registers."""
-
-
-def quantize_weights_fp8(w):
-    """Expert weights [G, K, N] -> (e4m3fn [G, N, K], float32 scales [G, N/128, K/128]): the FP8
-    rule (jax_ep.layout.quantize_blocks) on 128 x 128 blocks, DeepSeek-V3's weight recipe; K
-    innermost, as Hopper's FP8 tensor-core instructions read both operands. The blocks' maxima
-    and the quantization run in w's own layout (reads in order); only the FP8 result, half the
-    bytes, is transposed."""
-    g, k, n = w.shape
-    b = layout.FP8_BLOCK
-    if k % b or n % b:
-        raise ValueError(
-            f"jax_ep.nn.quantize_weights_fp8: weights [G, K, N] need K and N "
-            f"multiples of {b}, got {w.shape}"
-        )
-    blocks = w.astype(jnp.float32).reshape(g, k // b, b, n // b, b)
-    q, scales = layout.quantize_blocks(
-        blocks, jnp.max(jnp.abs(blocks), axis=(2, 4), keepdims=True)
-    )  # scales [G,K/b,1,N/b,1]
-    return jnp.swapaxes(q.reshape(g, k, n), 1, 2), jnp.swapaxes(scales[:, :, 0, :, 0], 1, 2)
 
 
 def fp8_misfits(lhs_shape, rhs_shape, group_alignment):
@@ -500,13 +480,13 @@ def fp8_grouped_matmul(
     if (
         lhs_q.dtype != jnp.float8_e4m3fn
         or lhs_q.shape != lhs.shape
-        or lhs_scales.shape != (lhs.shape[0], lhs.shape[1] // layout.FP8_BLOCK)
-        or lhs.shape[1] % layout.FP8_BLOCK
+        or lhs_scales.shape != (lhs.shape[0], lhs.shape[1] // FP8_BLOCK)
+        or lhs.shape[1] % FP8_BLOCK
     ):
         raise ValueError(
             f"jax_ep.nn.fp8_grouped_matmul: lhs_q must be e4m3fn like lhs "
-            f"{lhs.shape} (K a multiple of {layout.FP8_BLOCK}) and lhs_scales "
-            f"[M, K/{layout.FP8_BLOCK}], got {lhs_q.dtype}{lhs_q.shape} and "
+            f"{lhs.shape} (K a multiple of {FP8_BLOCK}) and lhs_scales "
+            f"[M, K/{FP8_BLOCK}], got {lhs_q.dtype}{lhs_q.shape} and "
             f"{lhs_scales.shape}"
         )
     fp8_impl = resolve_fp8_impl(impl, lhs.shape, rhs.shape, group_alignment)
@@ -524,14 +504,14 @@ def fp8_grouped_matmul(
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _fp8_gmm(fp8_impl, backward, lhs, rhs, group_sizes, lhs_q, lhs_scales, rhs_q, rhs_scales):
     if fp8_impl == "xla":
-        b = layout.FP8_BLOCK
+        b = FP8_BLOCK
         g, n, k = rhs_q.shape
         weights = (
             rhs_q.astype(jnp.float32).reshape(g, n // b, b, k // b, b)
             * rhs_scales[:, :, None, :, None]
         ).reshape(g, n, k)
         out = jax.lax.ragged_dot_general(
-            layout.dequantize_fp8(lhs_q, lhs_scales),
+            dequantize_fp8(lhs_q, lhs_scales),
             weights,
             group_sizes,
             jax.lax.RaggedDotDimensionNumbers(_XLA_DIMENSIONS["gmm_t"][0], [0], [0]),

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ep import layout
 from jax_ep.buffer import FLOAT_ROWS, Buffer
+from jax_ep.fp8 import FP8_BLOCK, quantize_weights_fp8
 from jax_ep.nn import grouped
 
 
@@ -78,11 +79,11 @@ class MoEConfig:
                 f"jax_ep.nn: combine_partial_dtype must be float32 or bfloat16, got "
                 f"{self.combine_partial_dtype!r}"
             )
-        if self.fp8 and self.fp8_experts and self.ffn_hidden % layout.FP8_BLOCK:
+        if self.fp8 and self.fp8_experts and self.ffn_hidden % FP8_BLOCK:
             raise ValueError(
                 f"jax_ep.nn: fp8_experts multiplies FP8 weights in "
-                f"{layout.FP8_BLOCK} x {layout.FP8_BLOCK} blocks: ffn_hidden must be "
-                f"a multiple of {layout.FP8_BLOCK}, got {self.ffn_hidden} (or set "
+                f"{FP8_BLOCK} x {FP8_BLOCK} blocks: ffn_hidden must be "
+                f"a multiple of {FP8_BLOCK}, got {self.ffn_hidden} (or set "
                 f"fp8_experts=False)"
             )
         if self.grouped_matmul not in grouped.IMPLS:
@@ -236,11 +237,11 @@ FP8_WEIGHTS = ("w_gate", "w_up")  # the projections that can read the dispatch's
 
 
 def quantize_expert_weights(params):
-    """{name: grouped.quantize_weights_fp8(params[name])} for the gate and up projections: the
+    """{name: quantize_weights_fp8(params[name])} for the gate and up projections: the
     FP8 weights of an fp8 layer, for its fp8_weights argument. Made once (e.g. per optimizer
     step, under jit, outside the gradient: they are sharded like the experts), they serve every
     call until the weights change, such as a step's micro-batches."""
-    return {name: grouped.quantize_weights_fp8(params[name]) for name in FP8_WEIGHTS}
+    return {name: quantize_weights_fp8(params[name]) for name in FP8_WEIGHTS}
 
 
 def expert_ffn(
