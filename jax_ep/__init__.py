@@ -5,7 +5,7 @@ import importlib.util
 import os
 
 from jax_ep.buffer import Buffer, limits
-from jax_ep.layout import dequantize_fp8
+from jax_ep.fp8 import dequantize_fp8
 from jax_ep.types import DispatchResult, Handle, Pending
 
 __all__ = ["Buffer", "DispatchResult", "Handle", "Pending", "dequantize_fp8", "limits"]

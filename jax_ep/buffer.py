@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
 import jax
 import jax.numpy as jnp
 
-from jax_ep import bootstrap, layout
+from jax_ep import bootstrap
+from jax_ep import layout as layouts
+from jax_ep.fp8 import FP8_BLOCK, dequantize_fp8
 from jax_ep.primitives import all_varying, done
 from jax_ep.reference import Reference
 from jax_ep.types import DispatchResult, Handle, Pending, Receipt
@@ -45,20 +48,48 @@ def _raise_if_invalid(here, everywhere, num_experts):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _straight_through_rows(combine, x, q, scales, handle):
-    return layout.dequantize_fp8(q, scales).astype(x.dtype)
+def _dequantize_with_combined_grad(combine, x, q, scales, handle):
+    """q * scales as x.dtype; x's gradient is the combine of the rows' cotangents."""
+    return dequantize_fp8(q, scales).astype(x.dtype)
 
 
-def _straight_through_fwd(combine, x, q, scales, handle):
-    return _straight_through_rows(combine, x, q, scales, handle), handle
+def _dequantize_with_combined_grad_fwd(combine, x, q, scales, handle):
+    return _dequantize_with_combined_grad(combine, x, q, scales, handle), handle
 
 
-def _straight_through_bwd(combine, handle, ct):
+def _dequantize_with_combined_grad_bwd(combine, handle, ct):
     # q and scales get zeros that JAX sees as zeros: the dispatch's backward skips them.
     return combine(ct, handle), None, None, None
 
 
-_straight_through_rows.defvjp(_straight_through_fwd, _straight_through_bwd)
+_dequantize_with_combined_grad.defvjp(
+    _dequantize_with_combined_grad_fwd, _dequantize_with_combined_grad_bwd
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchSpec:
+    """A fresh dispatch's checked arguments, as Buffer._dispatch_start built them."""
+
+    x: jax.Array  # [T, H] the tokens
+    topk_idx: jax.Array  # [T, K] int32 expert ids
+    topk_weights: jax.Array  # [T, K] float32 (zeros when the caller gave none)
+    has_weights: bool  # the caller gave topk_weights (the result carries them)
+    layout: str  # "rank", "expert" or "expert_padded"
+    alignment: int  # expert_alignment
+    capacity: int  # output rows (expert_padded: rows per expert)
+    fp8: bool
+    round_scale: bool
+    low_latency: bool  # the backend's single-kernel path
+    split: bool  # dispatch_send/dispatch_recv halves, or the whole op up front
+
+
+def _run(split, whole, send, *args, **kwargs):
+    """(arrays, finish) of a rank-level primitive: its send half (split), or the whole op up
+    front with nothing left to finish."""
+    if split:
+        return send(*args, **kwargs)
+    return whole(*args, **kwargs), done
 
 
 def _fail(message):
@@ -416,22 +447,22 @@ class Buffer:
                 f"expert_alignment must be 1 in the expert_padded layout (every expert's block "
                 f"has `capacity` rows), got {alignment!r}"
             )
-        capacity = self._capacity(layout_name, alignment, capacity)
-        args = (
-            x,
-            topk_idx,
-            topk_weights,
-            has_weights,
-            alignment,
-            capacity,
-            fp8,
-            round_scale,
-            low_latency,
-            split,
+        spec = DispatchSpec(
+            x=x,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            has_weights=has_weights,
+            layout=layout_name,
+            alignment=alignment,
+            capacity=self._capacity(layout_name, alignment, capacity),
+            fp8=fp8,
+            round_scale=round_scale,
+            low_latency=low_latency,
+            split=split,
         )
         if layout_name == "rank":
-            return self._dispatch_rank(*args)
-        return self._dispatch_expert(layout_name, *args)
+            return self._dispatch_rank(spec)
+        return self._dispatch_expert(spec)
 
     def _ops_for(self, tokens):
         """The primitives for an op of `tokens` rows per rank (the same on every rank): with none,
@@ -439,46 +470,33 @@ class Buffer:
         operands are all empty)."""
         return self._ops if tokens else self._reference
 
-    def _run(self, split, name, tokens, *args, **kwargs):
-        """(arrays, finish) of a rank-level primitive: split, or the whole op up front."""
-        ops = self._ops_for(tokens)
-        if split:
-            return getattr(ops, name + "_send")(*args, **kwargs)
-        return getattr(ops, name)(*args, **kwargs), done
-
-    def _dispatch_rank(
-        self,
-        x,
-        topk_idx,
-        topk_weights,
-        has_weights,
-        alignment,
-        capacity,
-        fp8,
-        round_scale,
-        low_latency,
-        split,
-    ):
-        arrays, moved = self._run(
-            split,
-            "dispatch",
-            x.shape[0],
-            x,
-            topk_idx,
-            topk_weights,
-            rows=capacity,
-            fp8=fp8,
-            round_scale=round_scale,
-            low_latency=low_latency,
+    def _send_tokens(self, spec, rows):
+        """The rank-level dispatch of spec's tokens into `rows` rows per rank: (arrays, finish)."""
+        ops = self._ops_for(spec.x.shape[0])
+        return _run(
+            spec.split,
+            ops.dispatch,
+            ops.dispatch_send,
+            spec.x,
+            spec.topk_idx,
+            spec.topk_weights,
+            rows=rows,
+            fp8=spec.fp8,
+            round_scale=spec.round_scale,
+            low_latency=spec.low_latency,
         )
+
+    def _dispatch_rank(self, spec):
+        capacity = spec.capacity
+        arrays, moved = self._send_tokens(spec, capacity)
 
         def finish(arrays):
             rows, routing = self._checked(*moved(arrays))
             result = (
                 rows.topk_idx,
-                rows.topk_weights if has_weights else None,
+                rows.topk_weights if spec.has_weights else None,
                 routing.tokens_per_expert,
-                layout.align_up(routing.tokens_per_expert, alignment),
+                layouts.align_up(routing.tokens_per_expert, spec.alignment),
                 routing.num_recv,
                 routing.num_dropped,
                 routing.num_invalid,
@@ -499,34 +517,11 @@ class Buffer:
 
         return arrays, finish
 
-    def _dispatch_expert(
-        self,
-        layout_name,
-        x,
-        topk_idx,
-        topk_weights,
-        has_weights,
-        alignment,
-        capacity,
-        fp8,
-        round_scale,
-        low_latency,
-        split,
-    ):
+    def _dispatch_expert(self, spec):
+        layout_name, alignment, capacity = spec.layout, spec.alignment, spec.capacity
         # On the wire a token goes once per rank; the receiver expands it to its experts' rows.
-        staging = self.num_ranks * x.shape[0]
-        arrays, moved = self._run(
-            split,
-            "dispatch",
-            x.shape[0],
-            x,
-            topk_idx,
-            topk_weights,
-            rows=staging,
-            fp8=fp8,
-            round_scale=round_scale,
-            low_latency=low_latency,
-        )
+        staging = self.num_ranks * spec.x.shape[0]
+        arrays, moved = self._send_tokens(spec, staging)
         padded = layout_name == "expert_padded"
         rows_out = capacity * self.num_local_experts if padded else capacity
 
@@ -539,12 +534,12 @@ class Buffer:
                 capacity=rows_out,
                 block_rows=capacity if padded else 0,
             )
-            group_sizes = layout.align_up(maps.tokens_per_expert, alignment)
+            group_sizes = layouts.align_up(maps.tokens_per_expert, alignment)
             weights = (
-                layout.expert_weights(
+                layouts.expert_weights(
                     rows.topk_weights, rows.topk_idx, maps.expert_src, maps.expert_of_row
                 )
-                if has_weights
+                if spec.has_weights
                 else None
             )
             result = (
@@ -602,18 +597,19 @@ class Buffer:
         if handle.layout == "rank":
             return x_rows, scales
         if scales is not None:
-            scales = layout.expand_rows(scales, handle.expert_src, handle.expert_rows)
-        x = layout.expand_rows(x_rows, handle.expert_src, handle.expert_rows)
+            scales = layouts.expand_rows(scales, handle.expert_src, handle.expert_rows)
+        x = layouts.expand_rows(x_rows, handle.expert_src, handle.expert_rows)
         return self._blocks(handle.layout, x), self._blocks(handle.layout, scales)
 
     def _dispatch_cached(self, split, x, handle, fp8, round_scale, tokens):
         self._check_handle(handle, "cached dispatch")
         if handle.send_pos.shape != (tokens, self.num_ranks):
             _fail(f"x has {tokens} tokens but the handle routed {handle.send_pos.shape[0]}")
-        arrays, moved = self._run(
+        ops = self._ops_for(tokens)
+        arrays, moved = _run(
             split,
-            "dispatch_cached",
-            tokens,
+            ops.dispatch_cached,
+            ops.dispatch_cached_send,
             x,
             handle.send_pos,
             handle.num_rows,
@@ -648,7 +644,9 @@ class Buffer:
         float8 like d.x: dequantize_fp8(d.x, d.scales) would send x only a rounded, scaled one.)"""
         if d.scales is None:
             _fail("dequantize needs the result of an fp8 dispatch")
-        return _straight_through_rows(self.combine, *all_varying(x, d.x, d.scales), d.handle)
+        return _dequantize_with_combined_grad(
+            self.combine, *all_varying(x, d.x, d.scales), d.handle
+        )
 
     def combine_send(self, expert_out, handle, topk_weights=None, bias=None, *, partial_dtype=None):
         """The first half of combine: returns once the rows are on their way back. Run other
@@ -695,7 +693,7 @@ class Buffer:
                 partial_dtype = self.max_row_dtype
             if jnp.dtype(partial_dtype) not in FLOAT_ROWS:
                 _fail(f"partial_dtype must be float32 or bfloat16, got {partial_dtype!r}")
-            row_data = layout.reduce_expert_rows(
+            row_data = layouts.reduce_expert_rows(
                 expert_out.reshape(-1, self.hidden),
                 topk_weights,
                 handle.expert_src,
@@ -703,10 +701,11 @@ class Buffer:
             )
             row_data = row_data.astype(partial_dtype)
             self._check_row_dtype(row_data, "partial_dtype")
-        return self._run(
+        ops = self._ops_for(tokens)
+        return _run(
             split,
-            "combine",
-            tokens,
+            ops.combine,
+            ops.combine_send,
             row_data,
             handle.send_pos,
             handle.num_rows,
@@ -778,7 +777,7 @@ class Buffer:
                 f"x has {tokens} tokens per rank, more than max_tokens_per_rank="
                 f"{self.max_tokens_per_rank}"
             )
-        if fp8 and self.hidden % layout.FP8_BLOCK:
+        if fp8 and self.hidden % FP8_BLOCK:
             _fail(f"fp8 needs hidden % 128 == 0, got hidden={self.hidden}")
         if round_scale and not fp8:
             _fail("round_scale=True needs fp8=True")
@@ -798,7 +797,7 @@ class Buffer:
 
     def _capacity(self, layout_name, alignment, capacity):
         if capacity is None:
-            return layout.default_capacity(
+            return layouts.default_capacity(
                 layout_name,
                 self.num_ranks,
                 self.max_tokens_per_rank,

@@ -16,6 +16,7 @@ from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jax_ep import _native, layout
 from jax_ep._jax import BufferOrder, ordered_ffi_call
+from jax_ep.fp8 import FP8_BLOCK
 from jax_ep.primitives import RankRows, Routing, all_varying, varying_like
 
 _TICKET = jax.ShapeDtypeStruct((1,), jnp.int32)  # an op's number (low 32 bits)
@@ -86,9 +87,7 @@ def _i32(*shape):
 
 def _rows_shapes(cfg: _Config, rows, hidden):
     x = jax.ShapeDtypeStruct((rows, hidden), jnp.float8_e4m3fn if cfg.fp8 else cfg.x_dtype)
-    scales = jax.ShapeDtypeStruct(
-        (rows, hidden // layout.FP8_BLOCK) if cfg.fp8 else (0,), jnp.float32
-    )
+    scales = jax.ShapeDtypeStruct((rows, hidden // FP8_BLOCK) if cfg.fp8 else (0,), jnp.float32)
     return x, scales
 
 

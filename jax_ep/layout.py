@@ -1,5 +1,5 @@
-"""The layout rules of docs/API.md (dispatch, FP8) in plain JAX: the single statement every
-backend follows.
+"""The layout rules of docs/API.md (dispatch, its fused FP8 step) in plain JAX: the single
+statement every backend follows (the FP8 rule itself is jax_ep/fp8.py).
 
 The CUDA and CPU kernels implement the same rules in kernels/; the tests compare them bitwise.
 """
@@ -11,13 +11,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jax_ep.fp8 import FP8_BLOCK, quantize_blocks
 from jax_ep.primitives import varying_like
-
-FP8_BLOCK = 128
-FP8_MAX = np.float32(448.0)
-FP8_MIN_AMAX = np.float32(1e-4)
 
 
 def align_up(value, alignment):
@@ -90,92 +86,24 @@ def quantize_fp8(x, round_scale):
     q, scale = quantize_blocks(
         blocks, jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), round_scale
     )
-    return _straight_through(x.dtype, x, q.reshape(t, h)), jax.lax.stop_gradient(scale[..., 0])
-
-
-def quantize_blocks(values, amax, round_scale=False):
-    """The FP8 rule, one scale per block: values (float32) and amax, their blocks' absolute
-    maxima shaped to broadcast against them -> (e4m3fn like values, float32 scales like amax).
-    scale = max(amax, 1e-4) / 448 (round_scale: the smallest power of two >= it), q = x * (448 /
-    amax) (or x / scale), each rounded once."""
-    amax = jnp.maximum(amax, FP8_MIN_AMAX)
-    scale = amax * np.float32(1 / 448)
-    if round_scale:
-        # The smallest power of two >= scale, from its bits.
-        bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
-        mantissa, exponent = bits & np.uint32(0x7FFFFF), bits & np.uint32(0xFF800000)
-        bits = jnp.where(mantissa != 0, exponent + np.uint32(0x800000), bits)
-        scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
-        q = values / scale
-    else:
-        q = values * divide_rounded(jnp.full_like(amax, FP8_MAX), amax)
-    return float_to_e4m3(q), scale
-
-
-def divide_rounded(a, b):
-    """a / b correctly rounded (IEEE), for positive normal float32 a, b with a normal quotient.
-
-    The FP8 rule asks for a true division; XLA:GPU divides approximately (within 2 ulp), so the
-    quotient is computed here by long division of the significands, on integers.
-    """
-    ua = jax.lax.bitcast_convert_type(a, jnp.uint32)
-    ub = jax.lax.bitcast_convert_type(b, jnp.uint32)
-    implicit = np.uint32(1 << 23)
-    ma, mb = (ua & np.uint32(0x7FFFFF)) | implicit, (ub & np.uint32(0x7FFFFF)) | implicit
-    exponent = ((ua >> 23) & 0xFF).astype(jnp.int32) - ((ub >> 23) & 0xFF).astype(jnp.int32) + 127
-    below_one = ma < mb  # quotient significand < 1: shift in one more bit
-    rest = jnp.where(below_one, ma << 1, ma)
-    exponent = exponent - below_one.astype(jnp.int32)
-    quotient = jnp.zeros_like(ma)
-    for _ in range(25):  # 24 significand bits and one guard bit
-        bit = rest >= mb
-        quotient = (quotient << 1) | bit.astype(jnp.uint32)
-        rest = jnp.where(bit, rest - mb, rest) << 1
-    guard, quotient = quotient & 1, quotient >> 1
-    quotient = quotient + (guard & ((rest != 0) | (quotient & 1)).astype(jnp.uint32))  # to even
-    carry = quotient >> 24  # rounding overflowed into the next power of two
-    quotient, exponent = quotient >> carry, exponent + carry.astype(jnp.int32)
-    bits = (exponent.astype(jnp.uint32) << 23) | (quotient & np.uint32(0x7FFFFF))
-    exact = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    return jnp.where(jnp.isfinite(a) & jnp.isfinite(b), exact, a / b)
-
-
-def float_to_e4m3(v):
-    """float32 -> float8_e4m3fn, rounded to nearest even once, from the bits (XLA's own convert
-    may round through float16 first on some backends). Saturates at 448; NaN stays NaN."""
-    bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.uint32)
-    sign = ((bits >> 24) & 0x80).astype(jnp.uint8)
-    magnitude = bits & np.uint32(0x7FFFFFFF)
-    # Normal e4m3: keep 3 mantissa bits, ties to even, and re-bias the exponent (127 -> 7).
-    kept = (magnitude + np.uint32(0x7FFFF) + ((magnitude >> 20) & 1)) >> 20
-    normal = jnp.minimum(kept.astype(jnp.int32) - ((127 - 7) << 3), 0x7E)
-    # Below 2^-6: multiples of 2^-9 (jnp.round rounds half to even).
-    small = jnp.round(jax.lax.bitcast_convert_type(magnitude, jnp.float32) * 512.0)
-    code = jnp.where(magnitude < np.uint32(0x3C800000), small.astype(jnp.int32), normal)
-    code = jnp.where(magnitude > np.uint32(0x7F800000), 0x7F, code).astype(jnp.uint8)
-    return jax.lax.bitcast_convert_type(sign | code, jnp.float8_e4m3fn)
+    return _with_gradient_to_x(x.dtype, x, q.reshape(t, h)), jax.lax.stop_gradient(scale[..., 0])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _straight_through(dtype, x, q):
+def _with_gradient_to_x(dtype, x, q):
+    """q, whose cotangent goes to x unchanged (cast to x's dtype)."""
     return q
 
 
-def _straight_through_fwd(dtype, x, q):
+def _with_gradient_to_x_fwd(dtype, x, q):
     return q, None
 
 
-def _straight_through_bwd(dtype, _, ct_q):
+def _with_gradient_to_x_bwd(dtype, _, ct_q):
     return ct_q.astype(dtype), None
 
 
-_straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
-
-
-def dequantize_fp8(q, scales):
-    """[..., H] e4m3fn and [..., H/128] scales -> [..., H] float32: q * scale."""
-    blocks = q.astype(jnp.float32).reshape(scales.shape + (FP8_BLOCK,))
-    return (blocks * scales[..., None]).reshape(q.shape)
+_with_gradient_to_x.defvjp(_with_gradient_to_x_fwd, _with_gradient_to_x_bwd)
 
 
 # ---------------------------------------------------------------- expert layout (receiver side)

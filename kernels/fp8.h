@@ -1,4 +1,4 @@
-// The FP8 rule (docs/API.md, FP8), shared by the CPU and CUDA backends; jax_ep/layout.py states it
+// The FP8 rule (docs/API.md, FP8), shared by the CPU and CUDA backends; jax_ep/fp8.py states it
 // in JAX. One float32 scale per 128 channels; e4m3fn values rounded to nearest even.
 #pragma once
 #include "kernels/layout.h"

@@ -18,6 +18,7 @@ from helpers import make_mesh, relative_error
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import layout
+from jax_ep.fp8 import dequantize_fp8
 from jax_ep.nn import grouped
 
 pytestmark = pytest.mark.gpu
@@ -178,7 +179,7 @@ def test_under_command_buffers():
 def fp8_inputs(m, k, n, groups, seed=3):
     lhs, rhs, ct = operands(m, k, n, groups, seed)
     lhs_q, scales = jax.jit(lambda a: layout.quantize_fp8(a, False))(lhs)
-    return layout.dequantize_fp8(lhs_q, scales).astype(jnp.bfloat16), lhs_q, scales, rhs, ct
+    return dequantize_fp8(lhs_q, scales).astype(jnp.bfloat16), lhs_q, scales, rhs, ct
 
 
 def fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, impl):

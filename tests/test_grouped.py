@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 from jax_ep import layout
+from jax_ep.fp8 import dequantize_fp8, quantize_weights_fp8
 from jax_ep.nn import grouped
 
 M, K, N = 24, 16, 12
@@ -190,7 +191,7 @@ def fp8_operands(seed, m=256, k=256, n=128, groups=3):
     lhs, rhs, ct = operands(seed, m, k, n, groups)
     lhs_q, scales = layout.quantize_fp8(jnp.asarray(lhs, jnp.bfloat16), False)
     return (
-        layout.dequantize_fp8(lhs_q, scales).astype(jnp.bfloat16),
+        dequantize_fp8(lhs_q, scales).astype(jnp.bfloat16),
         lhs_q,
         scales,
         jnp.asarray(rhs / np.sqrt(k), jnp.bfloat16),
@@ -202,7 +203,7 @@ def test_fp8_weights_are_128_blocks_k_innermost():
     rng = np.random.default_rng(6)
     w = rng.standard_normal((2, 256, 384)).astype(np.float32)
     w[1, 128:, :128] *= 1000  # one block far larger: its scale alone changes
-    q, scales = grouped.quantize_weights_fp8(jnp.asarray(w))
+    q, scales = quantize_weights_fp8(jnp.asarray(w))
     assert q.shape == (2, 384, 256) and q.dtype == jnp.float8_e4m3fn
     assert scales.shape == (2, 3, 2)
     blocks = np.abs(w).reshape(2, 2, 128, 3, 128).max(axis=(2, 4))  # [G, K/128, N/128]
@@ -229,13 +230,13 @@ def test_fp8_forward_is_the_dequantized_product(name):
         lhs, lhs_q, scales, rhs, jnp.asarray(sizes, jnp.int32), impl="xla"
     )
     assert out.dtype == jnp.bfloat16
-    rhs_q, rhs_scales = grouped.quantize_weights_fp8(rhs)
+    rhs_q, rhs_scales = quantize_weights_fp8(rhs)
     weights = (
         np.asarray(rhs_q, np.float32).reshape(3, 1, 128, 2, 128)
         * np.asarray(rhs_scales)[:, :, None, :, None]
     ).reshape(3, 128, 256)
     want = loop_products(
-        np.asarray(layout.dequantize_fp8(lhs_q, scales)),
+        np.asarray(dequantize_fp8(lhs_q, scales)),
         weights.transpose(0, 2, 1),
         np.zeros((256, 128)),
         sizes,

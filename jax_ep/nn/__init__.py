@@ -1,26 +1,25 @@
-"""Expert-parallel MoE layers on jax_ep: the functional block (moe.py), its grouped matmuls
-(grouped.py) and thin adapters for Flax NNX (jax_ep.nn.flax_nnx, extra "flax") and Equinox
-(jax_ep.nn.eqx, extra "equinox")."""
+"""Expert-parallel MoE layers on jax_ep: the functional block (moe.py), its configuration
+(config.py), router (routing.py), grouped matmuls (grouped.py, their Mosaic GPU kernels in
+mosaic.py), a dense reference (reference.py) and thin adapters for Flax NNX (jax_ep.nn.flax_nnx,
+extra "flax") and Equinox (jax_ep.nn.eqx, extra "equinox")."""
 
-from jax_ep.nn.grouped import fp8_grouped_matmul, grouped_matmul, quantize_weights_fp8
+from jax_ep.fp8 import quantize_weights_fp8
+from jax_ep.nn.config import MoEConfig
+from jax_ep.nn.grouped import fp8_grouped_matmul, grouped_matmul
 from jax_ep.nn.moe import (
     EXPERT_WEIGHTS,
     MoEAux,
-    MoEConfig,
     MoELayer,
-    dense_moe,
     expert_capacity,
     expert_ffn,
-    expert_load,
     grouped_matmul_path,
     init_params,
-    load_balancing_loss,
     moe_block,
     quantize_expert_weights,
-    route,
     shared_expert,
-    update_routing_bias,
 )
+from jax_ep.nn.reference import dense_moe
+from jax_ep.nn.routing import expert_load, load_balancing_loss, route, update_routing_bias
 
 __all__ = [
     "EXPERT_WEIGHTS",

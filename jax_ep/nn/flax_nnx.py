@@ -15,7 +15,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_ep.nn.moe import MoEConfig, MoELayer, init_params, update_routing_bias
+from jax_ep.nn.config import MoEConfig
+from jax_ep.nn.moe import MoELayer, init_params
+from jax_ep.nn.routing import update_routing_bias
 
 
 class RoutingBias(nnx.Variable):

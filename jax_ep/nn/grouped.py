@@ -19,12 +19,12 @@ takes "mosaic" where the default device is a CUDA GPU of compute capability 9.x 
 fit the kernels' blocks (`mosaic_misfits`), "xla" otherwise. The Mosaic kernels:
 
 - gmm, gmm_t with group_alignment a multiple of block_m (every group size a multiple of it, as
-  a dispatch with that expert_alignment gives): `_aligned_gmm` below, one output tile per row
+  a dispatch with that expert_alignment gives): `mosaic.aligned_gmm`, one output tile per row
   block and column block of the rows in groups, each row block in one group;
 - otherwise jax's jax.experimental.pallas.ops.gpu.ragged_dot_mgpu, whose grid also holds
   G - 1 tiles for blocks split between groups and the blocks of rows past sum(group_sizes)
   (computed, not stored: at 128 rows per group half its tiles);
-- tgmm with group_alignment a multiple of block_k: `_aligned_tgmm`, each output tile a
+- tgmm with group_alignment a multiple of block_k: `mosaic.aligned_tgmm`, each output tile a
   pipeline over its group's row blocks (none straddles two groups), two programs per SM so
   that one's loads overlap the other's products (a tile of a 128-row group is two steps);
   otherwise jax's transposed_ragged_dot_mgpu (each group's row blocks only, the first and
@@ -46,7 +46,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ep import layout
+from jax_ep.fp8 import FP8_BLOCK, dequantize_fp8, quantize_weights_fp8
+from jax_ep.nn import mosaic
 from jax_ep.primitives import all_varying, varying_like
 
 IMPLS = ("auto", "xla", "mosaic")
@@ -184,16 +185,10 @@ def _platform_misfits():
             f"of compute capability 9.x",
         )
     try:
-        _mosaic_kernels()
+        mosaic.jax_kernels()
     except ImportError as e:
         return (f"jax's Mosaic GPU kernels do not import: {e}",)
     return ()
-
-
-def _mosaic_kernels():
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-
-    return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
 
 
 # ---------------------------------------------------------------- the three products
@@ -238,14 +233,14 @@ def _compute(kind, plan, a, b, group_sizes):
         return jax.lax.ragged_dot_general(
             a, b, group_sizes, jax.lax.RaggedDotDimensionNumbers(dot, ragged, group)
         )
-    ragged_dot, transposed_ragged_dot = _mosaic_kernels()
+    ragged_dot, transposed_ragged_dot = mosaic.jax_kernels()
     tiles = getattr(plan.blocks, kind)
     if kind == "tgmm" and plan.group_alignment % tiles.block_k == 0:
-        out = _aligned_tgmm(a, b, group_sizes, tiles)
+        out = mosaic.aligned_tgmm(a, b, group_sizes, tiles)
     elif kind == "tgmm":  # reads only the groups' rows; an empty group's block is zero
         out = transposed_ragged_dot(a, b, group_sizes=group_sizes, **tiles.jax_kernel_args())
     elif plan.group_alignment % tiles.block_m == 0:
-        out = _aligned_gmm(a, b, group_sizes, tiles, transpose_rhs=kind == "gmm_t")
+        out = mosaic.aligned_gmm(a, b, group_sizes, tiles, transpose_rhs=kind == "gmm_t")
     else:
         out = ragged_dot(
             a, b, group_sizes=group_sizes, transpose_rhs=kind == "gmm_t", **tiles.jax_kernel_args()
@@ -263,185 +258,12 @@ def _zero_past_groups(out, group_sizes):
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
 
 
-def _row_blocks(group_sizes, m, bm):
-    """For kernels over row blocks of bm rows in groups whose sizes are multiples of bm: the
-    group of each of the m // bm blocks (the first group whose end is past the block's first
-    row) and [1] the number of blocks the groups fill."""
-    ends = jnp.cumsum(group_sizes)
-    block_group = (ends[None, :] <= jnp.arange(m // bm, dtype=jnp.int32)[:, None] * bm).sum(
-        axis=1, dtype=jnp.int32
-    )
-    return (jnp.minimum(block_group, group_sizes.shape[0] - 1), (ends[-1:] // bm).astype(jnp.int32))
-
-
-def _over_tiles(body, out_type, tiles, *operands):
-    """A persistent Mosaic GPU kernel: tiles.programs_per_sm programs per SM, each running
-    body(*operand refs, out_ref, store). store(acc, dst, mi, ni) writes the [bm, bn] float32
-    tile acc into dst's rows mi * bm, columns ni * bn through one shared-memory buffer and one
-    bulk copy that runs on while the program goes on to its next tile (the buffer is reused once
-    the copy has read it; the program waits for its copies at the end)."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    bm, bn = tiles.block_m, tiles.block_n
-
-    def kernel(*refs):
-        *operand_refs, out_ref, out_smem = refs
-
-        def store(acc, dst, mi, ni):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's copy read it
-            out_smem[...] = acc.astype(out_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, dst.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
-
-        body(*operand_refs, out_ref, store)
-        plgpu.wait_smem_to_gmem(0)
-
-    return plgpu.kernel(
-        kernel,
-        out_type=out_type,
-        scratch_types=[plgpu.SMEM((bm, bn), out_type.dtype)],
-        grid=(tiles.programs_per_sm * jax.devices()[0].core_count,),
-        grid_names=("sm",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(*operands)
-
-
-def _aligned_gmm(lhs, rhs, group_sizes, tiles, transpose_rhs):
-    """lhs [M, K] @ rhs[g] ([G, K, N], or [G, N, K] transposed) for groups whose sizes are
-    multiples of tiles.block_m: the SMs share the output tiles of the row blocks in groups
-    (a grid sized on the device), n fastest within grid_block_n columns so that neighbouring
-    SMs read the same rows; each tile is a pipeline of block_k steps. Rows past the groups are
-    not written."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    bm, bn, bk, steps, columns_together = tiles[:5]
-    m, k = lhs.shape
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    block_group, row_blocks = _row_blocks(group_sizes, m, bm)
-    column_blocks = n // bn
-
-    def body(block_group_ref, row_blocks_ref, lhs_ref, rhs_ref, out_ref, store):
-        used_row_blocks = row_blocks_ref[0]
-
-        @plgpu.nd_loop((used_row_blocks * column_blocks,), collective_axes="sm")
-        def tile(loop):
-            mi, ni = plgpu.planar_snake(
-                loop.index[0], (used_row_blocks, column_blocks), 1, columns_together
-            )
-            weights = rhs_ref.at[block_group_ref[mi]]
-
-            def multiply(_, lhs_smem, rhs_smem, acc_ref):
-                plgpu.wgmma(
-                    acc_ref, lhs_smem, rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
-                )
-
-            def accumulate(acc_ref):
-                plgpu.emit_pipeline(
-                    functools.partial(multiply, acc_ref=acc_ref),
-                    grid=(k // bk,),
-                    in_specs=[
-                        plgpu.BlockSpec((bm, bk), lambda ki: (mi, ki), delay_release=1),
-                        plgpu.BlockSpec((bn, bk), lambda ki: (ni, ki), delay_release=1)
-                        if transpose_rhs
-                        else plgpu.BlockSpec((bk, bn), lambda ki: (ki, ni), delay_release=1),
-                    ],
-                    max_concurrent_steps=steps,
-                )(lhs_ref, weights)
-                return acc_ref[...]
-
-            store(pl.run_scoped(accumulate, plgpu.ACC((bm, bn))), out_ref, mi, ni)
-
-    return _over_tiles(
-        body, jax.ShapeDtypeStruct((m, n), lhs.dtype), tiles, block_group, row_blocks, lhs, rhs
-    )
-
-
-def _aligned_tgmm(lhs, rhs, group_sizes, tiles):
-    """out[g] = lhs[rows of g]^T @ rhs[rows of g] ([M, K], [M, N] -> [G, K, N]) for groups
-    whose sizes are multiples of tiles.block_k: every block_k rows lie in one group, so each
-    output tile is a pipeline over its group's row blocks alone (none masked; an empty group's
-    tiles have no steps and store zeros). Tiles go group by group, n fastest within
-    grid_block_n columns, so that neighbouring SMs read the same rows."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    bm, bn, bk, steps, columns_together = tiles[:5]
-    (_, k), n, num_groups = lhs.shape, rhs.shape[1], group_sizes.shape[0]
-    first_block = (jnp.cumsum(group_sizes) - group_sizes) // bk
-    num_blocks = group_sizes // bk
-    row_tiles, column_tiles = k // bm, n // bn
-
-    def body(first_block_ref, num_blocks_ref, lhs_ref, rhs_ref, out_ref, store):
-        @plgpu.nd_loop((num_groups * row_tiles * column_tiles,), collective_axes="sm")
-        def tile(loop):
-            group = loop.index[0] // (row_tiles * column_tiles)
-            mi, ni = plgpu.planar_snake(
-                loop.index[0] % (row_tiles * column_tiles),
-                (row_tiles, column_tiles),
-                1,
-                columns_together,
-            )
-            first = first_block_ref[group]
-
-            def multiply(_, lhs_smem, rhs_smem, acc_ref):
-                plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
-
-            def accumulate(acc_ref):
-                @pl.when(num_blocks_ref[group] > 0)  # an empty group: no pipeline, zeros
-                def _():
-                    plgpu.emit_pipeline(
-                        functools.partial(multiply, acc_ref=acc_ref),
-                        grid=(num_blocks_ref[group],),
-                        in_specs=[
-                            plgpu.BlockSpec((bk, bm), lambda ki: (first + ki, mi), delay_release=1),
-                            plgpu.BlockSpec((bk, bn), lambda ki: (first + ki, ni), delay_release=1),
-                        ],
-                        max_concurrent_steps=steps,
-                    )(lhs_ref, rhs_ref)
-
-                return acc_ref[...]
-
-            store(pl.run_scoped(accumulate, plgpu.ACC((bm, bn))), out_ref.at[group], mi, ni)
-
-    return _over_tiles(
-        body,
-        jax.ShapeDtypeStruct((num_groups, k, n), lhs.dtype),
-        tiles,
-        first_block.astype(jnp.int32),
-        num_blocks.astype(jnp.int32),
-        lhs,
-        rhs,
-    )
-
-
 # ---------------------------------------------------------------- FP8 (block-scaled) forward
 
-FP8_TILES = Blocks(64, 128, layout.FP8_BLOCK, 4, 8)
+FP8_TILES = Blocks(64, 128, FP8_BLOCK, 4, 8)
 """The FP8 kernel's tiling: block_k is the FP8 block (one scale per row and per weight block
 each step); 64 rows, as the step's product and the running sum (two float32 tiles) must fit in
 one warpgroup's registers."""
-
-
-def quantize_weights_fp8(w):
-    """Expert weights [G, K, N] -> (e4m3fn [G, N, K], float32 scales [G, N/128, K/128]): the FP8
-    rule (jax_ep.layout.quantize_blocks) on 128 x 128 blocks, DeepSeek-V3's weight recipe; K
-    innermost, as Hopper's FP8 tensor-core instructions read both operands. The blocks' maxima
-    and the quantization run in w's own layout (reads in order); only the FP8 result, half the
-    bytes, is transposed."""
-    g, k, n = w.shape
-    b = layout.FP8_BLOCK
-    if k % b or n % b:
-        raise ValueError(
-            f"jax_ep.nn.quantize_weights_fp8: weights [G, K, N] need K and N "
-            f"multiples of {b}, got {w.shape}"
-        )
-    blocks = w.astype(jnp.float32).reshape(g, k // b, b, n // b, b)
-    q, scales = layout.quantize_blocks(
-        blocks, jnp.max(jnp.abs(blocks), axis=(2, 4), keepdims=True)
-    )  # scales [G,K/b,1,N/b,1]
-    return jnp.swapaxes(q.reshape(g, k, n), 1, 2), jnp.swapaxes(scales[:, :, 0, :, 0], 1, 2)
 
 
 def fp8_misfits(lhs_shape, rhs_shape, group_alignment):
@@ -500,13 +322,13 @@ def fp8_grouped_matmul(
     if (
         lhs_q.dtype != jnp.float8_e4m3fn
         or lhs_q.shape != lhs.shape
-        or lhs_scales.shape != (lhs.shape[0], lhs.shape[1] // layout.FP8_BLOCK)
-        or lhs.shape[1] % layout.FP8_BLOCK
+        or lhs_scales.shape != (lhs.shape[0], lhs.shape[1] // FP8_BLOCK)
+        or lhs.shape[1] % FP8_BLOCK
     ):
         raise ValueError(
             f"jax_ep.nn.fp8_grouped_matmul: lhs_q must be e4m3fn like lhs "
-            f"{lhs.shape} (K a multiple of {layout.FP8_BLOCK}) and lhs_scales "
-            f"[M, K/{layout.FP8_BLOCK}], got {lhs_q.dtype}{lhs_q.shape} and "
+            f"{lhs.shape} (K a multiple of {FP8_BLOCK}) and lhs_scales "
+            f"[M, K/{FP8_BLOCK}], got {lhs_q.dtype}{lhs_q.shape} and "
             f"{lhs_scales.shape}"
         )
     fp8_impl = resolve_fp8_impl(impl, lhs.shape, rhs.shape, group_alignment)
@@ -524,14 +346,14 @@ def fp8_grouped_matmul(
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _fp8_gmm(fp8_impl, backward, lhs, rhs, group_sizes, lhs_q, lhs_scales, rhs_q, rhs_scales):
     if fp8_impl == "xla":
-        b = layout.FP8_BLOCK
+        b = FP8_BLOCK
         g, n, k = rhs_q.shape
         weights = (
             rhs_q.astype(jnp.float32).reshape(g, n // b, b, k // b, b)
             * rhs_scales[:, :, None, :, None]
         ).reshape(g, n, k)
         out = jax.lax.ragged_dot_general(
-            layout.dequantize_fp8(lhs_q, lhs_scales),
+            dequantize_fp8(lhs_q, lhs_scales),
             weights,
             group_sizes,
             jax.lax.RaggedDotDimensionNumbers(_XLA_DIMENSIONS["gmm_t"][0], [0], [0]),
@@ -539,7 +361,7 @@ def _fp8_gmm(fp8_impl, backward, lhs, rhs, group_sizes, lhs_q, lhs_scales, rhs_q
         )
     else:
         out = varying_like(
-            _aligned_gmm_fp8(
+            mosaic.aligned_gmm_fp8(
                 lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, FP8_TILES, lhs.dtype
             ),
             lhs,
@@ -558,72 +380,3 @@ def _fp8_gmm_bwd(fp8_impl, backward, residuals, ct):
 
 
 _fp8_gmm.defvjp(_fp8_gmm_fwd, _fp8_gmm_bwd)
-
-
-def _aligned_gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, tiles, out_dtype):
-    """_aligned_gmm's tiles from FP8 operands -> [M, N] out_dtype: lhs_q [M, K] with scales
-    [M, K/128], rhs_q [G, N, K] with scales [G, N/128, K/128], group sizes multiples of
-    tiles.block_m. Each block_k (= 128) step's product is a fresh tensor-core sum, scaled by its
-    rows' scales times the weight block's scale and added to the tile's float32 running sum
-    (carried through the pipeline): the block scales apply at full precision."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    bm, bn, bk, steps, columns_together = tiles[:5]
-    (m, k), n = lhs_q.shape, rhs_q.shape[1]
-    block_group, row_blocks = _row_blocks(group_sizes, m, bm)
-    column_blocks = n // bn
-    scales_by_step = lhs_scales.T  # [K/128, M]: one step's scales of a row block side by side
-
-    def body(
-        block_group_ref,
-        row_blocks_ref,
-        lhs_ref,
-        scales_ref,
-        rhs_ref,
-        rhs_scales_ref,
-        out_ref,
-        store,
-    ):
-        used_row_blocks = row_blocks_ref[0]
-
-        @plgpu.nd_loop((used_row_blocks * column_blocks,), collective_axes="sm")
-        def tile(loop):
-            mi, ni = plgpu.planar_snake(
-                loop.index[0], (used_row_blocks, column_blocks), 1, columns_together
-            )
-            group = block_group_ref[mi]
-
-            def step(indices, lhs_smem, rhs_smem, scale_smem, acc):
-                def product(part_ref):
-                    plgpu.wgmma(part_ref, lhs_smem, rhs_smem.transpose((1, 0)))
-                    return part_ref[...]
-
-                part = pl.run_scoped(product, plgpu.ACC((bm, bn)))
-                row_scale = scale_smem[...] * rhs_scales_ref[group, ni, indices[0]]
-                return acc + part * jax.lax.broadcast_in_dim(row_scale, (bm, bn), [0])
-
-            acc = plgpu.emit_pipeline(
-                step,
-                grid=(k // bk,),
-                in_specs=[
-                    plgpu.BlockSpec((bm, bk), lambda ki: (mi, ki)),
-                    plgpu.BlockSpec((bn, bk), lambda ki: (ni, ki)),
-                    plgpu.BlockSpec((None, bm), lambda ki: (ki, mi)),
-                ],
-                max_concurrent_steps=steps,
-                init_carry=jnp.zeros((bm, bn), jnp.float32),
-            )(lhs_ref, rhs_ref.at[group], scales_ref)
-            store(acc, out_ref, mi, ni)
-
-    return _over_tiles(
-        body,
-        jax.ShapeDtypeStruct((m, n), out_dtype),
-        tiles,
-        block_group,
-        row_blocks,
-        lhs_q,
-        scales_by_step,
-        rhs_q,
-        rhs_scales,
-    )

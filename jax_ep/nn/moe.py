@@ -12,16 +12,16 @@ bias for auxiliary-loss-free balancing) runs on every token's rank; tokens go to
 with an expert-layout dispatch (capped at `capacity_factor` x the balanced rows, if given); each
 rank runs its experts as grouped matmuls (jax_ep.nn.grouped: Mosaic GPU kernels on Hopper,
 jax.lax.ragged_dot elsewhere; SwiGLU); combine weights the outputs with the router weights and
-adds the shared expert as its bias. `dense_moe` is the same function without expert
+adds the shared expert as its bias. The configuration is jax_ep.nn.config's MoEConfig, the
+router jax_ep.nn.routing; jax_ep.nn.reference's `dense_moe` is the same function without expert
 parallelism (capacity drops and the combine's partial sums modelled), for tests and checks.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,67 +29,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import layout
-from jax_ep.buffer import FLOAT_ROWS, Buffer
+from jax_ep.buffer import Buffer
+from jax_ep.fp8 import quantize_weights_fp8
 from jax_ep.nn import grouped
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    num_experts: int
-    num_topk: int
-    hidden: int
-    ffn_hidden: int
-    score: str = "softmax"  # "softmax" or "sigmoid"
-    num_groups: int = 1  # > 1: group-limited top-k (DeepSeek-V3)
-    topk_groups: int = 1  # groups a token may use
-    normalize_weights: bool = True  # top-k weights sum to 1 before routed_scaling
-    routed_scaling: float = 1.0
-    shared_ffn_hidden: int = 0  # 0: no shared expert
-    expert_alignment: int = 1  # rows per expert block rounded up to this (grouped GEMMs;
-    #                                   128 lets the Mosaic kernels take one block per tile)
-    fp8: bool = False  # FP8 dispatch (activations into the experts)
-    fp8_experts: bool = False  # with fp8: the gate and up projections multiply the FP8
-    #                                   rows as they come (grouped.fp8_grouped_matmul, weights
-    #                                   quantized 128 x 128 in the call; the layer's fp8_weights
-    #                                   argument gives them quantized once); False: the rows are
-    #                                   dequantized to the compute dtype first
-    # Rows each rank receives, as a multiple of the balanced count (T * K per rank, split evenly
-    # over its experts, each block aligned); None: room for every row (nothing is dropped).
-    # Rows past it drop in the expert layout's row order (the rank's last experts first) and
-    # are counted in MoEAux.num_dropped.
-    capacity_factor: float | None = None
-    routing_bias: bool = False  # top-k over scores + a per-expert bias (the layer's
-    #                                   routing_bias argument), weights from the scores alone
-    combine_partial_dtype: Any = jnp.float32  # each rank's sum of a token's expert rows (bf16:
-    #                                   half the combine's bytes; needed with max_row_dtype=bf16)
-    grouped_matmul: str = "auto"  # jax_ep.nn.grouped impl: "auto", "xla" or "mosaic"
-
-    def __post_init__(self):
-        if self.score not in ("softmax", "sigmoid"):
-            raise ValueError(f"jax_ep.nn: score must be 'softmax' or 'sigmoid', got {self.score!r}")
-        if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
-            raise ValueError("jax_ep.nn: num_groups must divide num_experts and be >= topk_groups")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(
-                f"jax_ep.nn: capacity_factor must be positive or None, got {self.capacity_factor!r}"
-            )
-        if jnp.dtype(self.combine_partial_dtype) not in FLOAT_ROWS:
-            raise ValueError(
-                f"jax_ep.nn: combine_partial_dtype must be float32 or bfloat16, got "
-                f"{self.combine_partial_dtype!r}"
-            )
-        if self.fp8 and self.fp8_experts and self.ffn_hidden % layout.FP8_BLOCK:
-            raise ValueError(
-                f"jax_ep.nn: fp8_experts multiplies FP8 weights in "
-                f"{layout.FP8_BLOCK} x {layout.FP8_BLOCK} blocks: ffn_hidden must be "
-                f"a multiple of {layout.FP8_BLOCK}, got {self.ffn_hidden} (or set "
-                f"fp8_experts=False)"
-            )
-        if self.grouped_matmul not in grouped.IMPLS:
-            raise ValueError(
-                f"jax_ep.nn: grouped_matmul must be one of {grouped.IMPLS}, got "
-                f"{self.grouped_matmul!r}"
-            )
+from jax_ep.nn.config import MoEConfig
+from jax_ep.nn.routing import (
+    check_routing_bias,
+    expert_load,
+    load_balancing_loss,
+    route,
+)
 
 
 class MoEAux(NamedTuple):
@@ -143,59 +92,6 @@ def _init_params(key, cfg, dtype):
     return params
 
 
-def route(x, router, cfg: MoEConfig, routing_bias=None):
-    """-> topk_idx [T, K] int32, topk_weights [T, K] float32, scores [T, E] float32.
-    routing_bias [E] (DeepSeek-V3's auxiliary-loss-free balancing) moves experts up or down in
-    the choice of the top-k (and of the groups), not in the weights; it gets no gradient."""
-    logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
-    scores = jax.nn.softmax(logits, axis=-1) if cfg.score == "softmax" else jax.nn.sigmoid(logits)
-    choose = scores
-    if routing_bias is not None:
-        choose = scores + jax.lax.stop_gradient(routing_bias.astype(jnp.float32))
-    if cfg.num_groups > 1:  # keep the experts of the topk_groups groups with the best top-2 sum
-        by_group = choose.reshape(scores.shape[0], cfg.num_groups, -1)
-        group_score = jax.lax.top_k(by_group, min(2, by_group.shape[-1]))[0].sum(-1)
-        _, best = jax.lax.top_k(group_score, cfg.topk_groups)
-        keep = (
-            jnp.zeros(group_score.shape, bool)
-            .at[jnp.arange(scores.shape[0])[:, None], best]
-            .set(True)
-        )
-        choose = jnp.where(jnp.repeat(keep, by_group.shape[-1], axis=1), choose, -jnp.inf)
-    _, topk_idx = jax.lax.top_k(choose, cfg.num_topk)
-    weights = jnp.take_along_axis(scores, topk_idx, axis=1)
-    if cfg.normalize_weights:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
-    return topk_idx.astype(jnp.int32), weights * cfg.routed_scaling, scores
-
-
-def load_balancing_loss(scores, topk_idx, cfg: MoEConfig, token_axes=()):
-    """Switch-style auxiliary loss E * sum_e f_e * p_e over all tokens (of every rank in
-    token_axes): f_e the share of routed slots on expert e, p_e its mean router probability."""
-    probs = scores / scores.sum(axis=-1, keepdims=True)
-    slots = jax.nn.one_hot(topk_idx, cfg.num_experts).sum(axis=(0, 1))
-    totals = (slots, probs.sum(axis=0), jnp.float32(scores.shape[0]))
-    if token_axes:
-        totals = jax.lax.psum(totals, token_axes)
-    slots, prob_sum, tokens = totals
-    return cfg.num_experts * jnp.sum(slots / (tokens * cfg.num_topk) * prob_sum / tokens)
-
-
-def expert_load(topk_idx, num_experts, token_axes=()):
-    """[E] int32: tokens routed to each expert (an expert twice in a token's top-k counts
-    once, as the dispatch sends one row), over every rank of token_axes."""
-    routed = (topk_idx[:, :, None] == jnp.arange(num_experts)).any(axis=1)
-    load = routed.sum(axis=0, dtype=jnp.int32)
-    return jax.lax.psum(load, token_axes) if token_axes else load
-
-
-def update_routing_bias(bias, tokens_per_expert, rate):
-    """DeepSeek-V3's balancing step: each expert's routing bias goes up by `rate` when it got
-    fewer tokens than the mean, down when more (MoEAux.tokens_per_expert of a step)."""
-    load = tokens_per_expert.astype(jnp.float32)
-    return bias + rate * jnp.sign(load.mean() - load).astype(bias.dtype)
-
-
 def expert_capacity(cfg: MoEConfig, tokens_per_rank, num_ranks):
     """Expert-layout rows per rank for cfg.capacity_factor (None without one): each local
     expert's share of the balanced T * K rows, times the factor, aligned; at most the rows
@@ -224,23 +120,24 @@ def _glu(gate, up):
     return jax.nn.silu(gate) * up
 
 
-def _swiglu(x, gate, up, down, matmul):
+def swiglu(x, gate, up, down, matmul):
+    """SwiGLU: down(silu(x @ gate) * (x @ up)), each product by matmul."""
     return matmul(_glu(matmul(x, gate), matmul(x, up)), down)
 
 
 def shared_expert(params, x):
-    return _swiglu(x, params["s_gate"], params["s_up"], params["s_down"], jnp.matmul)
+    return swiglu(x, params["s_gate"], params["s_up"], params["s_down"], jnp.matmul)
 
 
 FP8_WEIGHTS = ("w_gate", "w_up")  # the projections that can read the dispatch's FP8 rows
 
 
 def quantize_expert_weights(params):
-    """{name: grouped.quantize_weights_fp8(params[name])} for the gate and up projections: the
+    """{name: quantize_weights_fp8(params[name])} for the gate and up projections: the
     FP8 weights of an fp8 layer, for its fp8_weights argument. Made once (e.g. per optimizer
     step, under jit, outside the gradient: they are sharded like the experts), they serve every
     call until the weights change, such as a step's micro-batches."""
-    return {name: grouped.quantize_weights_fp8(params[name]) for name in FP8_WEIGHTS}
+    return {name: quantize_weights_fp8(params[name]) for name in FP8_WEIGHTS}
 
 
 def expert_ffn(
@@ -286,7 +183,7 @@ def moe_block(
     -> (y [T, H], MoEAux over every token of token_axes). routing_bias [E]: with
     cfg.routing_bias. fp8_weights: quantize_expert_weights(params) of this rank's experts, with
     cfg.fp8 (the gate and up projections then read them, whatever cfg.fp8_experts says)."""
-    _check_routing_bias(cfg, routing_bias)
+    check_routing_bias(cfg, routing_bias)
     if fp8_weights is not None and not cfg.fp8:
         raise ValueError(
             "jax_ep.nn: fp8_weights given but cfg.fp8 is False (the FP8 weights "
@@ -355,65 +252,6 @@ def grouped_matmul_path(cfg: MoEConfig, num_ranks, tokens_per_rank, dtype=jnp.bf
             + "_fp8"
         )
     return paths
-
-
-def _check_routing_bias(cfg, routing_bias):
-    if cfg.routing_bias and routing_bias is None:
-        raise ValueError("jax_ep.nn: cfg.routing_bias is set: pass routing_bias ([E] float32)")
-    if not cfg.routing_bias and routing_bias is not None:
-        raise ValueError("jax_ep.nn: routing_bias given but cfg.routing_bias is False")
-    if routing_bias is not None and routing_bias.shape != (cfg.num_experts,):
-        raise ValueError(
-            f"jax_ep.nn: routing_bias must have shape ({cfg.num_experts},), got "
-            f"{routing_bias.shape}"
-        )
-
-
-def dense_moe(params, x, cfg: MoEConfig, *, num_ranks=1, tokens_per_rank=None, routing_bias=None):
-    """The same MoE on one device without expert parallelism: every expert on every token.
-    x [G * R * T, H] holds the tokens of G EP groups of num_ranks ranks with tokens_per_rank
-    each (default: one group), in rank order, as MoELayer splits them; with a capacity_factor
-    the rows the layer drops are left out, and combine_partial_dtype rounds each rank's partial
-    sum as the layer's combine does. -> (y, MoEAux)."""
-    _check_routing_bias(cfg, routing_bias)
-    tokens_per_rank = tokens_per_rank or x.shape[0] // num_ranks
-    topk_idx, topk_weights, scores = route(x, params["router"], cfg, routing_bias)
-    per_expert = jax.vmap(lambda g, u, dn: _swiglu(x, g, u, dn, jnp.matmul), out_axes=1)(
-        params["w_gate"], params["w_up"], params["w_down"]
-    )  # [T, E, H]
-    routed = jax.nn.one_hot(topk_idx, cfg.num_experts)
-    mix = (routed * topk_weights[..., None]).sum(axis=1)  # [T, E]
-    has = routed.max(axis=1) > 0  # one row each
-    kept = _kept_rows(has, cfg, num_ranks, tokens_per_rank)
-    # Each rank's weighted sum of a token's expert rows, in combine_partial_dtype, then the sum
-    # over ranks in float32 (the layer's expert outputs are in x.dtype before the combine).
-    weighted = per_expert.astype(x.dtype).astype(jnp.float32) * jnp.where(kept, mix, 0)[..., None]
-    partial = weighted.reshape(x.shape[0], num_ranks, -1, x.shape[1]).sum(axis=2)
-    y = partial.astype(cfg.combine_partial_dtype).astype(jnp.float32).sum(axis=1)
-    if cfg.shared_ffn_hidden:
-        y = y + shared_expert(params, x).astype(x.dtype).astype(jnp.float32)
-    aux = MoEAux(
-        load_balancing_loss(scores, topk_idx, cfg),
-        (has & ~kept).sum(dtype=jnp.int32),
-        expert_load(topk_idx, cfg.num_experts),
-    )
-    return y.astype(x.dtype), aux
-
-
-def _kept_rows(routed, cfg, num_ranks, tokens_per_rank):
-    """[tokens, E] bool: the (token, expert) rows an expert-layout dispatch with the layer's
-    capacity keeps. On each receiving rank, local expert e's rows start after the aligned blocks
-    of the experts before it; rows come by (source rank, token); those past the capacity drop."""
-    capacity = expert_capacity(cfg, tokens_per_rank, num_ranks)
-    if capacity is None:
-        return routed
-    tokens, experts = routed.shape
-    # [EP groups, source rank x token, receiving rank, local expert]
-    has = routed.reshape(-1, num_ranks * tokens_per_rank, num_ranks, experts // num_ranks)
-    count = has.sum(axis=1, dtype=jnp.int32)
-    start = layout.exclusive_cumsum(layout.align_up(count, cfg.expert_alignment), axis=-1)
-    within = layout.exclusive_cumsum(has, axis=1)
-    return (has & (start[:, None] + within < capacity)).reshape(tokens, experts)
 
 
 class MoELayer:

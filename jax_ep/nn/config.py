@@ -1,0 +1,91 @@
+"""MoEConfig: what an MoE layer is (jax_ep.nn.moe), checked once when it is made."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from jax_ep.buffer import FLOAT_ROWS
+from jax_ep.fp8 import FP8_BLOCK
+from jax_ep.nn import grouped
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The shape and options of an MoE layer.
+
+    Attributes:
+        num_experts: routed experts E (a multiple of the expert axis' size).
+        num_topk: experts per token K.
+        hidden: the tokens' width H.
+        ffn_hidden: each expert's SwiGLU width.
+        score: the router's scores, "softmax" or "sigmoid".
+        num_groups: > 1: group-limited top-k (DeepSeek-V3), the experts in this many groups.
+        topk_groups: groups a token may use.
+        normalize_weights: top-k weights sum to 1 before routed_scaling.
+        routed_scaling: the factor of the top-k weights.
+        shared_ffn_hidden: the shared expert's SwiGLU width; 0: no shared expert.
+        expert_alignment: rows per expert block rounded up to this (grouped GEMMs; 128 lets
+            the Mosaic kernels take one block per tile).
+        fp8: FP8 dispatch (activations into the experts).
+        fp8_experts: with fp8: the gate and up projections multiply the FP8 rows as they come
+            (grouped.fp8_grouped_matmul, weights quantized 128 x 128 in the call; the layer's
+            fp8_weights argument gives them quantized once); False: the rows are dequantized
+            to the compute dtype first.
+        capacity_factor: rows each rank receives, as a multiple of the balanced count (T * K
+            per rank, split evenly over its experts, each block aligned); None: room for every
+            row (nothing is dropped). Rows past it drop in the expert layout's row order (the
+            rank's last experts first) and are counted in MoEAux.num_dropped.
+        routing_bias: top-k over scores + a per-expert bias (the layer's routing_bias
+            argument), weights from the scores alone.
+        combine_partial_dtype: each rank's sum of a token's expert rows (bf16: half the
+            combine's bytes; needed with max_row_dtype=bf16).
+        grouped_matmul: the jax_ep.nn.grouped impl: "auto", "xla" or "mosaic".
+    """
+
+    num_experts: int
+    num_topk: int
+    hidden: int
+    ffn_hidden: int
+    score: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    normalize_weights: bool = True
+    routed_scaling: float = 1.0
+    shared_ffn_hidden: int = 0
+    expert_alignment: int = 1
+    fp8: bool = False
+    fp8_experts: bool = False
+    capacity_factor: float | None = None
+    routing_bias: bool = False
+    combine_partial_dtype: Any = jnp.float32
+    grouped_matmul: str = "auto"
+
+    def __post_init__(self):
+        if self.score not in ("softmax", "sigmoid"):
+            raise ValueError(f"jax_ep.nn: score must be 'softmax' or 'sigmoid', got {self.score!r}")
+        if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
+            raise ValueError("jax_ep.nn: num_groups must divide num_experts and be >= topk_groups")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(
+                f"jax_ep.nn: capacity_factor must be positive or None, got {self.capacity_factor!r}"
+            )
+        if jnp.dtype(self.combine_partial_dtype) not in FLOAT_ROWS:
+            raise ValueError(
+                f"jax_ep.nn: combine_partial_dtype must be float32 or bfloat16, got "
+                f"{self.combine_partial_dtype!r}"
+            )
+        if self.fp8 and self.fp8_experts and self.ffn_hidden % FP8_BLOCK:
+            raise ValueError(
+                f"jax_ep.nn: fp8_experts multiplies FP8 weights in "
+                f"{FP8_BLOCK} x {FP8_BLOCK} blocks: ffn_hidden must be "
+                f"a multiple of {FP8_BLOCK}, got {self.ffn_hidden} (or set "
+                f"fp8_experts=False)"
+            )
+        if self.grouped_matmul not in grouped.IMPLS:
+            raise ValueError(
+                f"jax_ep.nn: grouped_matmul must be one of {grouped.IMPLS}, got "
+                f"{self.grouped_matmul!r}"
+            )

@@ -1,0 +1,76 @@
+"""The router of jax_ep.nn's MoE layer: scores, top-k (DeepSeek-V3's group-limited top-k
+optional), the routing bias for auxiliary-loss-free balancing, and what a layer reports about
+its routing (load-balancing loss, tokens per expert)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep.nn.config import MoEConfig
+
+
+def route(x, router, cfg: MoEConfig, routing_bias=None):
+    """-> topk_idx [T, K] int32, topk_weights [T, K] float32, scores [T, E] float32.
+    routing_bias [E] (DeepSeek-V3's auxiliary-loss-free balancing) moves experts up or down in
+    the choice of the top-k (and of the groups), not in the weights; it gets no gradient."""
+    logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
+    scores = jax.nn.softmax(logits, axis=-1) if cfg.score == "softmax" else jax.nn.sigmoid(logits)
+    choose = scores
+    if routing_bias is not None:
+        choose = scores + jax.lax.stop_gradient(routing_bias.astype(jnp.float32))
+    if cfg.num_groups > 1:  # keep the experts of the topk_groups groups with the best top-2 sum
+        by_group = choose.reshape(scores.shape[0], cfg.num_groups, -1)
+        group_score = jax.lax.top_k(by_group, min(2, by_group.shape[-1]))[0].sum(-1)
+        _, best = jax.lax.top_k(group_score, cfg.topk_groups)
+        keep = (
+            jnp.zeros(group_score.shape, bool)
+            .at[jnp.arange(scores.shape[0])[:, None], best]
+            .set(True)
+        )
+        choose = jnp.where(jnp.repeat(keep, by_group.shape[-1], axis=1), choose, -jnp.inf)
+    _, topk_idx = jax.lax.top_k(choose, cfg.num_topk)
+    weights = jnp.take_along_axis(scores, topk_idx, axis=1)
+    if cfg.normalize_weights:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return topk_idx.astype(jnp.int32), weights * cfg.routed_scaling, scores
+
+
+def load_balancing_loss(scores, topk_idx, cfg: MoEConfig, token_axes=()):
+    """Switch-style auxiliary loss E * sum_e f_e * p_e over all tokens (of every rank in
+    token_axes): f_e the share of routed slots on expert e, p_e its mean router probability."""
+    probs = scores / scores.sum(axis=-1, keepdims=True)
+    slots = jax.nn.one_hot(topk_idx, cfg.num_experts).sum(axis=(0, 1))
+    totals = (slots, probs.sum(axis=0), jnp.float32(scores.shape[0]))
+    if token_axes:
+        totals = jax.lax.psum(totals, token_axes)
+    slots, prob_sum, tokens = totals
+    return cfg.num_experts * jnp.sum(slots / (tokens * cfg.num_topk) * prob_sum / tokens)
+
+
+def expert_load(topk_idx, num_experts, token_axes=()):
+    """[E] int32: tokens routed to each expert (an expert twice in a token's top-k counts
+    once, as the dispatch sends one row), over every rank of token_axes."""
+    routed = (topk_idx[:, :, None] == jnp.arange(num_experts)).any(axis=1)
+    load = routed.sum(axis=0, dtype=jnp.int32)
+    return jax.lax.psum(load, token_axes) if token_axes else load
+
+
+def update_routing_bias(bias, tokens_per_expert, rate):
+    """DeepSeek-V3's balancing step: each expert's routing bias goes up by `rate` when it got
+    fewer tokens than the mean, down when more (MoEAux.tokens_per_expert of a step)."""
+    load = tokens_per_expert.astype(jnp.float32)
+    return bias + rate * jnp.sign(load.mean() - load).astype(bias.dtype)
+
+
+def check_routing_bias(cfg: MoEConfig, routing_bias):
+    """routing_bias given exactly when cfg.routing_bias asks for it, shaped [E]."""
+    if cfg.routing_bias and routing_bias is None:
+        raise ValueError("jax_ep.nn: cfg.routing_bias is set: pass routing_bias ([E] float32)")
+    if not cfg.routing_bias and routing_bias is not None:
+        raise ValueError("jax_ep.nn: routing_bias given but cfg.routing_bias is False")
+    if routing_bias is not None and routing_bias.shape != (cfg.num_experts,):
+        raise ValueError(
+            f"jax_ep.nn: routing_bias must have shape ({cfg.num_experts},), got "
+            f"{routing_bias.shape}"
+        )
