@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from bench import grouped_matmul, moe_layer
-from jax_ep import primitives
+from jax_ep._jax import varying_axes
 
 TINY_LAYER = [
     "--hidden",
@@ -76,7 +76,7 @@ def emulated_ragged_all_to_all(
     [output_offsets_s[r], + send_sizes_s[r]) are source s's rows from input_offsets_s[r].
     Like the real collective's, the result has the output operand's type inside shard_map: an
     output that does not vary over the axis is refused (the timing loops' carries would differ)."""
-    assert axis_name in primitives._varying_axes(output), "output must vary over the axis"
+    assert axis_name in varying_axes(output), "output must vary over the axis"
     gathered = [
         jax.lax.all_gather(a, axis_name)
         for a in (operand, input_offsets, send_sizes, output_offsets)
