@@ -11,7 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import bits, calc_diff, pipeline, random_inputs
+from helpers import bits, buffers, calc_diff, pipeline, random_inputs
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -79,19 +79,7 @@ def inputs(mesh, kind="random", dtype=jnp.bfloat16, seed=0):
 
 def matches_reference():
     mesh = global_mesh()
-    bufs = {
-        impl: jax_ep.Buffer(
-            mesh,
-            "ep",
-            num_experts=E,
-            hidden=H,
-            num_topk=K,
-            max_tokens_per_rank=T,
-            impl=impl,
-            timeout_s=10,
-        )
-        for impl in ("reference", "ffi")
-    }
+    bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=10)
     cases = [
         ("rank", 1, False, None, False),
         ("expert", 4, True, None, True),
@@ -307,19 +295,7 @@ def op_numbers_past_2_to_the_32(mesh):
     """Ops numbered across 2^32 (whole and split: the recv halves' tickets too) on a mesh that
     spans processes equal the reference path."""
     os.environ["JAX_EP_TESTING_FIRST_OP"] = str(2**32 - 3)
-    bufs = {
-        impl: jax_ep.Buffer(
-            mesh,
-            "ep",
-            num_experts=E,
-            hidden=H,
-            num_topk=K,
-            max_tokens_per_rank=T,
-            impl=impl,
-            timeout_s=30,
-        )
-        for impl in ("reference", "ffi")
-    }
+    bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=30)
     del os.environ["JAX_EP_TESTING_FIRST_OP"]
     x, idx, w, bias = inputs(mesh, seed=9)
     for split in (True, False):  # ops 2^32 - 2 to 2^32 + 3
@@ -379,18 +355,7 @@ def many_ranks():
     """More ranks than a 32-bit mask holds, in one process."""
     mesh = global_mesh()
     assert mesh.size > 32
-    bufs = {
-        impl: jax_ep.Buffer(
-            mesh,
-            "ep",
-            num_experts=2 * mesh.size,
-            hidden=H,
-            num_topk=K,
-            max_tokens_per_rank=4,
-            impl=impl,
-        )
-        for impl in ("reference", "ffi")
-    }
+    bufs = buffers(mesh, num_experts=2 * mesh.size, hidden=H, num_topk=K, max_tokens_per_rank=4)
     rng = np.random.default_rng(7)
     x, idx, w = random_inputs(rng, mesh.size, 4, H, 2 * mesh.size, K, mesh.size, "random")
     out = {

@@ -11,11 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import oracle
 import pytest
-from helpers import all_axes, bits, calc_diff, make_mesh
+from helpers import all_axes, bits, buffers, calc_diff, make_mesh
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import jax_ep
 
 R, E, H, K, N = 2, 4, 128, 2, 6
 
@@ -42,19 +40,9 @@ def _shards(a):
 @functools.cache
 def _buffers():
     mesh = make_mesh(R)
-    return mesh, {
-        impl: jax_ep.Buffer(
-            mesh,
-            "ep",
-            num_experts=E,
-            hidden=H,
-            num_topk=K,
-            max_tokens_per_rank=N,
-            impl=impl,
-            timeout_s=60,
-        )
-        for impl in ("reference", "ffi")
-    }
+    return mesh, buffers(
+        mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=N, timeout_s=60
+    )
 
 
 @functools.cache
@@ -145,19 +133,7 @@ def soak(ops, mesh=None, seed=0):
     """`ops` dispatch + combine ops (two per step) on a Buffer, every result checked against the
     reference path computed from the same inputs; returns the number of ops run."""
     mesh = mesh or make_mesh(R)
-    bufs = {
-        impl: jax_ep.Buffer(
-            mesh,
-            "ep",
-            num_experts=E,
-            hidden=H,
-            num_topk=K,
-            max_tokens_per_rank=N,
-            impl=impl,
-            timeout_s=60,
-        )
-        for impl in ("reference", "ffi")
-    }
+    bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=N, timeout_s=60)
 
     def step(buf):
         def f(x, idx, w):
