@@ -251,18 +251,23 @@ def test_a_nested_jit_called_twice_and_the_calls_around_it_form_one_chain():
     )
 
 
-def inner_reference(mesh, x, idx, w):
-    ref = jax_ep.Buffer(
-        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl="reference"
-    )
+def dispatched_rows(mesh, buf):
+    """jit(shard_map) of one dispatch, returning its rows."""
     return jax.jit(
         jax.shard_map(
-            lambda x, idx, w: ref.dispatch(x, idx, w).x,
+            lambda x, idx, w: buf.dispatch(x, idx, w).x,
             mesh=mesh,
             in_specs=P("ep"),
             out_specs=P("ep"),
         )
-    )(x, idx, w)
+    )
+
+
+def inner_reference(mesh, x, idx, w):
+    ref = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl="reference"
+    )
+    return dispatched_rows(mesh, ref)(x, idx, w)
 
 
 def test_vmap_runs_whole_ops_one_after_another_and_refuses_halves():
@@ -306,14 +311,7 @@ def test_programs_launched_from_several_threads_all_match_the_reference():
     from jax_ep import _jax
 
     mesh, buf, x, idx, w = setup()
-    step = jax.jit(
-        jax.shard_map(
-            lambda x, idx, w: buf.dispatch(x, idx, w).x,
-            mesh=mesh,
-            in_specs=P("ep"),
-            out_specs=P("ep"),
-        )
-    )
+    step = dispatched_rows(mesh, buf)
     want = np.asarray(step(x, idx, w))
     order = buf._ops._cfg.order
     results, tokens = {}, {}
@@ -375,14 +373,7 @@ def test_a_user_custom_vjp_and_a_scan_with_unroll_match_the_reference():
 def test_an_ahead_of_time_compiled_program_runs_again_and_again():
     # JAX's fast path for a compiled program's later calls passes no runtime token (_jax.py).
     mesh, buf, x, idx, w = setup()
-    step = jax.jit(
-        jax.shard_map(
-            lambda x, idx, w: buf.dispatch(x, idx, w).x,
-            mesh=mesh,
-            in_specs=P("ep"),
-            out_specs=P("ep"),
-        )
-    )
+    step = dispatched_rows(mesh, buf)
     compiled = step.lower(x, idx, w).compile()
     want = np.asarray(step(x, idx, w))
     for s in (1.0, 2.0, 3.0):
