@@ -12,6 +12,15 @@
 #include "xla/ffi/api/c_api.h"
 
 namespace jax_ep {
+namespace shm {
+class Engine;
+}
+namespace cuda_ipc {
+class Engine;
+}
+namespace cuda {
+struct RankConfig;
+}
 
 using Handler = XLA_FFI_Error* (*)(XLA_FFI_CallFrame*);
 struct Target {
@@ -31,7 +40,7 @@ Targets cpu_targets();
 XLA_FFI_TypeId* cpu_state_type_id();
 const XLA_FFI_TypeInfo* cpu_state_type_info();
 
-// CPU devices: windows in POSIX shared memory named `prefix`_g<group>_r<rank>.
+// CPU devices: windows in POSIX shared memory named `prefix`_g<group>_r<rank> (ffi/cpu_buffer.cc).
 class CpuBuffer : public NativeBuffer {
  public:
   // Ops are numbered from first_op + 1 (0 but in tests of op numbers past 2^32).
@@ -44,13 +53,12 @@ class CpuBuffer : public NativeBuffer {
   std::string status() const override;
 
  private:
-  struct Segments;
   Window window_;
   std::string prefix_;
   double timeout_s_;
   std::vector<LocalRank> local_;
   uint64_t first_op_;
-  std::shared_ptr<Segments> segments_;
+  std::shared_ptr<shm::Engine> engine_;  // the ranks keep it too
 };
 
 #ifdef JAX_EP_WITH_CUDA
@@ -59,11 +67,10 @@ XLA_FFI_TypeId* cuda_state_type_id();
 const XLA_FFI_TypeInfo* cuda_state_type_info();
 // How many times the cross-rank CUDA handlers ran (tests: command-buffer replays skip them).
 int64_t cuda_handler_calls();
-// The NCCL unique id of a new communicator (128 bytes), made by one process of each EP group.
-std::string nccl_unique_id(const std::string& nccl_library);
 
 // CUDA devices: one NCCL communicator per EP group, windows in NCCL symmetric memory, peers
-// through NVLink (LSA) pointers. Creation is collective over the group's processes.
+// through NVLink (LSA) pointers (ffi/cuda_buffers.cu). Creation is collective over the group's
+// processes.
 class CudaBuffer : public NativeBuffer {
  public:
   CudaBuffer(const Window& window, const std::string& nccl_library, double timeout_s, int num_sms,
@@ -72,15 +79,6 @@ class CudaBuffer : public NativeBuffer {
   ~CudaBuffer() override;
   std::string status() const override;
 };
-
-// NCCL's version as this build was compiled against it, and of the library at `path` (0 where
-// it cannot be loaded): the Buffer's engine choice (jax_ep/bootstrap.py) reads both.
-int nccl_built_version();
-int nccl_library_version(const std::string& path);
-// The GPU's UUID of a local device ordinal (ranks on one GPU share it), and why the CUDA-IPC
-// engine cannot run on it ("" if it can).
-std::string cuda_device_uuid(int device);
-std::string cuda_ipc_unsupported(int device);
 
 // CUDA devices of one host, without NCCL: windows in VMM memory shared between the processes
 // through the CUDA driver's IPC (kernels/comm/cuda_ipc.h); ranks may share a GPU. Built in
@@ -96,13 +94,8 @@ class CudaIpcBuffer : public NativeBuffer {
   std::string status() const override;
 
  private:
-  struct Engine;
-  std::shared_ptr<Engine> engine_;
-  Window window_;
-  double timeout_s_;
-  int num_sms_;
-  bool direct_local_;
-  uint64_t first_op_;
+  std::shared_ptr<cuda_ipc::Engine> engine_;  // the ranks keep it too
+  std::shared_ptr<const cuda::RankConfig> config_;
 };
 #endif
 

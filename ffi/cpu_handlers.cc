@@ -1,11 +1,8 @@
 // CPU handlers: every cross-rank call queues its op on the rank's worker and returns a future
 // (kernels/cpu/rank.h says why); the op's number is drawn here, in the order XLA calls the
 // handlers of the device, which the Buffer's XLA token fixes.
-#include <stdexcept>
-
 #include "ffi/backends.h"
 #include "ffi/handlers.h"
-#include "kernels/comm/shm.h"
 #include "kernels/cpu/rank.h"
 
 namespace jax_ep {
@@ -129,73 +126,5 @@ Targets cpu_targets() {
 
 XLA_FFI_TypeId* cpu_state_type_id() { return &CpuState::id; }
 const XLA_FFI_TypeInfo* cpu_state_type_info() { return state_type_info<CpuState>(); }
-
-// ---- the CPU side of a Buffer
-
-struct CpuBuffer::Segments {
-  std::map<std::pair<int, int>, shm::Segment> by_rank;  // (group, rank)
-};
-
-CpuBuffer::CpuBuffer(const Window& window, std::string prefix, double timeout_s,
-                     std::vector<LocalRank> local, uint64_t first_op)
-    : window_(window),
-      prefix_(std::move(prefix)),
-      timeout_s_(timeout_s),
-      local_(std::move(local)),
-      first_op_(first_op),
-      segments_(std::make_shared<Segments>()) {}
-
-std::string CpuBuffer::status() const {
-  for (const auto& [device, rank] : ranks)
-    if (auto err = static_cast<const cpu::Rank*>(rank.get())->status(); !err.empty()) return err;
-  return {};
-}
-
-CpuBuffer::~CpuBuffer() { ranks.clear(); }
-
-namespace {
-std::string segment_name(const std::string& prefix, int group, int rank) {
-  return prefix + "_g" + std::to_string(group) + "_r" + std::to_string(rank);
-}
-}  // namespace
-
-void CpuBuffer::create() {
-  for (const LocalRank& l : local_) {
-    shm::Segment s;
-    if (auto err =
-            shm::Segment::create(segment_name(prefix_, l.group, l.rank), window_.total_bytes(), &s);
-        !err.empty())
-      throw std::runtime_error(err);
-    uint8_t* mine = s.data();  // before any peer maps it
-    initial_words(window_, first_op_, [mine](int64_t at, uint64_t value) {
-      *reinterpret_cast<uint64_t*>(mine + at) = value;
-    });
-    segments_->by_rank[{l.group, l.rank}] = std::move(s);
-  }
-}
-
-void CpuBuffer::connect() {
-  for (const LocalRank& l : local_)
-    for (int r = 0; r < window_.num_ranks; ++r) {
-      if (segments_->by_rank.count({l.group, r})) continue;
-      shm::Segment s;
-      if (auto err =
-              shm::Segment::open(segment_name(prefix_, l.group, r), window_.total_bytes(), &s);
-          !err.empty())
-        throw std::runtime_error(err);
-      segments_->by_rank[{l.group, r}] = std::move(s);
-    }
-  for (const LocalRank& l : local_) {
-    std::vector<uint8_t*> windows(window_.num_ranks);
-    for (int r = 0; r < window_.num_ranks; ++r)
-      windows[r] = segments_->by_rank.at({l.group, r}).data();
-    ranks[l.device] = std::make_shared<cpu::Rank>(window_, l.group, l.rank, std::move(windows),
-                                                  segments_, timeout_s_, first_op_);
-  }
-}
-
-void CpuBuffer::unlink() {
-  for (auto& [key, segment] : segments_->by_rank) segment.unlink();
-}
 
 }  // namespace jax_ep

@@ -10,6 +10,10 @@
 #include "ffi/backends.h"
 #include "kernels/comm/fd_socket.h"
 #include "kernels/limits.h"
+#ifdef JAX_EP_WITH_CUDA
+#include "kernels/comm/cuda_ipc.h"
+#include "kernels/comm/nccl.h"
+#endif
 
 namespace nb = nanobind;
 using namespace jax_ep;
@@ -118,7 +122,7 @@ NB_MODULE(_native, m) {
   m.def("cuda_state_type", [] { return state_type(cuda_state_type_id(), cuda_state_type_info()); });
   m.def("cuda_handler_calls", &cuda_handler_calls);
   m.def("nccl_unique_id", [](const std::string& library) {
-    std::string id = nccl_unique_id(library);
+    std::string id = nccl::unique_id(library);
     return nb::bytes(id.data(), id.size());
   });
   nb::class_<CudaBuffer, NativeBuffer>(m, "CudaBuffer")
@@ -133,10 +137,10 @@ NB_MODULE(_native, m) {
              new (b) CudaBuffer(w, library, timeout_s, num_sms, local_ranks(local), unique_ids,
                                 direct_local, first_op);
            });
-  m.def("nccl_built_version", &nccl_built_version);
-  m.def("nccl_library_version", &nccl_library_version, nb::arg("path"));
-  m.def("cuda_device_uuid", &cuda_device_uuid, nb::arg("device"));
-  m.def("cuda_ipc_unsupported", &cuda_ipc_unsupported, nb::arg("device"));
+  m.def("nccl_built_version", &nccl::built_version);
+  m.def("nccl_library_version", &nccl::library_version, nb::arg("path"));
+  m.def("cuda_device_uuid", &cuda_ipc::device_uuid, nb::arg("device"));
+  m.def("cuda_ipc_unsupported", &cuda_ipc::unsupported, nb::arg("device"));
   nb::class_<CudaIpcBuffer, NativeBuffer>(m, "CudaIpcBuffer")
       .def("__init__",
            [](CudaIpcBuffer* b, const Window& w, const std::string& prefix, uint64_t tag,

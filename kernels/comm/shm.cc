@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <stdexcept>
 
 namespace jax_ep::shm {
 namespace {
@@ -83,6 +84,41 @@ std::string Segment::open(const std::string& name, size_t bytes, Segment* out) {
 void Segment::unlink() {
   if (owner_) shm_unlink(name_.c_str());
   owner_ = false;
+}
+
+Engine::Engine(const std::string& prefix, int num_ranks, const std::vector<Member>& local,
+               size_t window_bytes)
+    : members(local), prefix_(prefix), num_ranks_(num_ranks), window_bytes_(window_bytes) {
+  for (Member& m : members) {
+    Segment s;
+    if (auto err = Segment::create(name(m.group, m.rank), window_bytes_, &s); !err.empty())
+      throw std::runtime_error(err);
+    m.window = s.data();
+    segments_[{m.group, m.rank}] = std::move(s);
+  }
+}
+
+std::string Engine::name(int group, int rank) const {
+  return prefix_ + "_g" + std::to_string(group) + "_r" + std::to_string(rank);
+}
+
+void Engine::connect() {
+  for (const Member& m : members)
+    for (int r = 0; r < num_ranks_; ++r) {
+      if (segments_.count({m.group, r})) continue;
+      Segment s;
+      if (auto err = Segment::open(name(m.group, r), window_bytes_, &s); !err.empty())
+        throw std::runtime_error(err);
+      segments_[{m.group, r}] = std::move(s);
+    }
+  for (Member& m : members) {
+    m.peers.resize(num_ranks_);
+    for (int r = 0; r < num_ranks_; ++r) m.peers[r] = segments_.at({m.group, r}).data();
+  }
+}
+
+void Engine::unlink() {
+  for (auto& [key, segment] : segments_) segment.unlink();
 }
 
 }  // namespace jax_ep::shm

@@ -6,7 +6,10 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace jax_ep::shm {
 
@@ -31,6 +34,32 @@ class Segment {
   uint8_t* data_ = nullptr;
   size_t bytes_ = 0;
   bool owner_ = false;
+};
+
+// This process's ranks of a Buffer's EP groups, in shared memory. Built in steps with every
+// process of the host between them (jax_ep/bootstrap.py): the constructor creates this
+// process's windows as `prefix`_g<group>_r<rank>, connect() maps every other window of their
+// groups, unlink() removes the names. Each throws on failure.
+class Engine {
+ public:
+  struct Member {
+    int device, group, rank;
+    uint8_t* window = nullptr;    // this rank's window, zeroed
+    std::vector<uint8_t*> peers;  // every rank's window of the group as this process maps it
+  };
+  Engine(const std::string& prefix, int num_ranks, const std::vector<Member>& local,
+         size_t window_bytes);
+  void connect();  // once every process of the host has constructed its engine
+  void unlink();   // once every process has connected
+
+  std::vector<Member> members;
+
+ private:
+  std::string name(int group, int rank) const;
+  std::string prefix_;
+  int num_ranks_;
+  size_t window_bytes_;
+  std::map<std::pair<int, int>, Segment> segments_;  // by (group, rank)
 };
 
 }  // namespace jax_ep::shm

@@ -54,6 +54,21 @@ struct Rank {
   std::string failed() const;
 };
 
+// What every rank of a Buffer is made with.
+struct RankConfig {
+  Window window;
+  int num_sms;  // the most blocks a kernel that begins an op takes
+  double timeout_s;
+  bool direct_local;
+  uint64_t first_op;  // ops are numbered from first_op + 1
+};
+
+// A rank of either engine (kernels/comm/nccl.h, cuda_ipc.h): `peers` are the group's windows as
+// `device` reaches them, `engine` holds what they live in; its window gets its owner's words.
+// Throws on a CUDA error.
+std::shared_ptr<Rank> make_rank(const RankConfig& config, int group, int rank, int device,
+                                std::vector<uint8_t*> peers, std::shared_ptr<void> engine);
+
 // Each returns "" once its kernels are enqueued on `stream`, else the error. `ticket` (recv
 // halves) is the device word holding the op's number; `token_out` gets it.
 std::string dispatch(const Rank& r, cudaStream_t stream, Part part, const DispatchSend* send,

@@ -1,0 +1,72 @@
+// The CUDA sides of a Buffer: the windows of an engine (kernels/comm/nccl.h or cuda_ipc.h) and a
+// cuda::Rank on each of them (kernels/cuda/rank.h).
+#include "ffi/backends.h"
+#include "kernels/comm/cuda_ipc.h"
+#include "kernels/comm/nccl.h"
+#include "kernels/cuda/rank.h"
+
+namespace jax_ep {
+namespace {
+
+// The first error of one of this process's ranks, or "".
+std::string ranks_status(const std::map<int, std::shared_ptr<void>>& ranks) {
+  for (const auto& [device, rank] : ranks)
+    if (auto err = static_cast<const cuda::Rank*>(rank.get())->failed(); !err.empty()) return err;
+  return {};
+}
+
+size_t window_allocation(const Window& window) {
+  return size_t(align_bytes(window.total_bytes(), 4096));
+}
+
+}  // namespace
+
+CudaBuffer::CudaBuffer(const Window& window, const std::string& nccl_library, double timeout_s,
+                       int num_sms, std::vector<LocalRank> local,
+                       const std::map<int, std::string>& unique_ids, bool direct_local,
+                       uint64_t first_op) {
+  const cuda::RankConfig config{window, num_sms, timeout_s, direct_local, first_op};
+  int previous = 0;
+  cudaGetDevice(&previous);
+  std::map<int, std::vector<std::pair<int, int>>> by_group;  // in group order on every process
+  for (const LocalRank& l : local) by_group[l.group].push_back({l.device, l.rank});
+  for (const auto& [group, members] : by_group) {
+    auto comms = std::make_shared<nccl::Group>(nccl_library, unique_ids.at(group), window.num_ranks,
+                                               members, window_allocation(window), timeout_s);
+    for (const nccl::Group::Member& m : comms->members)
+      ranks[m.device] = cuda::make_rank(config, group, m.rank, m.device, m.peers, comms);
+  }
+  cudaSetDevice(previous);
+}
+
+CudaBuffer::~CudaBuffer() { ranks.clear(); }
+
+std::string CudaBuffer::status() const { return ranks_status(ranks); }
+
+CudaIpcBuffer::CudaIpcBuffer(const Window& window, const std::string& prefix, uint64_t tag,
+                             double timeout_s, int num_sms, std::vector<LocalRank> local,
+                             bool direct_local, uint64_t first_op)
+    : config_(std::make_shared<cuda::RankConfig>(
+          cuda::RankConfig{window, num_sms, timeout_s, direct_local, first_op})) {
+  std::vector<cuda_ipc::Engine::Member> members;
+  for (const LocalRank& l : local) members.push_back({l.device, l.group, l.rank, nullptr, {}});
+  engine_ = std::make_shared<cuda_ipc::Engine>(prefix, tag, window.num_ranks, members,
+                                               window_allocation(window), timeout_s);
+}
+
+void CudaIpcBuffer::connect() {
+  engine_->connect();
+  int previous = 0;
+  cudaGetDevice(&previous);
+  for (const cuda_ipc::Engine::Member& m : engine_->members)
+    ranks[m.device] = cuda::make_rank(*config_, m.group, m.rank, m.device, m.peers, engine_);
+  cudaSetDevice(previous);
+}
+
+void CudaIpcBuffer::stop_serving() { engine_->stop(); }
+
+CudaIpcBuffer::~CudaIpcBuffer() { ranks.clear(); }
+
+std::string CudaIpcBuffer::status() const { return ranks_status(ranks); }
+
+}  // namespace jax_ep
