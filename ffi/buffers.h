@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "xla/ffi/api/c_api.h"
+#include "kernels/dtype.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {
@@ -32,13 +32,14 @@ void forget_buffer(int64_t key);
 void forget_all_buffers();  // at interpreter exit
 std::shared_ptr<NativeBuffer> find_buffer(int64_t key);
 
-// What a custom call's instantiate stage decodes once: its Buffer and its static configuration.
-// (XLA:CPU instantiates without a device, so the rank is looked up when the call runs.)
+// A custom call's static configuration, decoded once when XLA instantiates it (ffi/decode.h).
 struct CallConfig {
   bool fp8, round_scale, low_latency;
-  int32_t rows_dtype;  // the Dtype combine rows travel in
+  Dtype rows_dtype;  // what combine rows travel in
 };
 
+// What a custom call's instantiate stage keeps: its Buffer and its configuration. (XLA:CPU
+// instantiates without a device, so the rank is looked up when the call runs.)
 template <class RankT>
 struct CallState {
   static xla::ffi::TypeId id;
@@ -48,17 +49,5 @@ struct CallState {
 };
 template <class RankT>
 xla::ffi::TypeId CallState<RankT>::id = {};
-
-template <class RankT>
-xla::ffi::ErrorOr<std::unique_ptr<CallState<RankT>>> instantiate(int64_t buffer,
-                                                                 const CallConfig& config) {
-  auto native = find_buffer(buffer);
-  if (!native)
-    return xla::ffi::Unexpected(xla::ffi::Error(
-        xla::ffi::ErrorCode::kFailedPrecondition,
-        "jax_ep: this program uses a Buffer that was closed before it was compiled (or was "
-        "never created in this process)"));
-  return std::unique_ptr<CallState<RankT>>(new CallState<RankT>{std::move(native), config});
-}
 
 }  // namespace jax_ep

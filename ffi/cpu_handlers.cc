@@ -2,7 +2,7 @@
 // (kernels/cpu/rank.h says why); the op's number is drawn here, in the order XLA calls the
 // handlers of the device, which the Buffer's XLA token fixes.
 #include "ffi/backends.h"
-#include "ffi/handlers.h"
+#include "ffi/calls.h"
 #include "kernels/cpu/rank.h"
 
 namespace jax_ep {
@@ -13,7 +13,12 @@ struct CpuContext {
 
 }  // namespace jax_ep
 
+// Decoded once per call, and a handler parameter XLA binds by its type.
 namespace xla::ffi {
+template <>
+struct CtxBinding<jax_ep::CpuContext> {
+  using Ctx = jax_ep::CpuContext;
+};
 template <>
 struct CtxDecoding<jax_ep::CpuContext> {
   using Type = jax_ep::CpuContext;
@@ -55,6 +60,7 @@ struct CpuBackend {
   using Rank = cpu::Rank;
   using State = CpuState;
   using Result = ffi::Future;
+  static constexpr std::initializer_list<ffi::Traits> traits = {};
 
   static ffi::Future error(ffi::Error error) {
     ffi::Promise promise;
@@ -105,25 +111,9 @@ struct CpuBackend {
   }
 };
 
-using T = Calls<CpuBackend>;
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_instantiate, Instantiate<CpuBackend>,
-                              instantiate_binding());
-#define JAX_EP_CPU_CALL(name) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_##name, T::name, name##_binding<CpuBackend>());
-JAX_EP_BUFFER_CALLS(JAX_EP_CPU_CALL)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cpu_expert_layout, ExpertLayout<CpuBackend>,
-                              expert_layout_binding<CpuBackend>());
-
-Targets cpu_targets() {
-  const Handler inst = jax_ep_cpu_instantiate;
-#define JAX_EP_CPU_TARGET(name) {#name, {inst, jax_ep_cpu_##name}},
-  return {
-      JAX_EP_BUFFER_CALLS(JAX_EP_CPU_TARGET){"expert_layout", {nullptr, jax_ep_cpu_expert_layout}}};
-}
-
+Targets cpu_targets() { return targets<CpuBackend>(); }
 XLA_FFI_TypeId* cpu_state_type_id() { return &CpuState::id; }
 const XLA_FFI_TypeInfo* cpu_state_type_info() { return state_type_info<CpuState>(); }
 

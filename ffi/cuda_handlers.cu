@@ -4,7 +4,7 @@
 #include <atomic>
 
 #include "ffi/backends.h"
-#include "ffi/handlers.h"
+#include "ffi/calls.h"
 #include "kernels/cuda/rank.h"
 
 namespace jax_ep {
@@ -16,7 +16,12 @@ struct CudaContext {
 
 }  // namespace jax_ep
 
+// Decoded once per call, and a handler parameter XLA binds by its type.
 namespace xla::ffi {
+template <>
+struct CtxBinding<jax_ep::CudaContext> {
+  using Ctx = jax_ep::CudaContext;
+};
 template <>
 struct CtxDecoding<jax_ep::CudaContext> {
   using Type = jax_ep::CudaContext;
@@ -43,6 +48,8 @@ struct CudaBackend {
   using Rank = cuda::Rank;
   using State = CudaState;
   using Result = ffi::Error;  // the kernels are enqueued: the handler is done
+  // The handlers only enqueue kernels: XLA may capture them in command buffers.
+  static constexpr std::initializer_list<ffi::Traits> traits = {ffi::Traits::kCmdBufferCompatible};
 
   static ffi::Error error(ffi::Error error) { return error; }
 
@@ -64,27 +71,9 @@ struct CudaBackend {
   }
 };
 
-using T = Calls<CudaBackend>;
-constexpr auto kGraphSafe = ffi::Traits::kCmdBufferCompatible;
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_instantiate, Instantiate<CudaBackend>,
-                              instantiate_binding());
-#define JAX_EP_CUDA_CALL(name)                                                              \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_##name, T::name, name##_binding<CudaBackend>(), \
-                                {kGraphSafe});
-JAX_EP_BUFFER_CALLS(JAX_EP_CUDA_CALL)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_ep_cuda_expert_layout, ExpertLayout<CudaBackend>,
-                              expert_layout_binding<CudaBackend>(), {kGraphSafe});
-
-Targets cuda_targets() {
-  const Handler inst = jax_ep_cuda_instantiate;
-#define JAX_EP_CUDA_TARGET(name) {#name, {inst, jax_ep_cuda_##name}},
-  return {JAX_EP_BUFFER_CALLS(JAX_EP_CUDA_TARGET){"expert_layout",
-                                                  {nullptr, jax_ep_cuda_expert_layout}}};
-}
-
+Targets cuda_targets() { return targets<CudaBackend>(); }
 XLA_FFI_TypeId* cuda_state_type_id() { return &CudaState::id; }
 const XLA_FFI_TypeInfo* cuda_state_type_info() { return state_type_info<CudaState>(); }
 

@@ -91,8 +91,13 @@ def _rows_shapes(cfg: _Config, rows, hidden):
     return x, scales
 
 
+def _sent_shapes(cfg: _Config, tokens):
+    """What the send half of a fresh dispatch returns: the handle's send_pos and num_invalid."""
+    return _i32(tokens, cfg.num_ranks), _i32()
+
+
 def _received_shapes(cfg: _Config, rows, hidden, k):
-    """What the recv half of a fresh dispatch returns."""
+    """What the recv half of a fresh dispatch returns (ffi/decode.h FreshReceived)."""
     return (
         *_rows_shapes(cfg, rows, hidden),
         _i32(rows, k),
@@ -121,11 +126,14 @@ def _scales(cfg: _Config, scales):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _dispatch(cfg, rows, x, topk_idx, topk_weights):
-    """A fresh dispatch: (RankRows, Routing)."""
+    """A fresh dispatch: (RankRows, Routing). It returns what its send half does, then what its
+    recv half does."""
     t, k = topk_idx.shape
-    shapes = (*_received_shapes(cfg, rows, x.shape[1], k), _i32(t, cfg.num_ranks), _i32())
-    _, out = _call(cfg, "dispatch", shapes, x, topk_idx, topk_weights)
-    return _received(cfg, out[:8], *out[8:])
+    shapes = (*_sent_shapes(cfg, t), *_received_shapes(cfg, rows, x.shape[1], k))
+    _, (send_pos, num_invalid, *received) = _call(
+        cfg, "dispatch", shapes, x, topk_idx, topk_weights
+    )
+    return _received(cfg, received, send_pos, num_invalid)
 
 
 # The forward rules call the differentiable ops themselves, so that a gradient's own forward
@@ -336,7 +344,7 @@ class Ffi:
         sent = _send(
             cfg,
             "dispatch_send",
-            (_i32(t, cfg.num_ranks), _i32()),
+            _sent_shapes(cfg, t),
             *all_varying(x, topk_idx, topk_weights),
         )
 
