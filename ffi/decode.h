@@ -46,7 +46,7 @@ struct FreshReceived {
   ffi::ResultBuffer<ffi::S32, 2> topk_out;
   ffi::ResultBuffer<ffi::F32, 2> weights_out;
   ffi::ResultBuffer<ffi::S32, 1> recv_counts, tokens_per_expert;
-  ffi::ResultBuffer<ffi::S32, 0> num_recv, num_dropped;
+  ffi::ResultBuffer<ffi::S32, 0> num_recv, num_dropped, group_invalid;
 
   template <class Binding>
   static auto bind(Binding binding) {
@@ -57,6 +57,7 @@ struct FreshReceived {
         .template Ret<ffi::Buffer<ffi::F32, 2>>()
         .template Ret<ffi::Buffer<ffi::S32, 1>>()
         .template Ret<ffi::Buffer<ffi::S32, 1>>()
+        .template Ret<ffi::Buffer<ffi::S32, 0>>()
         .template Ret<ffi::Buffer<ffi::S32, 0>>()
         .template Ret<ffi::Buffer<ffi::S32, 0>>();
   }
@@ -185,6 +186,7 @@ inline ffi::Error decode_fresh_recv(const Window& w, const CallConfig& cfg, Fres
   a->tokens_per_expert = r.tokens_per_expert->typed_data();
   a->num_recv = r.num_recv->typed_data();
   a->num_dropped = r.num_dropped->typed_data();
+  a->group_invalid = r.group_invalid->typed_data();
   return ffi::Error::Success();
 }
 

@@ -106,14 +106,16 @@ def _received_shapes(cfg: _Config, rows, hidden, k):
         _i32(cfg.experts_per_rank),
         _i32(),
         _i32(),
+        _i32(),
     )
 
 
 def _received(cfg: _Config, received, send_pos, num_invalid):
-    x_rows, scales, topk_rows, weight_rows, recv_counts, per_expert, num_recv, dropped = received
+    x_rows, scales, topk_rows, weight_rows, *counts = received
+    recv_counts, per_expert, num_recv, dropped, group_invalid = counts
     return (
         RankRows(x_rows, _scales(cfg, scales), topk_rows, weight_rows),
-        Routing(send_pos, recv_counts, per_expert, num_recv, dropped, num_invalid),
+        Routing(send_pos, recv_counts, per_expert, num_recv, dropped, num_invalid, group_invalid),
     )
 
 
