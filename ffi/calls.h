@@ -182,8 +182,8 @@ struct Calls {
     CombineSend send;
     CombineRecv recv;
     ffi::Error err = check_tokens(token_out);
-    if (err.success()) err = decode_combine_send(w, rows, recv_counts, num_rows, &send);
-    if (err.success()) err = decode_combine_recv(w, send.rows_dtype, send_pos, *out, &recv);
+    if (err.success())
+      err = decode_whole_combine(w, rows, send_pos, recv_counts, num_rows, *out, &send, &recv);
     if (err.success()) err = decode_bias(bias, &recv);
     if (err.success() && recv.width != send.width)
       err = invalid("combine: rows and output widths differ");
@@ -191,18 +191,13 @@ struct Calls {
     return B::combine(ctx, *st, *rank, Part::kWhole, &send, &recv,
                       {nullptr, token_out->typed_data()});
   }
-  // Bound by hand: XLA infers no optional operand (the bias).
   static auto bind_combine() {
-    return call()
-        .template Arg<OrderArg>()
-        .template Arg<ffi::AnyBuffer>()
-        .template Arg<ffi::Buffer<ffi::S32, 2>>()
-        .template Arg<ffi::Buffer<ffi::S32, 1>>()
-        .template Arg<ffi::Buffer<ffi::S32, 0>>()
-        .RemainingArgs()
-        .template Ret<OrderArg>()
-        .template Ret<TokenArg>()
-        .template Ret<ffi::AnyBuffer>()
+    return bias_then_output(call()
+                                .template Arg<OrderArg>()
+                                .template Arg<ffi::AnyBuffer>()
+                                .template Arg<ffi::Buffer<ffi::S32, 2>>()
+                                .template Arg<ffi::Buffer<ffi::S32, 1>>()
+                                .template Arg<ffi::Buffer<ffi::S32, 0>>())
         .To(combine, B::traits);
   }
 
@@ -236,16 +231,11 @@ struct Calls {
     return B::combine(ctx, *st, *rank, Part::kRecv, nullptr, &recv,
                       {ticket.typed_data(), token_out->typed_data()});
   }
-  // Bound by hand: XLA infers no optional operand (the bias).
   static auto bind_combine_recv() {
-    return call()
-        .template Arg<OrderArg>()
-        .template Arg<TokenArg>()
-        .template Arg<ffi::Buffer<ffi::S32, 2>>()
-        .RemainingArgs()
-        .template Ret<OrderArg>()
-        .template Ret<TokenArg>()
-        .template Ret<ffi::AnyBuffer>()
+    return bias_then_output(call()
+                                .template Arg<OrderArg>()
+                                .template Arg<TokenArg>()
+                                .template Arg<ffi::Buffer<ffi::S32, 2>>())
         .To(combine_recv, B::traits);
   }
 
@@ -264,8 +254,8 @@ struct Calls {
     CombineSend send;
     CombineRecv recv;
     ffi::Error err = check_tokens(token_out);
-    if (err.success()) err = decode_combine_send(w, ct_rows, recv_counts, num_rows, &send);
-    if (err.success()) err = decode_combine_recv(w, send.rows_dtype, send_pos, *ct_x, &recv);
+    if (err.success())
+      err = decode_whole_combine(w, ct_rows, send_pos, recv_counts, num_rows, *ct_x, &send, &recv);
     if (err.success() && recv.width != send.width)
       err = invalid("dispatch adjoint: the rows' and x's cotangents differ in width");
     if (err.success()) err = decode_weight_cotangents(w, ct_weights, ct_w, &send, &recv);
@@ -295,6 +285,17 @@ struct Calls {
   // What every execute handler of a Buffer's calls takes first.
   static auto call() {
     return ffi::Ffi::Bind().template Ctx<Ctx>().template Ctx<ffi::State<State>>();
+  }
+
+  // The end of a combine's recv binding: the optional bias (bound by hand: XLA infers no
+  // optional operand), then the order token, the ticket and the output.
+  template <class Binding>
+  static auto bias_then_output(Binding binding) {
+    return std::move(binding)
+        .RemainingArgs()
+        .template Ret<OrderArg>()
+        .template Ret<TokenArg>()
+        .template Ret<ffi::AnyBuffer>();
   }
 
   // This device's rank of the call's Buffer.

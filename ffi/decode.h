@@ -237,6 +237,17 @@ inline ffi::Error decode_combine_recv(const Window& w, Dtype rows_dtype,
   return ffi::Error::Success();
 }
 
+// Both halves of a whole combine: the rows go back to the tokens they came from, into out.
+inline ffi::Error decode_whole_combine(const Window& w, ffi::AnyBuffer rows,
+                                       ffi::Buffer<ffi::S32, 2> send_pos,
+                                       ffi::Buffer<ffi::S32, 1> recv_counts,
+                                       ffi::Buffer<ffi::S32, 0> num_rows, ffi::AnyBuffer out,
+                                       CombineSend* send, CombineRecv* recv) {
+  if (auto err = decode_combine_send(w, rows, recv_counts, num_rows, send); err.failure())
+    return err;
+  return decode_combine_recv(w, send->rows_dtype, send_pos, out, recv);
+}
+
 // The optional bias of a combine: the call's remaining argument, if any.
 inline ffi::Error decode_bias(ffi::RemainingArgs bias, CombineRecv* a) {
   if (bias.size() == 0) return ffi::Error::Success();

@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/comm/engine.h"
+
 namespace jax_ep::cuda_ipc {
 
 // The GPU's UUID (32 hex digits) for a local device ordinal: the same in every process that
@@ -35,11 +37,7 @@ std::string unsupported(int device);
 // process of the mesh between them (jax_ep/bootstrap.py): the constructor, connect(), stop().
 class Engine {
  public:
-  struct Member {
-    int device, group, rank;
-    uint8_t* window = nullptr;    // this rank's window, zeroed
-    std::vector<uint8_t*> peers;  // every rank's window of the group as this process maps it
-  };
+  using Member = EngineMember;
   // Allocates, zeroes and exports the windows of this process's ranks (device, group, rank) and
   // serves them at `prefix`_g<group>_r<rank>; `tag` (the Buffer's key) must match on the peers.
   Engine(const std::string& prefix, uint64_t tag, int num_ranks, const std::vector<Member>& local,

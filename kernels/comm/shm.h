@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/comm/engine.h"
+
 namespace jax_ep::shm {
 
 class Segment {
@@ -42,11 +44,7 @@ class Segment {
 // groups, unlink() removes the names. Each throws on failure.
 class Engine {
  public:
-  struct Member {
-    int device, group, rank;
-    uint8_t* window = nullptr;    // this rank's window, zeroed
-    std::vector<uint8_t*> peers;  // every rank's window of the group as this process maps it
-  };
+  using Member = EngineMember;
   Engine(const std::string& prefix, int num_ranks, const std::vector<Member>& local,
          size_t window_bytes);
   void connect();  // once every process of the host has constructed its engine
