@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ffi/buffers.h"
+#include "kernels/comm/engine.h"
 #include "kernels/window.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -29,34 +30,29 @@ struct Target {
 };
 using Targets = std::map<std::string, Target>;
 
-// A rank of a Buffer that runs on one of this process's devices.
-struct LocalRank {
-  int device;  // local device ordinal
-  int group;   // EP group (a coordinate of the mesh's other axes)
-  int rank;    // position along the Buffer's axis
-};
+// A rank of a Buffer that runs on one of this process's devices (its engine adds its windows).
+using LocalRank = EngineMember;
 
 Targets cpu_targets();
 XLA_FFI_TypeId* cpu_state_type_id();
 const XLA_FFI_TypeInfo* cpu_state_type_info();
 
 // CPU devices: windows in POSIX shared memory named `prefix`_g<group>_r<rank> (ffi/cpu_buffer.cc).
+// Built in steps with every process of the mesh between them, as a CudaIpcBuffer: the
+// constructor (this process's windows), connect() (maps the peers' and makes the ranks), unlink().
 class CpuBuffer : public NativeBuffer {
  public:
   // Ops are numbered from first_op + 1 (0 but in tests of op numbers past 2^32).
-  CpuBuffer(const Window& window, std::string prefix, double timeout_s,
-            std::vector<LocalRank> local, uint64_t first_op);
-  void create();   // this process's windows; then every process of the mesh must have created
-  void connect();  // maps every window of this process's groups and makes the ranks
-  void unlink();   // once every process has connected
+  CpuBuffer(const Window& window, const std::string& prefix, double timeout_s,
+            const std::vector<LocalRank>& local, uint64_t first_op);
+  void connect();
+  void unlink();
   ~CpuBuffer() override;
   std::string status() const override;
 
  private:
   Window window_;
-  std::string prefix_;
   double timeout_s_;
-  std::vector<LocalRank> local_;
   uint64_t first_op_;
   std::shared_ptr<shm::Engine> engine_;  // the ranks keep it too
 };

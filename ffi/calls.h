@@ -64,6 +64,7 @@ struct Calls {
     return B::dispatch(ctx, *st, *rank, Part::kWhole, &send, &recv,
                        {nullptr, token_out->typed_data()});
   }
+  // By hand: XLA binds one result per parameter; the lambda hands `received` on as a pack.
   static auto bind_dispatch() {
     return FreshReceived::bind(call()
                                    .template Arg<OrderArg>()
@@ -109,6 +110,7 @@ struct Calls {
     return B::dispatch(ctx, *st, *rank, Part::kRecv, nullptr, &recv,
                        {ticket.typed_data(), token_out->typed_data()});
   }
+  // By hand, as bind_dispatch.
   static auto bind_dispatch_recv() {
     return FreshReceived::bind(call()
                                    .template Arg<OrderArg>()

@@ -6,13 +6,16 @@
 
 namespace jax_ep {
 
-CpuBuffer::CpuBuffer(const Window& window, std::string prefix, double timeout_s,
-                     std::vector<LocalRank> local, uint64_t first_op)
-    : window_(window),
-      prefix_(std::move(prefix)),
-      timeout_s_(timeout_s),
-      local_(std::move(local)),
-      first_op_(first_op) {}
+CpuBuffer::CpuBuffer(const Window& window, const std::string& prefix, double timeout_s,
+                     const std::vector<LocalRank>& local, uint64_t first_op)
+    : window_(window), timeout_s_(timeout_s), first_op_(first_op) {
+  engine_ = std::make_shared<shm::Engine>(prefix, window.num_ranks, local,
+                                          size_t(window.total_bytes()));
+  for (const shm::Engine::Member& m : engine_->members)  // before any peer maps them
+    initial_words(window, first_op, [mine = m.window](int64_t at, uint64_t value) {
+      *reinterpret_cast<uint64_t*>(mine + at) = value;
+    });
+}
 
 CpuBuffer::~CpuBuffer() { ranks.clear(); }
 
@@ -20,17 +23,6 @@ std::string CpuBuffer::status() const {
   for (const auto& [device, rank] : ranks)
     if (auto err = static_cast<const cpu::Rank*>(rank.get())->status(); !err.empty()) return err;
   return {};
-}
-
-void CpuBuffer::create() {
-  std::vector<shm::Engine::Member> members;
-  for (const LocalRank& l : local_) members.push_back({l.device, l.group, l.rank, nullptr, {}});
-  engine_ = std::make_shared<shm::Engine>(prefix_, window_.num_ranks, members,
-                                          size_t(window_.total_bytes()));
-  for (const shm::Engine::Member& m : engine_->members)  // before any peer maps them
-    initial_words(window_, first_op_, [mine = m.window](int64_t at, uint64_t value) {
-      *reinterpret_cast<uint64_t*>(mine + at) = value;
-    });
 }
 
 void CpuBuffer::connect() {

@@ -48,9 +48,7 @@ CudaIpcBuffer::CudaIpcBuffer(const Window& window, const std::string& prefix, ui
                              bool direct_local, uint64_t first_op)
     : config_(std::make_shared<cuda::RankConfig>(
           cuda::RankConfig{window, num_sms, timeout_s, direct_local, first_op})) {
-  std::vector<cuda_ipc::Engine::Member> members;
-  for (const LocalRank& l : local) members.push_back({l.device, l.group, l.rank, nullptr, {}});
-  engine_ = std::make_shared<cuda_ipc::Engine>(prefix, tag, window.num_ranks, members,
+  engine_ = std::make_shared<cuda_ipc::Engine>(prefix, tag, window.num_ranks, local,
                                                window_allocation(window), timeout_s);
 }
 

@@ -89,7 +89,6 @@ NB_MODULE(_native, m) {
               const std::vector<std::tuple<int, int, int>>& local, uint64_t first_op) {
              new (b) CpuBuffer(w, prefix, timeout_s, local_ranks(local), first_op);
            })
-      .def("create", &CpuBuffer::create)
       .def("connect", &CpuBuffer::connect)
       .def("unlink", &CpuBuffer::unlink);
 

@@ -353,7 +353,6 @@ def connect(p: Plan, window, *, timeout_s, num_sms, direct_local):
         native = _native.CpuBuffer(
             window, f"/jax_ep_{nonce(p, timeout_s)}", timeout_s, list(p.local), first_op()
         )
-        native.create()
         meet(p, "created", timeout_s)
         native.connect()
         meet(p, "connected", timeout_s)
