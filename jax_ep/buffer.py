@@ -187,6 +187,14 @@ class Buffer:
         self.max_row_dtype = jnp.dtype(max_row_dtype)
         self.impl = "ffi" if impl == "auto" else impl
         self.check_invalid = bool(check_invalid)
+        if self.check_invalid:
+            try:
+                jax.devices("cpu")
+            except RuntimeError:
+                _fail(
+                    "check_invalid=True raises through a host callback, which needs JAX's CPU "
+                    "platform: list cpu in JAX_PLATFORMS (e.g. JAX_PLATFORMS=cuda,cpu)"
+                )
         self._serial = next(_SERIALS)  # tells this Buffer's handles and pending ops apart
         self._native = None
         self.engine = None  # what makes the windows reachable (set by _connect)
