@@ -40,6 +40,7 @@ from jax_ep.fp8 import FP8_BLOCK
 from jax_ep.primitives import RankRows, Routing, all_varying, start
 
 Array = Any
+_F32 = jnp.dtype(jnp.float32)
 
 
 class NodeRoutes(NamedTuple):
@@ -195,7 +196,7 @@ class Hierarchical:
 
     def dispatch(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):
         return _dispatch(
-            (self, rows, bool(fp8), bool(round_scale), bool(low_latency)),
+            (self, rows, bool(fp8), bool(round_scale), bool(low_latency), x.dtype),
             *_varying(x, topk_idx, topk_weights),
         )
 
@@ -228,7 +229,9 @@ class Hierarchical:
         return (arrays, routes.inner_row), finish
 
     def dispatch_cached(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale):
-        return _dispatch_cached((self, bool(fp8), bool(round_scale)), *_varying(x, send_pos))
+        return _dispatch_cached(
+            (self, bool(fp8), bool(round_scale), x.dtype), *_varying(x, send_pos)
+        )
 
     def dispatch_cached_send(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale):
         return self._cached_start(True, *_varying(x, send_pos), fp8, round_scale)
@@ -270,7 +273,8 @@ class Hierarchical:
         return (arrays, routes.node_goes, bias), finish
 
     def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype):
-        return _combine((self, jnp.dtype(out_dtype)), *_varying(row_data, send_pos, bias))
+        cfg = (self, jnp.dtype(out_dtype), row_data.dtype, None if bias is None else bias.dtype)
+        return _combine(cfg, *_varying(row_data, send_pos, bias))
 
     def combine_send(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype):
         return self._combine_start(True, *_varying(row_data, send_pos, bias), out_dtype)
@@ -280,7 +284,7 @@ class Hierarchical:
 
 
 # ---------------------------------------------------------------- differentiable whole ops
-# Static configurations come first: (Hierarchical, ...) tuples. The forward rules call the
+# Static configurations come first: (Hierarchical, ..., dtypes) tuples. The forward rules call the
 # differentiable ops themselves, so that gradients can be differentiated again.
 
 
@@ -291,7 +295,7 @@ def _whole(started):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(cfg, x, topk_idx, topk_weights):
-    hier, rows, fp8, round_scale, low_latency = cfg
+    hier, rows, fp8, round_scale, low_latency, _ = cfg
     return _whole(
         hier._dispatch_start(False, x, topk_idx, topk_weights, rows, fp8, round_scale, low_latency)
     )
@@ -300,21 +304,21 @@ def _dispatch(cfg, x, topk_idx, topk_weights):
 def _dispatch_fwd(cfg, *args):
     x, topk_idx, topk_weights = custom_vjp_primal_tree_values(args)
     moved, routing = _dispatch(cfg, x, topk_idx, topk_weights)
-    return (moved, routing), (routing.send_pos, moved.topk_idx, x.dtype)
+    return (moved, routing), (routing.send_pos, moved.topk_idx)
 
 
 def _dispatch_bwd(cfg, res, ct):
     """x's cotangent: a combine of the rows' (float32 sums, rounded once); the weights': a
     combine of theirs where their slot was sent (each slot lives in one rank's row)."""
-    hier = cfg[0]
-    routes, topk_rows, x_dtype = res
+    hier, x_dtype = cfg[0], cfg[-1]
+    routes, topk_rows = res
     ct_rows = ct[0]
     grad_x = grad_w = None
     if not isinstance(ct_rows.x, SymbolicZero):
-        grad_x = _combine((hier, x_dtype), ct_rows.x.astype(x_dtype), routes, None)
+        grad_x = _combine((hier, x_dtype, x_dtype, None), ct_rows.x.astype(x_dtype), routes, None)
     if not isinstance(ct_rows.topk_weights, SymbolicZero):
         ct_w = jnp.where(topk_rows >= 0, ct_rows.topk_weights, 0.0)
-        grad_w = _combine((hier, jnp.dtype(jnp.float32)), ct_w, routes, None)
+        grad_w = _combine((hier, _F32, _F32, None), ct_w, routes, None)
     return grad_x, None, grad_w
 
 
@@ -323,17 +327,17 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch_cached(cfg, x, routes):
-    hier, fp8, round_scale = cfg
+    hier, fp8, round_scale, _ = cfg
     return _whole(hier._cached_start(False, x, routes, fp8, round_scale))
 
 
 def _dispatch_cached_fwd(cfg, x, routes):
-    return _dispatch_cached(cfg, x, routes), (routes, x.dtype)
+    return _dispatch_cached(cfg, x, routes), routes
 
 
-def _dispatch_cached_bwd(cfg, res, ct):
-    routes, x_dtype = res
-    return _combine((cfg[0], x_dtype), ct[0].astype(x_dtype), routes, None), None
+def _dispatch_cached_bwd(cfg, routes, ct):
+    hier, x_dtype = cfg[0], cfg[-1]
+    return _combine((hier, x_dtype, x_dtype, None), ct[0].astype(x_dtype), routes, None), None
 
 
 _dispatch_cached.defvjp(_dispatch_cached_fwd, _dispatch_cached_bwd)
@@ -341,19 +345,18 @@ _dispatch_cached.defvjp(_dispatch_cached_fwd, _dispatch_cached_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _combine(cfg, row_data, routes, bias):
-    hier, out_dtype = cfg
+    hier, out_dtype, _, _ = cfg
     return _whole(hier._combine_start(False, row_data, routes, bias, out_dtype))
 
 
 def _combine_fwd(cfg, row_data, routes, bias):
-    out = _combine(cfg, row_data, routes, bias)
-    return out, (routes, row_data.dtype, None if bias is None else bias.dtype)
+    return _combine(cfg, row_data, routes, bias), routes
 
 
-def _combine_bwd(cfg, res, ct):
+def _combine_bwd(cfg, routes, ct):
     """A cached dispatch of y's cotangent (no FP8)."""
-    routes, rows_dtype, bias_dtype = res
-    ct_rows, _ = _dispatch_cached((cfg[0], False, False), ct, routes)
+    hier, _, rows_dtype, bias_dtype = cfg
+    ct_rows, _ = _dispatch_cached((hier, False, False, ct.dtype), ct, routes)
     return (
         ct_rows.astype(rows_dtype),
         None,

@@ -93,8 +93,9 @@ def random_inputs(
     return x, jnp.asarray(idx), jnp.asarray(w)
 
 
-def buffers(mesh, **kwargs):
-    return {impl: jax_ep.Buffer(mesh, "ep", impl=impl, **kwargs) for impl in ("reference", "ffi")}
+def buffers(mesh, axis="ep", **kwargs):
+    """{impl: Buffer} on both paths."""
+    return {impl: jax_ep.Buffer(mesh, axis, impl=impl, **kwargs) for impl in ("reference", "ffi")}
 
 
 def bits(a):
