@@ -125,7 +125,10 @@ class Buffer:
 
     Create it outside jit, on every process of the mesh alike (jax.distributed: one process per
     GPU or per host); call dispatch/combine inside jax.shard_map(..., mesh=mesh) on the per-rank
-    shards. impl: "auto" / "ffi" (custom calls) or "reference" (jax.lax collectives).
+    shards. axis_name may be a tuple of mesh axes, outer first (("node", "ep")): one EP group of
+    their product, ranks row-major, the outer axes crossed by lax.all_to_all, the last by the
+    custom calls (jax_ep/hierarchical.py; combine sums per node, then the nodes in order).
+    impl: "auto" / "ffi" (custom calls) or "reference" (jax.lax collectives).
     timeout_s bounds every wait for a peer (then an error naming it, never a hang). num_sms:
     blocks of the CUDA kernels. low_latency_tokens (default min(N, 256), at most 1024, 0 =
     never): batches up to this size take the CUDA backend's single-kernel path.
