@@ -118,14 +118,12 @@ inline ffi::Error decode_recv(const Window& w, const CallConfig& cfg, ffi::AnyBu
 }
 
 // The recv half of a fresh dispatch: its rows and its routing outputs.
-inline ffi::Error decode_fresh_recv(const Window& w, const CallConfig& cfg, ffi::AnyBuffer x_out,
-                                    ffi::AnyBuffer scales_out,
-                                    ffi::ResultBuffer<ffi::S32, 2> topk_out,
-                                    ffi::ResultBuffer<ffi::F32, 2> weights_out,
-                                    ffi::ResultBuffer<ffi::S32, 1> recv_counts,
-                                    ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert,
-                                    ffi::ResultBuffer<ffi::S32, 0> num_recv,
-                                    ffi::ResultBuffer<ffi::S32, 0> num_dropped, DispatchRecv* a) {
+inline ffi::Error decode_fresh_recv(
+    const Window& w, const CallConfig& cfg, ffi::AnyBuffer x_out, ffi::AnyBuffer scales_out,
+    ffi::ResultBuffer<ffi::S32, 2> topk_out, ffi::ResultBuffer<ffi::F32, 2> weights_out,
+    ffi::ResultBuffer<ffi::S32, 1> recv_counts, ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert,
+    ffi::ResultBuffer<ffi::S32, 0> num_recv, ffi::ResultBuffer<ffi::S32, 0> num_dropped,
+    ffi::ResultBuffer<ffi::S32, 0> group_invalid, DispatchRecv* a) {
   if (auto err = decode_recv(w, cfg, x_out, scales_out, a); err.failure()) return err;
   if (topk_out->dimensions()[0] != a->out_rows || topk_out->dimensions()[1] != w.num_topk ||
       weights_out->dimensions()[0] != a->out_rows || weights_out->dimensions()[1] != w.num_topk ||
@@ -138,6 +136,7 @@ inline ffi::Error decode_fresh_recv(const Window& w, const CallConfig& cfg, ffi:
   a->tokens_per_expert = tokens_per_expert->typed_data();
   a->num_recv = num_recv->typed_data();
   a->num_dropped = num_dropped->typed_data();
+  a->group_invalid = group_invalid->typed_data();
   return ffi::Error::Success();
 }
 
@@ -222,7 +221,8 @@ struct Calls {
       ffi::ResultBuffer<ffi::S32, 2> topk_out, ffi::ResultBuffer<ffi::F32, 2> weights_out,
       ffi::ResultBuffer<ffi::S32, 1> recv_counts, ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert,
       ffi::ResultBuffer<ffi::S32, 0> num_recv, ffi::ResultBuffer<ffi::S32, 0> num_dropped,
-      ffi::ResultBuffer<ffi::S32, 2> send_pos, ffi::ResultBuffer<ffi::S32, 0> num_invalid) {
+      ffi::ResultBuffer<ffi::S32, 0> group_invalid, ffi::ResultBuffer<ffi::S32, 2> send_pos,
+      ffi::ResultBuffer<ffi::S32, 0> num_invalid) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
     const Window& w = rank->window;
@@ -233,8 +233,9 @@ struct Calls {
       err =
           decode_fresh_send(w, st->config, x, topk_idx, topk_weights, send_pos, num_invalid, &send);
     if (err.success())
-      err = decode_fresh_recv(w, st->config, *x_out, *scales_out, topk_out, weights_out,
-                              recv_counts, tokens_per_expert, num_recv, num_dropped, &recv);
+      err =
+          decode_fresh_recv(w, st->config, *x_out, *scales_out, topk_out, weights_out, recv_counts,
+                            tokens_per_expert, num_recv, num_dropped, group_invalid, &recv);
     if (err.success()) err = check_whole(send, recv);
     if (err.failure()) return B::error(std::move(err));
     return B::dispatch(ctx, *st, *rank, Part::kWhole, &send, &recv,
@@ -263,7 +264,8 @@ struct Calls {
       ffi::Result<ffi::AnyBuffer> x_out, ffi::Result<ffi::AnyBuffer> scales_out,
       ffi::ResultBuffer<ffi::S32, 2> topk_out, ffi::ResultBuffer<ffi::F32, 2> weights_out,
       ffi::ResultBuffer<ffi::S32, 1> recv_counts, ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert,
-      ffi::ResultBuffer<ffi::S32, 0> num_recv, ffi::ResultBuffer<ffi::S32, 0> num_dropped) {
+      ffi::ResultBuffer<ffi::S32, 0> num_recv, ffi::ResultBuffer<ffi::S32, 0> num_dropped,
+      ffi::ResultBuffer<ffi::S32, 0> group_invalid) {
     Rank* rank = rank_of(ctx, *st);
     if (!rank) return no_rank(ctx);
     const Window& w = rank->window;
@@ -271,8 +273,9 @@ struct Calls {
     ffi::Error err = check_tokens(token_out);
     if (err.success()) err = check_tokens(ticket, token_out);
     if (err.success())
-      err = decode_fresh_recv(w, st->config, *x_out, *scales_out, topk_out, weights_out,
-                              recv_counts, tokens_per_expert, num_recv, num_dropped, &recv);
+      err =
+          decode_fresh_recv(w, st->config, *x_out, *scales_out, topk_out, weights_out, recv_counts,
+                            tokens_per_expert, num_recv, num_dropped, group_invalid, &recv);
     if (err.failure()) return B::error(std::move(err));
     return B::dispatch(ctx, *st, *rank, Part::kRecv, nullptr, &recv,
                        {ticket.typed_data(), token_out->typed_data()});
@@ -489,6 +492,7 @@ auto dispatch_binding() {
       .template Ret<ffi::Buffer<ffi::S32, 1>>()
       .template Ret<ffi::Buffer<ffi::S32, 0>>()
       .template Ret<ffi::Buffer<ffi::S32, 0>>()
+      .template Ret<ffi::Buffer<ffi::S32, 0>>()
       .template Ret<ffi::Buffer<ffi::S32, 2>>()
       .template Ret<ffi::Buffer<ffi::S32, 0>>();
 }
@@ -519,6 +523,7 @@ auto dispatch_recv_binding() {
       .template Ret<ffi::Buffer<ffi::F32, 2>>()
       .template Ret<ffi::Buffer<ffi::S32, 1>>()
       .template Ret<ffi::Buffer<ffi::S32, 1>>()
+      .template Ret<ffi::Buffer<ffi::S32, 0>>()
       .template Ret<ffi::Buffer<ffi::S32, 0>>()
       .template Ret<ffi::Buffer<ffi::S32, 0>>();
 }

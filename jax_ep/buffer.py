@@ -137,8 +137,8 @@ class Buffer:
     docs/ARCHITECTURE.md for the formula). direct_local: on GPUs, rows a rank sends itself skip
     the window in whole ops (False: they go through it like a peer's, e.g. for tests).
     check_invalid: every fresh dispatch also raises (at run time, through a host callback, on
-    every rank) when topk_idx holds ids outside [-1, E); they are always excluded and counted in
-    num_invalid.
+    every rank) when topk_idx holds ids outside [-1, E) (refused between another op's halves);
+    they are always excluded and counted in num_invalid.
     engine: what makes the windows reachable: "nccl" or "cuda_ipc" on GPUs ($JAX_EP_ENGINE,
     docs/API.md says when each applies), "shm" on CPUs, None for impl="reference".
     """
@@ -199,6 +199,14 @@ class Buffer:
         self.max_row_dtype = jnp.dtype(max_row_dtype)
         self.impl = "ffi" if impl == "auto" else impl
         self.check_invalid = bool(check_invalid)
+        if self.check_invalid:
+            try:
+                jax.devices("cpu")
+            except RuntimeError:
+                _fail(
+                    "check_invalid=True raises through a host callback, which needs JAX's CPU "
+                    "platform: list cpu in JAX_PLATFORMS (e.g. JAX_PLATFORMS=cuda,cpu)"
+                )
         self._serial = next(_SERIALS)  # tells this Buffer's handles and pending ops apart
         self._native = None
         self.engine = None  # what makes the windows reachable (set by _connect)
@@ -592,12 +600,25 @@ class Buffer:
         return arrays, finish
 
     def _checked(self, rows, routing):
-        if self.check_invalid:  # every rank raises (a rank left running would wait for the rest)
-            # After the op's own collectives (the reference path's), so that no rank stops
-            # while the others are still in one of them.
-            rows, routing = jax.lax.optimization_barrier((rows, routing))
-            everywhere = jax.lax.psum(routing.num_invalid, self._bound_axes())
-            jax.debug.callback(_raise_if_invalid, routing.num_invalid, everywhere, self.num_experts)
+        if not self.check_invalid:
+            return rows, routing
+        if Receipt.open():
+            _fail(
+                "check_invalid=True: this dispatch would raise while another op's halves are "
+                "open (a *_send whose *_recv has not been traced yet); the raise would stop the "
+                "program before that recv and strand its op. Call it before the send or after "
+                "the recv, or use check_invalid=False and read num_invalid"
+            )
+        # Every rank raises (a rank left running would wait for the rest): each learns its EP
+        # group's invalid ids with the op's counts, and the other groups of the mesh sum theirs.
+        # After the op's own collectives (the reference path's), so that no rank stops while the
+        # others are still in one of them.
+        rows, routing = jax.lax.optimization_barrier((rows, routing))
+        everywhere = routing.group_invalid
+        others = tuple(a for a in self._bound_axes() if a != self.axis_name)
+        if others:
+            everywhere = jax.lax.psum(everywhere, others)
+        jax.debug.callback(_raise_if_invalid, routing.num_invalid, everywhere, self.num_experts)
         return rows, routing
 
     def _bound_axes(self):
@@ -751,7 +772,7 @@ class Buffer:
             )
         if pending.receipt.received:
             _fail(f"{kind}_recv: pending was received already (each send has one recv)")
-        pending.receipt.received = True
+        pending.receipt.receive()
         return pending.finish(pending.arrays)
 
     def _check_handle(self, handle, op):

@@ -101,14 +101,16 @@ def _received_shapes(cfg: _Config, rows, hidden, k):
         _i32(cfg.experts_per_rank),
         _i32(),
         _i32(),
+        _i32(),
     )
 
 
 def _received(cfg: _Config, received, send_pos, num_invalid):
-    x_rows, scales, topk_rows, weight_rows, recv_counts, per_expert, num_recv, dropped = received
+    x_rows, scales, topk_rows, weight_rows, *counts = received
+    recv_counts, per_expert, num_recv, dropped, group_invalid = counts
     return (
         RankRows(x_rows, _scales(cfg, scales), topk_rows, weight_rows),
-        Routing(send_pos, recv_counts, per_expert, num_recv, dropped, num_invalid),
+        Routing(send_pos, recv_counts, per_expert, num_recv, dropped, num_invalid, group_invalid),
     )
 
 
@@ -125,7 +127,7 @@ def _dispatch(cfg, rows, x, topk_idx, topk_weights):
     t, k = topk_idx.shape
     shapes = (*_received_shapes(cfg, rows, x.shape[1], k), _i32(t, cfg.num_ranks), _i32())
     _, out = _call(cfg, "dispatch", shapes, x, topk_idx, topk_weights)
-    return _received(cfg, out[:8], *out[8:])
+    return _received(cfg, out[:9], *out[9:])
 
 
 # The forward rules call the differentiable ops themselves, so that a gradient's own forward

@@ -60,7 +60,8 @@ class Routing(NamedTuple):
     tokens_per_expert: Array  # [E_l]
     num_recv: Array  # []
     num_dropped: Array  # []
-    num_invalid: Array  # []
+    num_invalid: Array  # [] this rank's expert ids outside [-1, E)
+    group_invalid: Array  # [] those of every rank of the EP group (check_invalid raises on it)
 
 
 def done(result):

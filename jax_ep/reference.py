@@ -90,6 +90,7 @@ class Reference(Unsplit):
         weight_rows = _place(
             _send(axis, lambda d: local[d][1], send_pos, 0.0), recv_counts, rows, 0.0
         )
+        num_invalid = layout.num_invalid(topk_idx, self.num_experts)
         received = recv_counts.sum()
         num_recv = jnp.minimum(received, rows)
         routing = Routing(
@@ -98,7 +99,8 @@ class Reference(Unsplit):
             tokens_per_expert=layout.tokens_per_expert(topk_rows, self.num_experts // num_ranks),
             num_recv=num_recv,
             num_dropped=received - num_recv,
-            num_invalid=layout.num_invalid(topk_idx, self.num_experts),
+            num_invalid=num_invalid,
+            group_invalid=jax.lax.psum(num_invalid, axis),
         )
         return RankRows(x_rows, scales, topk_rows, weight_rows), routing
 

@@ -4,6 +4,8 @@ use."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -58,9 +60,25 @@ class DispatchResult(NamedTuple):
 
 class Receipt:
     """Whether a send's recv half was traced already: one per send, kept by identity through
-    every copy of its Pending (jit boundaries, run_between), so a second recv is refused."""
+    every copy of its Pending (jit boundaries, run_between), so a second recv is refused.
+    Receipt.open() lists the sends whose recv is still to come."""
 
     received = False
+    _open = weakref.WeakSet()
+
+    def __init__(self):
+        Receipt._open.add(self)
+
+    def receive(self):
+        self.received = True
+        Receipt._open.discard(self)
+
+    @staticmethod
+    def open():
+        """How many sends traced so far (and still referenced) have no recv yet."""
+        if Receipt._open:
+            gc.collect()  # a finished trace's Pendings may sit in reference cycles
+        return len(Receipt._open)
 
 
 @jax.tree_util.register_dataclass

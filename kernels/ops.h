@@ -48,6 +48,7 @@ struct DispatchRecv {
   int32_t* tokens_per_expert;  // [E / R] distinct (row, local expert) pairs present
   int32_t* num_recv;           // [] rows present
   int32_t* num_dropped;        // [] rows beyond out_rows
+  int32_t* group_invalid;      // [] expert ids outside [-1, E) on every rank of the group
   JAX_EP_HD bool fresh() const { return topk_out != nullptr; }
   JAX_EP_HD int64_t wire_row_bytes() const { return dispatch_row_bytes(fp8, hidden, x_dtype); }
 };

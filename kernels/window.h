@@ -23,10 +23,19 @@ constexpr int kPartElems = 1024;  // payload elements under one flag
 
 // Words peers write hold whole 64-bit op numbers (they never wrap). A count record (what source s
 // sends this rank in op n) is four words: the op number, written last with release semantics
-// (its flag), the rows, and the op's signature (kernels/signature.h); a rows-per-expert entry is
-// two: the op number, written after the value, and the value.
+// (its flag), the rows (low 32 bits) with the source's invalid expert ids (high 32 bits: a fresh
+// dispatch's, so that every rank learns the group's total), and the op's signature
+// (kernels/signature.h); a rows-per-expert entry is two: the op number, written after the value,
+// and the value.
 constexpr int64_t kCountRecordBytes = 32;
 constexpr int64_t kCountRows = 8, kCountSignature = 16;  // offsets in a count record
+JAX_EP_HD uint64_t count_word(int rows, int invalid) {
+  return uint64_t(uint32_t(rows)) | uint64_t(uint32_t(invalid)) << 32;
+}
+JAX_EP_HD int rows_of(uint64_t count, int rows_per_source) {  // clamped: a peer's word
+  return int(uint32_t(count) < uint32_t(rows_per_source) ? uint32_t(count) : rows_per_source);
+}
+JAX_EP_HD int invalid_of(uint64_t count) { return int(uint32_t(count >> 32) & 0x7fffffff); }
 constexpr int64_t kExpertRowsBytes = 16;
 constexpr int64_t kExpertRowsValue = 8;  // offset in an entry
 

@@ -11,6 +11,7 @@ process that exits)."""
 from __future__ import annotations
 
 import os
+import time
 import traceback
 
 import jax
@@ -22,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from process_scenarios import global_mesh, run, shard
 
 import jax_ep
+from jax_ep._jax import distributed_client
 
 E, K = 16, 4
 
@@ -72,7 +74,8 @@ def case_names():
     return (
         [name for name, *_ in layer_cases()]
         + [f"gradients-{lay}-{mode}-fp8={fp8}" for lay, mode, fp8 in GRADIENTS]
-        + ["invalid-ids-normal", "invalid-ids-low_latency", "timing", "timeout", "early-exit"]
+        + ["invalid-ids-normal", "invalid-ids-low_latency", "timing", "mismatch", "timeout"]
+        + ["early-exit"]
     )
 
 
@@ -281,9 +284,11 @@ def gradient_case(mesh, lay, mode, fp8):
 # ---- invalid ids, a rank that skips an op, a process that exits
 
 
-def invalid_ids_case(mesh, mode, checking=False):
+def invalid_ids_case(mesh, mode):
     """Ids outside [-1, E) on the first and the last rank: excluded and counted on every rank;
-    checking: then a Buffer with check_invalid=True raises on every process and goes on."""
+    then a Buffer with check_invalid=True raises on every process (each learns the group's
+    count with the op's counts: no XLA collective, which ranks sharing a GPU could not run)
+    and goes on."""
     R, tokens, hidden = mesh.size, 16, 256
     rng = np.random.default_rng(5)
     x, idx, w = (np.asarray(a) for a in random_inputs(rng, R, tokens, hidden, E, K, R, "random"))
@@ -306,8 +311,6 @@ def invalid_ids_case(mesh, mode, checking=False):
                 equal(getattr(d, f)[0], want[f][r], f"rank {r} {f}")
 
     check(run(mesh, counts(jax_ep.Buffer(mesh, "ep", **kwargs)), x, bad, w), bad)
-    if not checking:
-        return
     buf = jax_ep.Buffer(mesh, "ep", check_invalid=True, **kwargs)
     try:
         jax.block_until_ready(run(mesh, counts(buf), x, bad, w))
@@ -318,24 +321,6 @@ def invalid_ids_case(mesh, mode, checking=False):
     clean = bad.copy()
     clean[3, 1] = clean[-1, 0] = -1
     check(run(mesh, counts(buf), x, clean, w), clean)  # the Buffer goes on
-
-
-def check_invalid_suite():
-    """check_invalid=True on ranks that share a GPU (its own group: it currently fails in an
-    XLA collective, which ends the processes)."""
-    mesh = global_mesh()
-    for mode in ("normal", "low_latency"):
-        try:
-            invalid_ids_case(mesh, mode, checking=True)
-            print(f"CASE check-invalid-{mode} OK", flush=True)
-        except Exception as e:
-            print(
-                f"CASE check-invalid-{mode} FAIL {type(e).__name__}: "
-                + " | ".join(str(e).splitlines()[:6])[:1500],
-                flush=True,
-            )
-    print("SCENARIO OK", flush=True)
-    os._exit(0)
 
 
 def timing_case(mesh):
@@ -406,7 +391,7 @@ def tiny(mesh, timeout_s):
     )
 
 
-def tiny_dispatch(mesh, buf):
+def tiny_dispatch(mesh, buf, fp8=False):
     """A compiled dispatch on the ranks of `mesh` (every token to rank 0 and the last rank),
     and its arguments. Every process compiles it, also one that will not run it: XLA shares
     GPU autotuning between the processes of a program, so compiling alone would wait for them."""
@@ -417,7 +402,8 @@ def tiny_dispatch(mesh, buf):
 
     def body(x, i):
         return jax.tree.map(
-            lambda v: v[None] if v.ndim == 0 else v, buf.dispatch(x, i)._replace(handle=None)
+            lambda v: v[None] if v.ndim == 0 else v,
+            buf.dispatch(x, i, fp8=fp8)._replace(handle=None),
         )
 
     args = [shard(mesh, v) for v in (x, idx)]
@@ -439,6 +425,33 @@ def expect_peer_error(program, args, peer):
             ), message[:2000]
             return message.splitlines()[0]
     raise AssertionError(f"no error for rank {peer}, which never ran the op")
+
+
+def mismatch_case(mesh):
+    """Process 0 dispatches FP8 rows, the others float32 rows, at the same op: every rank's
+    step returns NaN at once (not after timeout_s), status() names both ops, and the next call
+    raises so on every process."""
+    buf = tiny(mesh, 60.0)
+    plain, args = tiny_dispatch(mesh, buf)
+    fp8, _ = tiny_dispatch(mesh, buf, fp8=True)  # every process compiles both programs
+    meet_all("mismatch")
+    program = fp8 if jax.process_index() == 0 else plain
+    start = time.perf_counter()
+    out = jax.block_until_ready(program(*args))
+    assert time.perf_counter() - start < 30, "a mismatch waited for the timeout"
+    for r, d in mine(mesh, out).items():
+        nan = d.x.view(np.uint8) == 0x7F if d.x.dtype.itemsize == 1 else np.isnan(d.x)
+        assert nan.all() and int(d.num_recv[0]) == 0, (r, d.num_recv)
+    both = ("dispatch(fp8 rows of float32 x, hidden 128", "dispatch(float32 rows, hidden 128")
+    status = buf.status()
+    assert status and all(op in status for op in both), status
+    try:
+        jax.block_until_ready(program(*args))
+    except Exception as e:
+        assert all(op in str(e) for op in both), str(e)[:2000]
+        print("RAISED:", str(e).splitlines()[0], flush=True)
+    else:
+        raise AssertionError("the call after a mismatch did not raise")
 
 
 def timeout_case(mesh):
@@ -469,11 +482,22 @@ def early_exit_case(mesh):
     assert int(np.asarray(program(*args).num_recv)[0]) == 4
 
 
+def leave_together(survivors):
+    """Process 0 hosts jax.distributed's coordination service: it waits until every other
+    survivor has reported its last verdict, since its exit ends their processes."""
+    client = distributed_client()
+    me = jax.process_index()
+    if me:
+        client.key_value_set(f"gpu_process_scenarios/done/{me}", "1")
+        return
+    for q in survivors:
+        if q:
+            client.blocking_key_value_get(f"gpu_process_scenarios/done/{q}", 60_000)
+
+
 def meet_all(name, timeout_s=60):
     """A barrier of every process (jax.distributed's key-value store)."""
-    from jax._src import distributed
-
-    client = distributed.global_state.client
+    client = distributed_client()
     client.key_value_set(f"gpu_process_scenarios/{name}/{jax.process_index()}", "1")
     for q in range(jax.process_count()):
         client.blocking_key_value_get(f"gpu_process_scenarios/{name}/{q}", timeout_s * 1000)
@@ -498,6 +522,7 @@ def suite():
             ("invalid-ids-normal", lambda: invalid_ids_case(mesh, "normal")),
             ("invalid-ids-low_latency", lambda: invalid_ids_case(mesh, "low_latency")),
             ("timing", lambda: timing_case(mesh)),
+            ("mismatch", lambda: mismatch_case(mesh)),
             ("timeout", lambda: timeout_case(mesh)),
             ("early-exit", lambda: early_exit_case(mesh)),
         ]
@@ -518,4 +543,5 @@ def suite():
                 flush=True,
             )
     print("SCENARIO OK", flush=True)
+    leave_together(range(mesh.size - 1))
     os._exit(0)  # after early-exit, the coordination service would wait for the last process

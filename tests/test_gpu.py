@@ -610,9 +610,10 @@ def test_cuda_ranks_that_run_different_ops_stop_naming_both(direct_local):
     assert "RAISED: " in out.stdout
 
 
-def test_cuda_check_invalid_between_the_halves_of_another_op_leaves_the_slots_usable():
-    """check_invalid raises inside a program with another op's send half in flight: following
-    ops of the Buffer still work (the recv half ran, its slot was released)."""
+def test_cuda_check_invalid_is_refused_between_halves_and_raises_after_them():
+    """check_invalid between another op's halves is refused while tracing (its raise would stop
+    the program before that op's recv half); after the recv it raises, and the Buffer's
+    following ops work."""
     code = """
         import jax, jax.numpy as jnp, numpy as np, jax_ep
         from helpers import make_mesh, run
@@ -629,8 +630,17 @@ def test_cuda_check_invalid_between_the_halves_of_another_op_leaves_the_slots_us
             d = buf.dispatch(x, bad)
             return buf.dispatch_recv(pending).num_recv, d.num_recv
 
+        def after(x, good, bad):
+            received = buf.dispatch_recv(buf.dispatch_send(x, good)).num_recv
+            return received, buf.dispatch(x, bad).num_recv
+
         try:
-            jax.block_until_ready(run(mesh, between, x, good, bad))
+            run(mesh, between, x, good, bad)
+            print("NO ERROR")
+        except ValueError as e:
+            assert "while another op's halves are open" in str(e), e
+        try:
+            jax.block_until_ready(run(mesh, after, x, good, bad))
             print("NO ERROR")
         except Exception as e:
             assert "topk_idx holds 1 expert id" in str(e), e

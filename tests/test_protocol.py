@@ -154,9 +154,9 @@ def test_ranks_that_run_different_ops_stop_naming_both():
         jax.block_until_ready(run(mesh, lambda x, i: buf.dispatch(x, i).x, x, i))
 
 
-def test_check_invalid_raising_between_the_halves_of_another_op_leaves_the_slots_usable():
-    """check_invalid raises (on every rank) inside a program that has another op's send half
-    in flight: the op's recv half still runs, so following ops of the Buffer work."""
+def test_check_invalid_between_the_halves_of_another_op_is_refused_at_trace_time():
+    """A check_invalid dispatch would raise at run time before another op's recv half, and
+    strand that op's slot: it is refused while tracing, and the Buffer goes on."""
     mesh = make_mesh(2)
     buf = jax_ep.Buffer(
         mesh,
@@ -177,8 +177,16 @@ def test_check_invalid_raising_between_the_halves_of_another_op_leaves_the_slots
         d = buf.dispatch(x, bad)
         return buf.dispatch_recv(pending).num_recv, d.num_recv
 
+    with pytest.raises(ValueError, match="while another op's halves are open"):
+        run(mesh, between, x, good, bad)
+
+    def after(x, good, bad):  # the same ops, the checked one after the recv: it raises
+        pending = buf.dispatch_send(x, good)
+        received = buf.dispatch_recv(pending).num_recv
+        return received, buf.dispatch(x, bad).num_recv
+
     with pytest.raises(Exception, match="topk_idx holds 1 expert id"):
-        jax.block_until_ready(run(mesh, between, x, good, bad))
+        jax.block_until_ready(run(mesh, after, x, good, bad))
     for _ in range(3):  # more ops than the two slots
         d = run(mesh, lambda x, i: buf.dispatch(x, i)._replace(handle=None), x, good)
         assert list(np.asarray(d.num_recv)) == [2 * T, 0]

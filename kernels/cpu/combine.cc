@@ -33,7 +33,7 @@ std::string combine_send(Rank& r, uint64_t op, const CombineSend& a) {
         std::memcpy(row + w.meta_at(), a.extra + int64_t(first + j) * a.extra_cols,
                     4 * a.extra_cols);
     }
-    send_count(r, s, op, kept, sig);
+    send_count(r, s, op, count_word(kept, 0), sig);
   }
   return {};
 }

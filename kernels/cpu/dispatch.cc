@@ -40,8 +40,8 @@ std::string dispatch_send(Rank& r, uint64_t op, const DispatchSend& a) {
   if (auto err = wait_slot_free(r, op); !err.empty()) return err;
 
   std::vector<int32_t> rows(R, 0);
+  int invalid = 0;
   if (a.fresh()) {
-    int invalid = 0;
     std::fill(a.send_pos, a.send_pos + int64_t(a.num_tokens) * R, -1);
     for (int t = 0; t < a.num_tokens; ++t) {
       const int32_t* topk = a.topk_idx + int64_t(t) * K;
@@ -78,7 +78,7 @@ std::string dispatch_send(Rank& r, uint64_t op, const DispatchSend& a) {
     }
   }
   const Signature sig = signature(a);
-  for (int d = 0; d < R; ++d) send_count(r, d, op, rows[d], sig);
+  for (int d = 0; d < R; ++d) send_count(r, d, op, count_word(rows[d], invalid), sig);
   return {};
 }
 
@@ -92,16 +92,16 @@ std::string wait_slot_free(Rank& r, uint64_t op) {
   return {};
 }
 
-void send_count(Rank& r, int dest, uint64_t op, int rows, const Signature& sig) {
+void send_count(Rank& r, int dest, uint64_t op, uint64_t count, const Signature& sig) {
   const int64_t at = r.window.counts_at(int(op % kSlots), r.rank);
   uint8_t* record = r.window_of(dest) + at;
-  *reinterpret_cast<uint64_t*>(record + kCountRows) = uint64_t(rows);
+  *reinterpret_cast<uint64_t*>(record + kCountRows) = count;
   reinterpret_cast<uint64_t*>(record + kCountSignature)[0] = signature_word0(sig);
   reinterpret_cast<uint64_t*>(record + kCountSignature)[1] = signature_word1(sig);
   store_release(r.word(dest, at), op);  // the rows' and the record's flag
 }
 
-std::string received_rows(Rank& r, uint64_t op, std::vector<int>* first) {
+std::string received_rows(Rank& r, uint64_t op, std::vector<int>* first, int* group_invalid) {
   const Window& w = r.window;
   const int slot = int(op % kSlots), R = w.num_ranks;
   first->assign(R + 1, 0);
@@ -119,8 +119,9 @@ std::string received_rows(Rank& r, uint64_t op, std::vector<int>* first) {
       const Signature b = signature_of(theirs.first, theirs.second);
       return r.give_up(kMismatch, s, op, &a, &b);
     }
-    const int64_t rows = int64_t(*reinterpret_cast<const uint64_t*>(record(s) + kCountRows));
-    (*first)[s + 1] = (*first)[s] + int(std::min<int64_t>(rows, w.rows_per_source));
+    const uint64_t count = *reinterpret_cast<const uint64_t*>(record(s) + kCountRows);
+    (*first)[s + 1] = (*first)[s] + rows_of(count, w.rows_per_source);
+    if (group_invalid) *group_invalid += invalid_of(count);
   }
   return {};
 }
@@ -136,7 +137,9 @@ std::string dispatch_recv(Rank& r, uint64_t op, const DispatchRecv& a) {
   const Window& w = r.window;
   const int R = w.num_ranks, slot = int(op % kSlots), K = a.num_topk;
   std::vector<int> first;
-  if (auto err = received_rows(r, op, &first); !err.empty()) return err;
+  int group_invalid = 0;
+  if (auto err = received_rows(r, op, &first, a.fresh() ? &group_invalid : nullptr); !err.empty())
+    return err;
   const int present = std::min(first[R], a.out_rows);
   const int64_t row_bytes = a.wire_row_bytes(), num_scales = a.fp8 ? w.num_scales() : 0;
   uint8_t* x_out = static_cast<uint8_t*>(a.x_out);
@@ -165,6 +168,7 @@ std::string dispatch_recv(Rank& r, uint64_t op, const DispatchRecv& a) {
     for (int s = 0; s < R; ++s) a.recv_counts[s] = first[s + 1] - first[s];
     *a.num_recv = present;
     *a.num_dropped = first[R] - present;
+    *a.group_invalid = group_invalid;
   }
   release(r, op);
   return {};

@@ -205,6 +205,7 @@ void poison(const DispatchRecv& a, int num_ranks, int experts_per_rank) {
   std::fill(a.tokens_per_expert, a.tokens_per_expert + experts_per_rank, 0);
   *a.num_recv = 0;
   *a.num_dropped = 0;
+  *a.group_invalid = 0;
 }
 
 void poison(const CombineRecv& a) {

@@ -112,8 +112,11 @@ inline void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __AT
 // signature is this rank's own (else the error naming both ops); and telling every source this
 // rank has read them.
 std::string wait_slot_free(Rank& r, uint64_t op);
-void send_count(Rank& r, int dest, uint64_t op, int rows, const Signature& sig);
-std::string received_rows(Rank& r, uint64_t op, std::vector<int>* first);
+// count: count_word(rows, invalid ids) (kernels/window.h).
+void send_count(Rank& r, int dest, uint64_t op, uint64_t count, const Signature& sig);
+// group_invalid (or null): += the sources' invalid expert ids.
+std::string received_rows(Rank& r, uint64_t op, std::vector<int>* first,
+                          int* group_invalid = nullptr);
 void release(Rank& r, uint64_t op);
 
 // NaN in the float outputs, -1 in the ids, 0 in the counts: what a failed op leaves.

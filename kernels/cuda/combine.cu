@@ -48,7 +48,7 @@ __device__ void send_back(const Params& P, uint64_t op, const int32_t* first) {
   if (blockIdx.x == 0 && threadIdx.x < R) {  // rows kept per source (the rest were dropped)
     const int src = threadIdx.x;
     const int kept = max(0, min(present - first[src], first[src + 1] - first[src]));
-    send_count(p, src, op, kept, signature(s, w.num_ranks * w.experts_per_rank));
+    send_count(p, src, op, count_word(kept, 0), signature(s, w.num_ranks * w.experts_per_rank));
   }
   const int64_t elem = dtype_size(s.rows_dtype), row_bytes = s.width * elem;
   const Pieces pieces(kWarps, present, s.width);

@@ -103,15 +103,17 @@ __device__ void tally_tokens(const DispatchSend& a, int begin, int end, int32_t*
   }
 }
 
-// One thread per destination d < R: how many rows it gets (total[d]) and, per expert of d,
-// how many of them name it (tally, by global expert; null for a cached dispatch).
-__device__ void send_counts(const Params& P, uint64_t op, const int32_t* total,
+// One thread per destination d < R: how many rows it gets (total[d]), this rank's invalid expert
+// ids and, per expert of d, how many of them name it (tally, by global expert; null for a cached
+// dispatch).
+__device__ void send_counts(const Params& P, uint64_t op, const int32_t* total, int invalid,
                             const int32_t* tally) {
   const Peers& p = P.p;
   const Window& w = p.w;
   const int slot = int(op % kSlots), El = w.experts_per_rank;
   const Signature sig = signature(P.s);
-  for (int d = threadIdx.x; d < w.num_ranks; d += blockDim.x) send_count(p, d, op, total[d], sig);
+  for (int d = threadIdx.x; d < w.num_ranks; d += blockDim.x)
+    send_count(p, d, op, count_word(total[d], invalid), sig);
   if (tally)
     for (int e = threadIdx.x; e < w.num_ranks * El; e += blockDim.x) {
       uint64_t* entry = p.word(e / El, w.expert_rows_at(slot, p.rank, e % El));
@@ -195,13 +197,14 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(Params P) {
     }
     total[d] = running;
   }
+  if (threadIdx.x == 0) invalid = *reinterpret_cast<volatile int32_t*>(invalid_tally);
   wait_slot_free(p, op);
   __syncthreads();
-  send_counts(P, op, total, expert_tally);
+  send_counts(P, op, total, invalid, expert_tally);
   __syncthreads();
   for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) expert_tally[e] = 0;  // next op
   if (threadIdx.x == 0) {
-    *a.num_invalid = *reinterpret_cast<volatile int32_t*>(invalid_tally);
+    *a.num_invalid = invalid;
     *invalid_tally = 0;
   }
 }
@@ -334,23 +337,26 @@ __device__ void send_tokens(const Params& P, uint64_t op, const SendScan& scan, 
 
 // Threads s < R: rows[s], what source s sends this rank in op `op` (its count record), once
 // every source's signature is this rank's own; then first[s], its first row in (source, j)
-// order, first[R] all. False if this rank stopped.
-__device__ bool row_offsets(const Peers& p, uint64_t op, int32_t* first) {
-  __shared__ int32_t rows[kMaxGpuRanks];
+// order, first[R] all, and the invalid expert ids of every source. False if this rank stopped.
+__device__ bool row_offsets(const Peers& p, uint64_t op, int32_t* first, int32_t* group_invalid) {
+  __shared__ int32_t rows[kMaxGpuRanks], invalid[kMaxGpuRanks];
   __shared__ bool ok;
   const Window& w = p.w;
   const int s = threadIdx.x;
-  if (s < w.num_ranks && !wait_count(p, op, s, kWaitCounts, &rows[s])) rows[s] = 0;
+  if (s < w.num_ranks && !wait_count(p, op, s, kWaitCounts, &rows[s], &invalid[s]))
+    rows[s] = invalid[s] = 0;
   __syncthreads();
   check_signatures(p, op);
   __syncthreads();
   if (threadIdx.x == 0) {
-    int running = 0;
+    int running = 0, bad = 0;
     for (int r = 0; r < w.num_ranks; ++r) {
       first[r] = running;
       running += rows[r];
+      bad += invalid[r];
     }
     first[w.num_ranks] = running;
+    *group_invalid = bad;
     ok = !aborted(p);
   }
   __syncthreads();
@@ -394,14 +400,15 @@ __device__ void receive_tokens(const Params& P, uint64_t op, int32_t* tally) {
   const int R = w.num_ranks, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int slot = int(op % kSlots), K = v.num_topk;
   const bool fresh = v.fresh();
-  __shared__ int32_t first[kMaxGpuRanks + 1];
-  if (!row_offsets(p, op, first)) return;
+  __shared__ int32_t first[kMaxGpuRanks + 1], group_invalid;
+  if (!row_offsets(p, op, first, &group_invalid)) return;
   const int present = min(first[R], v.out_rows);
   if (fresh && blockIdx.x == 0) {
     if (threadIdx.x == 0) {
       for (int s = 0; s < R; ++s) v.recv_counts[s] = first[s + 1] - first[s];
       *v.num_recv = present;
       *v.num_dropped = first[R] - present;
+      *v.group_invalid = group_invalid;
     }
     tally_experts(P, op, first, present, tally);
   }
@@ -473,7 +480,7 @@ __device__ void poison(const Params& P) {
   fill_nan(v.weights_out, int64_t(v.out_rows) * v.num_topk, 4);
   fill(v.recv_counts, int64_t(w.num_ranks), int32_t(0));
   fill(v.tokens_per_expert, int64_t(w.experts_per_rank), int32_t(0));
-  if (threadIdx.x == 0) *v.num_recv = *v.num_dropped = 0;
+  if (threadIdx.x == 0) *v.num_recv = *v.num_dropped = *v.group_invalid = 0;
 }
 
 template <typename T, bool kFp8>
@@ -521,12 +528,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) dispatch_kernel(Params P, bool
       }
     __syncthreads();
     if (counts_here) {
-      send_counts(P, op, total, in_block ? tally : nullptr);
-      if (in_block && threadIdx.x == 0) {
-        int invalid = 0;
+      int invalid = 0;
+      if (in_block)
         for (int wp = 0; wp < kWarps; ++wp) invalid += bad[wp];
-        *a.num_invalid = invalid;
-      }
+      send_counts(P, op, total, invalid, in_block ? tally : nullptr);
+      if (in_block && threadIdx.x == 0) *a.num_invalid = invalid;
     }
     if (P.in_place()) rows_before_self(p, op, &first_self);
     send_tokens<T, kFp8>(P, op, scan, dynamic + warp * num_scales, P.in_place() ? first_self : 0,

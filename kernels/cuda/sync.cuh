@@ -112,23 +112,26 @@ __device__ __forceinline__ bool wait_op(const Peers& p, const uint64_t* word, ui
   return wait_until(p, word, [op](uint64_t v) { return v >= op; }, what, peer, op);
 }
 
-// The count record for destination d of op `op` (one thread): its rows and the op's signature,
-// then its op number with release semantics (the flag of the record).
-__device__ __forceinline__ void send_count(const Peers& p, int d, uint64_t op, int rows,
+// The count record for destination d of op `op` (one thread): count_word(rows, invalid ids) and
+// the op's signature, then its op number with release semantics (the flag of the record).
+__device__ __forceinline__ void send_count(const Peers& p, int d, uint64_t op, uint64_t count,
                                            const Signature& sig) {
   uint64_t* record = p.word(d, p.w.counts_at(int(op % kSlots), p.rank));
-  store_relaxed(record + kCountRows / 8, uint64_t(rows));
+  store_relaxed(record + kCountRows / 8, count);
   store_relaxed(record + kCountSignature / 8, signature_word0(sig));
   store_relaxed(record + kCountSignature / 8 + 1, signature_word1(sig));
   store_release(record, op);
 }
 
-// Source s's count record of op `op` in this rank's window has come (else false: stopped).
-__device__ __forceinline__ bool wait_count(const Peers& p, uint64_t op, int s, Wait what,
-                                           int* rows) {
+// Source s's count record of op `op` in this rank's window has come (else false: stopped); its
+// rows, and (if asked) the source's invalid expert ids.
+__device__ __forceinline__ bool wait_count(const Peers& p, uint64_t op, int s, Wait what, int* rows,
+                                           int* invalid = nullptr) {
   const uint64_t* record = p.word(p.rank, p.w.counts_at(int(op % kSlots), s));
   if (!wait_op(p, record, op, what, s)) return false;
-  *rows = int(min(load_volatile(record + kCountRows / 8), uint64_t(p.w.rows_per_source)));
+  const uint64_t count = load_volatile(record + kCountRows / 8);
+  *rows = rows_of(count, p.w.rows_per_source);
+  if (invalid) *invalid = invalid_of(count);
   return true;
 }
 
