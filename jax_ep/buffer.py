@@ -160,7 +160,7 @@ class Buffer:
         max_row_dtype=jnp.float32,
         direct_local=True,
     ):
-        axes = _axes(mesh, axis_name)
+        self._axes = axes = _axes(mesh, axis_name)
         fast_axis, outer_axes = axes[-1], axes[:-1]
         num_nodes = math.prod(mesh.shape[a] for a in outer_axes)
         ranks_per_node = mesh.shape[fast_axis]
@@ -615,7 +615,7 @@ class Buffer:
         # others are still in one of them.
         rows, routing = jax.lax.optimization_barrier((rows, routing))
         everywhere = routing.group_invalid
-        others = tuple(a for a in self._bound_axes() if a != self.axis_name)
+        others = tuple(a for a in self._bound_axes() if a not in self._axes)
         if others:
             everywhere = jax.lax.psum(everywhere, others)
         jax.debug.callback(_raise_if_invalid, routing.num_invalid, everywhere, self.num_experts)
