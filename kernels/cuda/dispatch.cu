@@ -13,6 +13,7 @@
 // A whole op runs both parts in one kernel, a split op one part per kernel.
 #include "kernels/cuda/rows.cuh"
 #include "kernels/cuda/sync.cuh"
+#include "kernels/cuda/warp.cuh"
 #include "kernels/fp8.h"
 #include "kernels/layout.h"
 
@@ -48,7 +49,7 @@ struct SendScan {
     return m;
   }
   __device__ int32_t row(int t, int d) const {
-    return before[t / 32][d] + __popc(sent_to[t / 32][d] & ((1u << (t % 32)) - 1u));
+    return before[t / 32][d] + count_below(sent_to[t / 32][d], t % 32);
   }
 };
 
@@ -72,7 +73,7 @@ __device__ void ballot_tokens(const DispatchSend& a, const Window& w, SendScan& 
       if (lane == 0) scan.sent_to[c][d] = ballot;
     }
   }
-  for (int off = 16; off; off /= 2) invalid += __shfl_xor_sync(~0u, invalid, off);
+  invalid = warp_sum(invalid);
   if (lane == 0) bad[warp] = invalid;
 }
 
@@ -81,12 +82,7 @@ __device__ void scan_rows(int num_tokens, int R, SendScan& scan, int32_t* total)
   const int lane = threadIdx.x % 32, chunks = (num_tokens + 31) / 32;
   for (int d = 0; d < R; ++d) {
     const int n = lane < chunks ? __popc(scan.sent_to[lane][d]) : 0;
-    int inclusive = n;
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const int up = __shfl_up_sync(~0u, inclusive, off);
-      if (lane >= off) inclusive += up;
-    }
+    const int inclusive = warp_inclusive_sum(n);
     if (lane < chunks) scan.before[lane][d] = inclusive - n;
     if (lane == 31) total[d] = inclusive;
   }
@@ -157,18 +153,13 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(Params P) {
 #pragma unroll
     for (int d = 0; d < kMaxGpuRanks; ++d) {
       const uint32_t ballot = __ballot_sync(~0u, m >> d & 1u);
-      below[d] = __popc(ballot & ((1u << lane) - 1u));
+      below[d] = count_below(ballot, lane);
       if (lane == 0 && d < R) warp_rows[warp][d] = __popc(ballot);
     }
     __syncthreads();
     if (warp < R) {  // warp d scans the warps' counts for rank d
       const int d = warp, n = warp_rows[lane][d];
-      int inclusive = n;
-#pragma unroll
-      for (int off = 1; off < 32; off *= 2) {
-        const int up = __shfl_up_sync(~0u, inclusive, off);
-        if (lane >= off) inclusive += up;
-      }
+      const int inclusive = warp_inclusive_sum(n);
       warp_rows[lane][d] = inclusive - n;
       if (lane == 31) chunk_rows[c * R + d] = inclusive;
     }
@@ -523,7 +514,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) dispatch_kernel(Params P, bool
           const int32_t j = a.send_pos[int64_t(t) * R + d];
           n += j >= 0 && j < w.rows_per_source;
         }
-        for (int off = 16; off; off /= 2) n += __shfl_xor_sync(~0u, n, off);
+        n = warp_sum(n);
         if (threadIdx.x % 32 == 0) total[d] = n;
       }
     __syncthreads();

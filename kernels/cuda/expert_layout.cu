@@ -2,6 +2,7 @@
 // its rows, then one block per expert places them in rank-layout order in its block (after the
 // aligned blocks of the experts before it, or at a fixed stride in the padded layout).
 #include "kernels/cuda/sync.cuh"
+#include "kernels/cuda/warp.cuh"
 #include "kernels/layout.h"
 
 namespace jax_ep::cuda {
@@ -39,7 +40,7 @@ __global__ void __launch_bounds__(kThreads) place_kernel(ExpertLayoutArgs a) {
     int chunk = 0;
     for (int w = 0; w < kThreads / 32; ++w) chunk += warp_count[w];
     if (has) {
-      const int pos = start + before + __popc(ballot & ((1u << lane) - 1u));
+      const int pos = start + before + count_below(ballot, lane);
       if (pos < start + room) {
         a.expert_src[pos] = r;
         a.expert_of_row[pos] = e;

@@ -6,6 +6,7 @@
 
 #include <type_traits>
 
+#include "kernels/cuda/warp.cuh"
 #include "kernels/dtype.h"
 #include "kernels/fp8.h"
 #include "kernels/ops.h"
@@ -67,10 +68,7 @@ __device__ __forceinline__ float element_as_float(const int4* v, int i) {
 template <typename T>
 __device__ __forceinline__ int4 quantize16(const int4* v, bool round_scale, float* scale) {
   constexpr int kLanesPerBlock = RowStep<T, true>::kLanesPerBlock;
-  float max_abs = abs_max16<T>(v);
-#pragma unroll
-  for (int off = kLanesPerBlock / 2; off > 0; off /= 2)
-    max_abs = fmaxf(max_abs, __shfl_xor_sync(~0u, max_abs, off));
+  const float max_abs = group_max<kLanesPerBlock>(abs_max16<T>(v));
   const Fp8Block block = Fp8Block::make(max_abs, round_scale);
   *scale = block.scale;
   uint32_t q[4];
