@@ -23,18 +23,18 @@ struct Failure {
 
 // What every kernel of an op takes (by value): the window layout and where every rank's is.
 struct Peers {
-  Window w;
-  uint8_t* window[kMaxGpuRanks];  // window[r]: rank r's window as this GPU reaches it
+  Window window;                   // the layout every rank's window has
+  uint8_t* windows[kMaxGpuRanks];  // windows[r]: rank r's window as this GPU reaches it
   int rank;
   uint64_t timeout_ns;
   Failure* failure;   // device view of the host-mapped record
   bool direct_local;  // whole ops write a rank's own rows in place
 
   __device__ uint64_t* word(int r, int64_t offset) const {
-    return reinterpret_cast<uint64_t*>(window[r] + offset);
+    return reinterpret_cast<uint64_t*>(windows[r] + offset);
   }
   __device__ uint8_t* row(int on, int slot, int source, int j) const {
-    return window[on] + w.row_at(slot, source, j);
+    return windows[on] + window.row_at(slot, source, j);
   }
 };
 
@@ -61,6 +61,6 @@ std::string dispatch(const Rank& r, cudaStream_t stream, Part part, const Dispat
                      int32_t* token_out);
 std::string combine(const Rank& r, cudaStream_t stream, Part part, const CombineSend* send,
                     const CombineRecv* recv, const int32_t* ticket, int32_t* token_out);
-std::string expert_layout(cudaStream_t stream, const ExpertLayoutArgs& a);
+std::string expert_layout(cudaStream_t stream, const ExpertLayoutArgs& args);
 
 }  // namespace jax_ep::cuda
