@@ -13,15 +13,7 @@ namespace {
 
 constexpr int kWarps = 16;
 
-struct Params {
-  Peers peers;
-  CombineSend send;
-  CombineRecv recv;
-  Part part;
-  const int32_t* ticket;
-  int32_t* token_out;
-  __host__ __device__ bool in_place() const { return part == Part::kWhole && peers.direct_local; }
-};
+using CombineParams = OpParams<CombineSend, CombineRecv>;
 
 // first[s]: this rank's first rank-level row from source s (the dispatch's counts); first[R]: all.
 // The handle's counts are trusted only within a block of the window and the rows given: a stale
@@ -39,7 +31,7 @@ __device__ void dispatch_offsets(const CombineSend& send, int num_ranks, int row
   __syncthreads();
 }
 
-__device__ void send_back(const Params& params, uint64_t op, const int32_t* first) {
+__device__ void send_back(const CombineParams& params, uint64_t op, const int32_t* first) {
   const Peers& peers = params.peers;
   const Window& window = peers.window;
   const CombineSend& send = params.send;
@@ -79,14 +71,12 @@ __device__ void send_back(const Params& params, uint64_t op, const int32_t* firs
     const int i = u / pieces.pieces, piece = u % pieces.pieces;
     uint8_t* to = dest(i);
     if (!to) continue;
-    uint64_t* flags = reinterpret_cast<uint64_t*>(to + window.flags_at());
-    for (int part = pieces.first(piece) + lane; part < pieces.end(piece); part += 32)
-      store_relaxed(flags + part, op);
+    raise_flags(window, to, pieces.first(piece), pieces.end(piece), op);
   }
 }
 
 // out[t] = bias[t] + its rows from every rank it was sent to, in rank order, in float32.
-__device__ void sum_back(const Params& params, uint64_t op) {
+__device__ void sum_back(const CombineParams& params, uint64_t op) {
   const Peers& peers = params.peers;
   const Window& window = peers.window;
   const CombineRecv& recv = params.recv;
@@ -161,14 +151,14 @@ __device__ void sum_back(const Params& params, uint64_t op) {
 }
 
 // What a failed op leaves in its output (the whole block, all of it): NaN.
-__device__ void poison(const Params& params) {
+__device__ void poison(const CombineParams& params) {
   if (params.part == Part::kSend) return;
   const CombineRecv& recv = params.recv;
   fill_nan(recv.out, int64_t(recv.num_tokens) * recv.width, dtype_size(recv.out_dtype));
   if (recv.extra_out) fill_nan(recv.extra_out, int64_t(recv.num_tokens) * recv.extra_cols, 4);
 }
 
-__global__ void __launch_bounds__(kWarps * 32, 1) combine_kernel(Params params) {
+__global__ void __launch_bounds__(kWarps * 32, 1) combine_kernel(CombineParams params) {
   __shared__ uint64_t op;
   __shared__ int32_t first[kMaxGpuRanks + 1];
   __shared__ bool stop;
@@ -195,7 +185,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) combine_kernel(Params params) 
 std::string combine(const Rank& r, cudaStream_t stream, Part part, const CombineSend* send,
                     const CombineRecv* recv, const int32_t* ticket, int32_t* token_out) {
   if (auto err = r.failed(); !err.empty()) return err;
-  const Params params{
+  const CombineParams params{
       r.peers(), send ? *send : CombineSend{}, recv ? *recv : CombineRecv{}, part, ticket,
       token_out};
   combine_kernel<<<r.blocks, kWarps * 32, 0, stream>>>(params);

@@ -24,19 +24,13 @@ constexpr int kWarps = 16;
 constexpr int kScanChunks = kMaxInBlockTokens / 32;
 constexpr int kRouteThreads = Window::kChunkTokens;
 
+// How a send part finds each token's row j on each rank (and who sends the count records):
+//   kInBlock  a fresh dispatch of at most kMaxInBlockTokens tokens: a ballot scan in every block
+//   kRouted   a larger fresh dispatch: route_kernel's slots plus their chunk's offset
+//   kCached   a dispatch with a handle: its send_pos
 enum class Routing : int { kInBlock, kRouted, kCached };
 
-struct Params {
-  Peers peers;
-  DispatchSend send;
-  DispatchRecv recv;
-  Part part;
-  Routing routing;
-  const int32_t* ticket;
-  int32_t* token_out;
-  // A whole op whose rows to this rank are written in place.
-  __host__ __device__ bool in_place() const { return part == Part::kWhole && peers.direct_local; }
-};
+using DispatchParams = OpParams<DispatchSend, DispatchRecv>;
 
 // Which ranks each token goes to and its row j among the tokens this rank sends there: bit t%32
 // of sent_to[t/32][d], and before[t/32][d] + the set bits below it.
@@ -102,8 +96,8 @@ __device__ void tally_tokens(const DispatchSend& send, int begin, int end, int32
 // One thread per destination d < R: how many rows it gets (total[d]), this rank's invalid expert
 // ids and, per expert of d, how many of them name it (tally, by global expert; null for a cached
 // dispatch).
-__device__ void send_counts(const Params& params, uint64_t op, const int32_t* total, int invalid,
-                            const int32_t* tally) {
+__device__ void send_counts(const DispatchParams& params, uint64_t op, const int32_t* total,
+                            int invalid, const int32_t* tally) {
   const Peers& peers = params.peers;
   const Window& window = peers.window;
   const int slot = int(op % kSlots), El = window.experts_per_rank;
@@ -122,7 +116,7 @@ __device__ void send_counts(const Params& params, uint64_t op, const int32_t* to
 // chunk's tokens sent to each rank (chunk_slot scratch) and counts the chunk's rows (chunk_rows)
 // and rows per expert (expert_tally); the last block turns the chunk counts into offsets and
 // sends every rank its counts.
-__global__ void __launch_bounds__(kRouteThreads) route_kernel(Params params) {
+__global__ void __launch_bounds__(kRouteThreads) route_kernel(DispatchParams params) {
   extern __shared__ int32_t block_tally[];  // per global expert
   __shared__ int32_t warp_rows[kRouteThreads / 32][kMaxGpuRanks];
   __shared__ int32_t invalid, total[kMaxGpuRanks];
@@ -201,35 +195,45 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(Params params) {
   }
 }
 
+// Token t's row j on rank d, or -1, by routing. kInBlock (every lane, d = the lane < R): from
+// the block's ballot scan.
+__device__ int32_t row_in_block(const SendScan& scan, int t, int num_ranks) {
+  const int d = threadIdx.x % 32;
+  const uint32_t m = scan.mask(t, num_ranks);
+  return d < num_ranks && (m >> d & 1u) ? scan.row(t, d) : -1;
+}
+
+// kRouted: the token's index among its chunk's tokens sent to d, plus the rows of earlier chunks
+// (route_kernel's scratch in this rank's window).
+__device__ int32_t row_routed(const Peers& peers, int t, int d) {
+  const uint8_t* mine = peers.windows[peers.rank];
+  int32_t j = reinterpret_cast<const int32_t*>(mine + peers.window.chunk_slot_at(t, d))[0];
+  if (j >= 0)
+    j += reinterpret_cast<const int32_t*>(mine +
+                                          peers.window.chunk_rows_at(t / kRouteThreads, d))[0];
+  return j;
+}
+
+// kCached: the handle's.
+__device__ int32_t row_cached(const DispatchSend& send, int t, int d, int num_ranks) {
+  return send.send_pos[int64_t(t) * num_ranks + d];
+}
+
 // Lane d (< R): the token's row j on rank d, or -1. `mask`: the ranks it goes to.
-__device__ int32_t row_on(const Params& params, const SendScan& scan, int t, uint32_t* mask) {
+__device__ int32_t row_on(const DispatchParams& params, Routing routing, const SendScan& scan,
+                          int t, uint32_t* mask) {
   const Window& window = params.peers.window;
   const int R = window.num_ranks, lane = threadIdx.x % 32;
   int32_t j = -1;
-  if (params.routing == Routing::kInBlock) {
-    const uint32_t m = scan.mask(t, R);
-    if (lane < R && (m >> lane & 1u)) j = scan.row(t, lane);
+  if (routing == Routing::kInBlock) {
+    j = row_in_block(scan, t, R);
   } else if (lane < R) {
-    const uint8_t* mine = params.peers.windows[params.peers.rank];
-    if (params.routing == Routing::kCached) {
-      j = params.send.send_pos[int64_t(t) * R + lane];
-    } else {
-      j = reinterpret_cast<const int32_t*>(mine + window.chunk_slot_at(t, lane))[0];
-      if (j >= 0)
-        j += reinterpret_cast<const int32_t*>(mine +
-                                              window.chunk_rows_at(t / kRouteThreads, lane))[0];
-    }
+    j = routing == Routing::kCached ? row_cached(params.send, t, lane, R)
+                                    : row_routed(params.peers, t, lane);
     if (j >= window.rows_per_source) j = -1;  // a handle that does not fit the window: not sent
   }
   *mask = __ballot_sync(~0u, j >= 0);
   return j;
-}
-
-// The raised flags of parts [p0, p1) of `row` (the warp's stores of them are fenced).
-__device__ __forceinline__ void raise_flags(const Window& window, uint8_t* row, int p0, int p1,
-                                            uint64_t op) {
-  uint64_t* flags = reinterpret_cast<uint64_t*>(row + window.flags_at());
-  for (int part = p0 + threadIdx.x % 32; part < p1; part += 32) store_relaxed(flags + part, op);
 }
 
 // The warp waits until parts [p0, p1) of `row`, from rank `source`, have come.
@@ -243,10 +247,10 @@ __device__ __forceinline__ bool wait_parts(const Peers& peers, const uint8_t* ro
 }
 
 template <typename T, bool kFp8>
-__device__ void send_tokens(const Params& params, uint64_t op, const SendScan& scan, float* stage,
-                            int first_self, bool aligned) {
+__device__ void send_tokens(const DispatchParams& params, Routing routing, uint64_t op,
+                            const SendScan& scan, float* stage, int first_self, bool aligned) {
   using Step = RowStep<T, kFp8>;
-  static_assert(kPartElems % Step::kStep == 0, "send part is whole steps");
+  static_assert(kPartElems % Step::kStep == 0, "a part is whole steps");
   constexpr int kStepsPerPart = kPartElems / Step::kStep;
   const Peers& peers = params.peers;
   const Window& window = peers.window;
@@ -265,7 +269,7 @@ __device__ void send_tokens(const Params& params, uint64_t op, const SendScan& s
 
   // Lane d: the token's row on rank d, in place (this rank's output) or in d's window.
   auto place = [&](int t, uint32_t* mask, uint32_t* in_place) {
-    const int32_t j = row_on(params, scan, t, mask);
+    const int32_t j = row_on(params, routing, scan, t, mask);
     const bool here = params.in_place() && lane == me && j >= 0 && first_self + j < recv.out_rows;
     *in_place = __ballot_sync(~0u, here);
     return j;
@@ -359,8 +363,8 @@ __device__ bool row_offsets(const Peers& peers, uint64_t op, int32_t* first,
 
 // Block 0 (fresh dispatch): tokens per local expert, as their sources counted them, less those
 // in rows dropped for capacity (rows [present, first[R])).
-__device__ void tally_experts(const Params& params, uint64_t op, const int32_t* first, int present,
-                              int32_t* tally) {
+__device__ void tally_experts(const DispatchParams& params, uint64_t op, const int32_t* first,
+                              int present, int32_t* tally) {
   const Peers& peers = params.peers;
   const Window& window = peers.window;
   const int K = window.num_topk, El = window.experts_per_rank, R = window.num_ranks,
@@ -389,7 +393,7 @@ __device__ void tally_experts(const Params& params, uint64_t op, const int32_t* 
   for (int e = threadIdx.x; e < El; e += blockDim.x) params.recv.tokens_per_expert[e] = tally[e];
 }
 
-__device__ void receive_tokens(const Params& params, uint64_t op, int32_t* tally) {
+__device__ void receive_tokens(const DispatchParams& params, uint64_t op, int32_t* tally) {
   const Peers& peers = params.peers;
   const Window& window = peers.window;
   const DispatchRecv& recv = params.recv;
@@ -457,9 +461,58 @@ __device__ void rows_before_self(const Peers& peers, uint64_t op, int32_t* first
   __syncthreads();
 }
 
+// A send part's routes and count records, by routing (see Routing), around the barrier that
+// completes the slot wait; kRouted has only that barrier (route_kernel sent its counts).
+// kInBlock, while the op starts (needs no op number): block 0 zeroes its tally of tokens per
+// expert; every block ballots the tokens' destinations into `scan`, their invalid ids into `bad`
+// (per warp).
+__device__ void ballot_in_block(const DispatchParams& params, SendScan& scan, int32_t* bad,
+                                int32_t* tally) {
+  const DispatchSend& send = params.send;
+  if (blockIdx.x == 0)
+    for (int e = threadIdx.x; e < send.num_experts; e += blockDim.x) tally[e] = 0;
+  ballot_tokens(send, params.peers.window, scan, bad);
+}
+
+// kInBlock, once the ballots are in: warp 0 scans them (rows per rank into `total`), block 0
+// tallies the tokens per expert; after the barrier block 0 sends the counts.
+__device__ void count_in_block(const DispatchParams& params, uint64_t op, SendScan& scan,
+                               const int32_t* bad, int32_t* total, int32_t* tally) {
+  const DispatchSend& send = params.send;
+  if (threadIdx.x / 32 == 0) scan_rows(send.num_tokens, params.peers.window.num_ranks, scan, total);
+  if (blockIdx.x == 0) tally_tokens(send, 0, send.num_tokens, tally);
+  __syncthreads();
+  if (blockIdx.x == 0) {
+    int invalid = 0;
+    for (int wp = 0; wp < kWarps; ++wp) invalid += bad[wp];
+    send_counts(params, op, total, invalid, tally);
+    if (threadIdx.x == 0) *send.num_invalid = invalid;
+  }
+}
+
+// kCached: block 0 counts the handle's rows per rank (those that fit the window) into `total`
+// and, after the barrier, sends the counts (no tally: a handle's receivers use their own).
+__device__ void count_cached(const DispatchParams& params, uint64_t op, int32_t* total) {
+  const DispatchSend& send = params.send;
+  const Window& window = params.peers.window;
+  const int R = window.num_ranks, warp = threadIdx.x / 32;
+  if (blockIdx.x == 0)
+    for (int d = warp; d < R; d += kWarps) {
+      int n = 0;
+      for (int t = threadIdx.x % 32; t < send.num_tokens; t += 32) {
+        const int32_t j = send.send_pos[int64_t(t) * R + d];
+        n += j >= 0 && j < window.rows_per_source;
+      }
+      n = warp_sum(n);
+      if (threadIdx.x % 32 == 0) total[d] = n;
+    }
+  __syncthreads();
+  if (blockIdx.x == 0) send_counts(params, op, total, 0, nullptr);
+}
+
 // What a failed op leaves in the outputs of this kernel's parts (the whole block, all of them):
 // NaN in the rows, scales and weights, -1 in the ids and routes, 0 in the counts.
-__device__ void poison(const Params& params) {
+__device__ void poison(const DispatchParams& params) {
   const Window& window = params.peers.window;
   const DispatchSend& send = params.send;
   const DispatchRecv& recv = params.recv;
@@ -480,58 +533,44 @@ __device__ void poison(const Params& params) {
 }
 
 template <typename T, bool kFp8>
-__global__ void __launch_bounds__(kWarps * 32, 1) dispatch_kernel(Params params, bool aligned) {
+__global__ void __launch_bounds__(kWarps * 32, 1)
+    dispatch_kernel(DispatchParams params, Routing routing, bool aligned) {
   extern __shared__ float dynamic[];  // per warp its row's scales, then the expert tallies
   __shared__ uint64_t op;
   __shared__ SendScan scan;
   __shared__ int32_t bad[kWarps], total[kMaxGpuRanks], first_self;
   __shared__ bool stop;
   const Peers& peers = params.peers;
-  const Window& window = peers.window;
-  const DispatchSend& send = params.send;
-  const int R = window.num_ranks, warp = threadIdx.x / 32;
-  const int num_scales = kFp8 ? window.num_scales() : 0;
+  const int warp = threadIdx.x / 32;
+  const int num_scales = kFp8 ? peers.window.num_scales() : 0;
   int32_t* tally = reinterpret_cast<int32_t*>(dynamic + kWarps * num_scales);
   if (threadIdx.x == 0) stop = aborted(peers);  // an op gave up: this one only leaves NaN
   __syncthreads();
   if (stop) return poison(params);
   const bool sending = params.part != Part::kRecv;
-  const bool in_block = sending && params.routing == Routing::kInBlock;
   begin_op(peers,
-           !sending                             ? Begin::kTicket
-           : params.routing == Routing::kRouted ? Begin::kFollow
-                                                : Begin::kCount,
+           !sending                      ? Begin::kTicket
+           : routing == Routing::kRouted ? Begin::kFollow
+                                         : Begin::kCount,
            params.ticket, &op);
-  const bool counts_here = blockIdx.x == 0 && sending && params.routing != Routing::kRouted;
-  if (counts_here && in_block)
-    for (int e = threadIdx.x; e < send.num_experts; e += blockDim.x) tally[e] = 0;
-  if (in_block) ballot_tokens(send, window, scan, bad);
+  if (sending && routing == Routing::kInBlock) ballot_in_block(params, scan, bad, tally);
   __syncthreads();  // the op's number, the ballots, the zeroed tally
   if (blockIdx.x == 0 && threadIdx.x == 0 && params.token_out) *params.token_out = int32_t(op);
   if (sending) {
     wait_slot_free(peers, op);
-    if (in_block && warp == 0) scan_rows(send.num_tokens, R, scan, total);
-    if (counts_here && in_block) tally_tokens(send, 0, send.num_tokens, tally);
-    if (counts_here && !in_block)  // a cached dispatch: count the handle's rows per rank
-      for (int d = warp; d < R; d += kWarps) {
-        int n = 0;
-        for (int t = threadIdx.x % 32; t < send.num_tokens; t += 32) {
-          const int32_t j = send.send_pos[int64_t(t) * R + d];
-          n += j >= 0 && j < window.rows_per_source;
-        }
-        n = warp_sum(n);
-        if (threadIdx.x % 32 == 0) total[d] = n;
-      }
-    __syncthreads();
-    if (counts_here) {
-      int invalid = 0;
-      if (in_block)
-        for (int wp = 0; wp < kWarps; ++wp) invalid += bad[wp];
-      send_counts(params, op, total, invalid, in_block ? tally : nullptr);
-      if (in_block && threadIdx.x == 0) *send.num_invalid = invalid;
+    switch (routing) {
+      case Routing::kInBlock:
+        count_in_block(params, op, scan, bad, total, tally);
+        break;
+      case Routing::kRouted:
+        __syncthreads();
+        break;
+      case Routing::kCached:
+        count_cached(params, op, total);
+        break;
     }
     if (params.in_place()) rows_before_self(peers, op, &first_self);
-    send_tokens<T, kFp8>(params, op, scan, dynamic + warp * num_scales,
+    send_tokens<T, kFp8>(params, routing, op, scan, dynamic + warp * num_scales,
                          params.in_place() ? first_self : 0, aligned);
   }
   if (params.part != Part::kSend) receive_tokens(params, op, tally);
@@ -539,11 +578,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1) dispatch_kernel(Params params,
 }
 
 template <typename T, bool kFp8>
-cudaError_t launch_dispatch(const Params& params, int blocks, bool aligned, cudaStream_t stream) {
+cudaError_t launch_dispatch(const DispatchParams& params, Routing routing, int blocks, bool aligned,
+                            cudaStream_t stream) {
   const size_t smem =
       sizeof(float) * (kFp8 ? kWarps * params.peers.window.num_scales() : 0) +
       sizeof(int32_t) * (params.peers.window.num_ranks * params.peers.window.experts_per_rank);
-  return launch(dispatch_kernel<T, kFp8>, blocks, kWarps * 32, smem, stream, params, aligned);
+  return launch(dispatch_kernel<T, kFp8>, blocks, kWarps * 32, smem, stream, params, routing,
+                aligned);
 }
 
 }  // namespace
@@ -552,19 +593,16 @@ std::string dispatch(const Rank& r, cudaStream_t stream, Part part, const Dispat
                      const DispatchRecv* recv, bool low_latency, const int32_t* ticket,
                      int32_t* token_out) {
   if (auto err = r.failed(); !err.empty()) return err;
-  Params params{r.peers(),
-                send ? *send : DispatchSend{},
-                recv ? *recv : DispatchRecv{},
-                part,
-                Routing::kCached,
-                ticket,
-                token_out};
+  const DispatchParams params{
+      r.peers(), send ? *send : DispatchSend{}, recv ? *recv : DispatchRecv{}, part, ticket,
+      token_out};
+  Routing routing = Routing::kCached;  // unless a fresh send (a recv part has no routes)
   if (send && send->fp8 && r.window.num_scales() > kMaxScalesPerRow)  // the kernel's shared memory
     return "jax_ep: fp8 dispatch on GPUs supports hidden <= " +
            std::to_string(kMaxScalesPerRow * kFp8Block);
   if (send && send->fresh()) {
     const bool in_block = low_latency && send->num_tokens <= kMaxInBlockTokens;
-    params.routing = in_block ? Routing::kInBlock : Routing::kRouted;
+    routing = in_block ? Routing::kInBlock : Routing::kRouted;
     if (!in_block)
       JAX_EP_CUDA_TRY(launch(route_kernel, r.blocks, kRouteThreads,
                              sizeof(int32_t) * send->num_experts, stream, params));
@@ -574,7 +612,8 @@ std::string dispatch(const Rank& r, cudaStream_t stream, Part part, const Dispat
   const int hidden = send ? send->hidden : recv->hidden;
   const bool aligned = (int64_t(hidden) * dtype_size(x_dtype)) % 16 == 0;
   JAX_EP_CUDA_TRY(with_row_type(x_dtype, fp8, [&](auto t, auto is_fp8) {
-    return launch_dispatch<decltype(t), decltype(is_fp8)::value>(params, r.blocks, aligned, stream);
+    return launch_dispatch<decltype(t), decltype(is_fp8)::value>(params, routing, r.blocks, aligned,
+                                                                 stream);
   }));
   return {};
 }

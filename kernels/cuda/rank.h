@@ -38,6 +38,20 @@ struct Peers {
   }
 };
 
+// What each kernel of an op takes (by value): the group, the op's halves (a split op's kernels
+// get one, the other empty), the part they run, and where the op's number comes from and goes.
+template <typename Send, typename Recv>
+struct OpParams {
+  Peers peers;
+  Send send;
+  Recv recv;
+  Part part;
+  const int32_t* ticket;  // recv halves: the device word holding the op's number
+  int32_t* token_out;     // gets the op's number
+  // A whole op whose rows to this rank are written in place.
+  __host__ __device__ bool in_place() const { return part == Part::kWhole && peers.direct_local; }
+};
+
 struct Rank {
   Window window;
   int group, rank, device;

@@ -241,6 +241,13 @@ struct Pieces {
   __device__ int end(int piece) const { return min(parts, (piece + 1) * per_piece); }
 };
 
+// The raised flags of parts [p0, p1) of `row` (the warp's stores of them are fenced).
+__device__ __forceinline__ void raise_flags(const Window& window, uint8_t* row, int p0, int p1,
+                                            uint64_t op) {
+  uint64_t* flags = reinterpret_cast<uint64_t*>(row + window.flags_at());
+  for (int part = p0 + threadIdx.x % 32; part < p1; part += 32) store_relaxed(flags + part, op);
+}
+
 // The end of a recv part, in every block: the next kernel of this rank releases the op.
 __device__ __forceinline__ void finish_recv(const Peers& peers, uint64_t op) {
   if (threadIdx.x == 0)
