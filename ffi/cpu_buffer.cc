@@ -9,8 +9,8 @@ namespace jax_ep {
 CpuBuffer::CpuBuffer(const Window& window, const std::string& prefix, double timeout_s,
                      const std::vector<LocalRank>& local, uint64_t first_op)
     : window_(window), timeout_s_(timeout_s), first_op_(first_op) {
-  engine_ = std::make_shared<shm::Engine>(prefix, window.num_ranks, local,
-                                          size_t(window.total_bytes()));
+  engine_ =
+      std::make_shared<shm::Engine>(prefix, window.num_ranks, local, size_t(window.total_bytes()));
   for (const shm::Engine::Member& m : engine_->members)  // before any peer maps them
     initial_words(window, first_op, [mine = m.window](int64_t at, uint64_t value) {
       *reinterpret_cast<uint64_t*>(mine + at) = value;

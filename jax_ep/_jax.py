@@ -19,6 +19,13 @@ purpose (check_invalid) must leave its Buffer usable, so a Buffer's token is dro
 holds an error (`_token_input`); a Buffer stopped by a timeout raises on its next call by
 itself.
 
+And a fourth, which any FP8 user of jax.checkpoint meets: jax.checkpoint rounds every saved
+float residual with reduce_precision(exponent_bits, mantissa_bits) of its dtype, and XLA's
+reduce_precision has IEEE semantics, where the top exponent means inf or NaN. float8_e4m3fn
+(jax_ep's FP8 rows) has no inf and uses that exponent for 256..448: a saved FP8 row came back
+NaN in every such element. For float types without inf the rounding keeps one more exponent bit
+(`_remat_residual_rounding`), which leaves their values as they are.
+
 Also here: the key-value store of jax.distributed (`distributed_client`, where the processes
 of a mesh meet to bring a Buffer up) and the mesh axes a value varies over inside shard_map
 (`varying_axes`), whose attribute changed name between jax versions.
@@ -33,10 +40,12 @@ import threading
 from typing import Any
 
 import jax
+import numpy as np
 
 try:
-    from jax._src import core, dispatch, distributed, effects
+    from jax._src import ad_checkpoint, core, dispatch, distributed, dtypes, effects
     from jax._src.interpreters import ad, batching, mlir, pxla
+    from jax._src.lax.lax import reduce_precision_p
 except ImportError as e:  # pragma: no cover - only on a jax that moved its internals
     raise ImportError(
         f"jax_ep needs JAX's effect system (jax._src), which jax "
@@ -65,6 +74,7 @@ _missing += [
     for owner, name in (
         (dispatch.RuntimeTokenSet, "get_token_input"),
         (pxla.MeshExecutable, "create_cpp_call"),
+        (ad_checkpoint, "_insert_reduce_precision"),
     )
     if not hasattr(owner, name)
 ]
@@ -160,6 +170,33 @@ def _create_cpp_call(self, params):
 
 
 pxla.MeshExecutable.create_cpp_call = _create_cpp_call
+
+
+# jax.checkpoint's rounding of saved residuals, for float types without inf (float8_e4m3fn and
+# the other "fn" types): one more exponent bit, so that their top exponent stays finite (a
+# no-op on their values; the mantissa is still rounded to theirs).
+_jax_insert_reduce_precision = ad_checkpoint._insert_reduce_precision
+
+
+def _has_inf(dtype) -> bool:
+    return bool(np.isinf(np.asarray(np.inf, np.float32).astype(dtype)))
+
+
+def _remat_residual_rounding(jaxpr, num_res):
+    jaxpr = _jax_insert_reduce_precision(jaxpr, num_res)
+    eqns = list(jaxpr.eqns)
+    for i, eqn in enumerate(eqns):
+        dtype = eqn.outvars[0].aval.dtype if eqn.primitive is reduce_precision_p else None
+        if dtype is None or not dtypes.issubdtype(dtype, np.floating) or _has_inf(dtype):
+            continue
+        if eqn.params["exponent_bits"] == dtypes.finfo(dtype).nexp:
+            eqns[i] = eqn.replace(
+                params=dict(eqn.params, exponent_bits=eqn.params["exponent_bits"] + 1)
+            )
+    return jaxpr.replace(eqns=eqns)
+
+
+ad_checkpoint._insert_reduce_precision = _remat_residual_rounding
 
 
 call_p = core.Primitive("jax_ep_call")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,8 @@ import jax.numpy as jnp
 from jax_ep import bootstrap
 from jax_ep import layout as layouts
 from jax_ep.fp8 import FP8_BLOCK, dequantize_fp8
-from jax_ep.primitives import all_varying, done
+from jax_ep.hierarchical import Hierarchical
+from jax_ep.primitives import all_varying, start
 from jax_ep.reference import Reference
 from jax_ep.types import DispatchResult, Handle, Pending, Receipt
 
@@ -84,16 +86,20 @@ class DispatchSpec:
     split: bool  # dispatch_send/dispatch_recv halves, or the whole op up front
 
 
-def _run(split, whole, send, *args, **kwargs):
-    """(arrays, finish) of a rank-level primitive: its send half (split), or the whole op up
-    front with nothing left to finish."""
-    if split:
-        return send(*args, **kwargs)
-    return whole(*args, **kwargs), done
-
-
 def _fail(message):
     raise ValueError(f"jax_ep: {message}")
+
+
+def _axes(mesh, axis_name):
+    """axis_name as a tuple of mesh axes, outer first (one name: a tuple of one)."""
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    unknown = [a for a in axes if a not in mesh.axis_names]
+    if not axes or unknown or len(set(axes)) != len(axes):
+        _fail(
+            f"axis_name must be an axis of the mesh {tuple(mesh.axis_names)}, or a tuple of "
+            f"distinct ones (outer first), got {axis_name!r}"
+        )
+    return axes
 
 
 def _check(array, name, shape, dtypes):
@@ -119,7 +125,10 @@ class Buffer:
 
     Create it outside jit, on every process of the mesh alike (jax.distributed: one process per
     GPU or per host); call dispatch/combine inside jax.shard_map(..., mesh=mesh) on the per-rank
-    shards. impl: "auto" / "ffi" (custom calls) or "reference" (jax.lax collectives).
+    shards. axis_name may be a tuple of mesh axes, outer first (("node", "ep")): one EP group of
+    their product, ranks row-major, the outer axes crossed by lax.all_to_all, the last by the
+    custom calls (jax_ep/hierarchical.py; combine sums per node, then the nodes in order).
+    impl: "auto" / "ffi" (custom calls) or "reference" (jax.lax collectives).
     timeout_s bounds every wait for a peer (then an error naming it, never a hang). num_sms:
     blocks of the CUDA kernels. low_latency_tokens (default min(N, 256), at most 1024, 0 =
     never): batches up to this size take the CUDA backend's single-kernel path.
@@ -151,9 +160,11 @@ class Buffer:
         max_row_dtype=jnp.float32,
         direct_local=True,
     ):
-        if axis_name not in mesh.axis_names:
-            _fail(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
-        num_ranks = mesh.shape[axis_name]
+        self._axes = axes = _axes(mesh, axis_name)
+        fast_axis, outer_axes = axes[-1], axes[:-1]
+        num_nodes = math.prod(mesh.shape[a] for a in outer_axes)
+        ranks_per_node = mesh.shape[fast_axis]
+        num_ranks = num_nodes * ranks_per_node
         for name, value in (
             ("num_experts", num_experts),
             ("hidden", hidden),
@@ -171,7 +182,7 @@ class Buffer:
                 f"axis {axis_name!r}"
             )
         if low_latency_tokens is None:
-            low_latency_tokens = min(max_tokens_per_rank, 256)
+            low_latency_tokens = min(num_nodes * max_tokens_per_rank, 256)
         if impl not in ("auto", "ffi", "reference"):
             _fail(f"impl must be 'auto', 'ffi' or 'reference', got {impl!r}")
         if jnp.dtype(max_row_dtype) not in FLOAT_ROWS:
@@ -179,7 +190,8 @@ class Buffer:
         if not timeout_s > 0:
             _fail(f"timeout_s must be positive, got {timeout_s!r}")
         self.mesh, self.axis_name = mesh, axis_name
-        self.num_ranks = num_ranks
+        self.num_ranks, self.num_nodes = num_ranks, num_nodes
+        self._fast_axis, self._ranks_per_node = fast_axis, ranks_per_node
         self.num_experts = num_experts
         self.num_local_experts = num_experts // num_ranks
         self.hidden, self.num_topk = hidden, num_topk
@@ -187,33 +199,51 @@ class Buffer:
         self.max_row_dtype = jnp.dtype(max_row_dtype)
         self.impl = "ffi" if impl == "auto" else impl
         self.check_invalid = bool(check_invalid)
+        if self.check_invalid:
+            try:
+                jax.devices("cpu")
+            except RuntimeError:
+                _fail(
+                    "check_invalid=True raises through a host callback, which needs JAX's CPU "
+                    "platform: list cpu in JAX_PLATFORMS (e.g. JAX_PLATFORMS=cuda,cpu)"
+                )
         self._serial = next(_SERIALS)  # tells this Buffer's handles and pending ops apart
         self._native = None
         self.engine = None  # what makes the windows reachable (set by _connect)
         self._low_latency_tokens = None  # the single-kernel routing is the CUDA backend's
-        self._reference = Reference(axis_name, num_ranks, num_experts)
-        if self.impl == "reference":
-            self._ops = self._reference
-        else:
-            self._ops = self._connect(
-                num_sms, float(timeout_s), low_latency_tokens, bool(direct_local)
+        # The fast leg: the last axis, with the experts of one node and the tokens the node
+        # leg can bring (all of it when there is one node).
+        reference = Reference(fast_axis, ranks_per_node, num_experts // num_nodes)
+        fast = reference
+        if self.impl == "ffi":
+            fast = self._connect(num_sms, float(timeout_s), low_latency_tokens, bool(direct_local))
+        if num_nodes > 1:
+            reference, fast = (
+                Hierarchical(ops, outer_axes, num_nodes, fast_axis, ranks_per_node, num_experts)
+                for ops in (reference, fast)
             )
+        self._reference, self._ops = reference, fast
 
     def _window(self):
         from jax_ep import _native
 
         return _native.Window(
-            self.num_ranks,
+            self._ranks_per_node,
             self.num_local_experts,
             self.hidden,
             self.num_topk,
-            self.max_tokens_per_rank,
+            self._fast_tokens(self.max_tokens_per_rank),
             self.max_row_dtype.itemsize,
         )
 
+    def _fast_tokens(self, tokens):
+        """Tokens per rank in the fast leg: what the node leg brings from every node."""
+        return self.num_nodes * tokens
+
     @property
     def memory_bytes(self):
-        """The communication window each rank of the Buffer holds, in bytes."""
+        """The communication window each rank of the Buffer holds, in bytes (on a tuple axis
+        the fast leg's, sized for the M * max_tokens_per_rank tokens the node leg brings)."""
         return self._window().total_bytes() if self.impl == "ffi" else 0
 
     def _connect(self, num_sms, timeout_s, low_latency_tokens, direct_local):
@@ -226,29 +256,31 @@ class Buffer:
                 "impl='reference' runs without it"
             ) from e
         bounds = limits()
-        if self.max_tokens_per_rank > bounds["max_tokens_per_rank"]:
+        fast_tokens = self._fast_tokens(self.max_tokens_per_rank)
+        nodes = f"{self.num_nodes} nodes x " if self.num_nodes > 1 else ""
+        if fast_tokens > bounds["max_tokens_per_rank"]:
             _fail(
-                f"max_tokens_per_rank must be at most {bounds['max_tokens_per_rank']}, got "
-                f"{self.max_tokens_per_rank}"
+                f"{nodes}max_tokens_per_rank must be at most {bounds['max_tokens_per_rank']}, "
+                f"got {nodes}{self.max_tokens_per_rank}"
             )
         if not _is_integer(low_latency_tokens) or not 0 <= low_latency_tokens <= min(
-            self.max_tokens_per_rank, bounds["max_in_block_tokens"]
+            fast_tokens, bounds["max_in_block_tokens"]
         ):
             _fail(
-                f"low_latency_tokens must be an integer in [0, min(max_tokens_per_rank, "
+                f"low_latency_tokens must be an integer in [0, min({nodes}max_tokens_per_rank, "
                 f"{bounds['max_in_block_tokens']})], got {low_latency_tokens!r}"
             )
-        plan = bootstrap.plan(self.mesh, self.axis_name)
+        plan = bootstrap.plan(self.mesh, self._fast_axis)
         if plan.platform is None:
             _fail(
                 f"the custom calls run on CPU and CUDA devices, not on "
                 f"{self.mesh.devices.flat[0].platform}: use impl='reference' there"
             )
         bound = bounds["max_gpu_ranks" if plan.platform == "cuda" else "max_cpu_ranks"]
-        if self.num_ranks > bound:
+        if self._ranks_per_node > bound:
             _fail(
-                f"axis {self.axis_name!r} has {self.num_ranks} ranks; the {plan.platform} "
-                f"backend takes at most {bound}"
+                f"axis {self._fast_axis!r} has {self._ranks_per_node} ranks; the {plan.platform} "
+                f"backend takes at most {bound} in one group"
             )
         if plan.platform == "cuda":
             self._low_latency_tokens = int(low_latency_tokens)
@@ -262,7 +294,7 @@ class Buffer:
             low_latency_tokens=low_latency_tokens,
             timeout_s=timeout_s,
             direct_local=direct_local,
-            axis_name=self.axis_name,
+            axis_name=list(_axes(self.mesh, self.axis_name)),
             check_invalid=self.check_invalid,
             mesh=dict(
                 axis_names=list(self.mesh.axis_names),
@@ -279,7 +311,7 @@ class Buffer:
         self._key = plan.key
         self.engine = bootstrap.engines[plan.key]  # "nccl", "cuda_ipc" or "shm" (CPUs)
         ffi_path.register_targets()
-        return ffi_path.Ffi(plan.key, self.num_ranks, self.num_experts)
+        return ffi_path.Ffi(plan.key, self._ranks_per_node, self.num_experts // self.num_nodes)
 
     def status(self):
         """The error that stopped this Buffer on this process (a wait that timed out, a peer
@@ -473,7 +505,7 @@ class Buffer:
     def _send_tokens(self, spec, rows):
         """The rank-level dispatch of spec's tokens into `rows` rows per rank: (arrays, finish)."""
         ops = self._ops_for(spec.x.shape[0])
-        return _run(
+        return start(
             spec.split,
             ops.dispatch,
             ops.dispatch_send,
@@ -583,7 +615,7 @@ class Buffer:
         # others are still in one of them.
         rows, routing = jax.lax.optimization_barrier((rows, routing))
         everywhere = routing.group_invalid
-        others = tuple(a for a in self._bound_axes() if a != self.axis_name)
+        others = tuple(a for a in self._bound_axes() if a not in self._axes)
         if others:
             everywhere = jax.lax.psum(everywhere, others)
         jax.debug.callback(_raise_if_invalid, routing.num_invalid, everywhere, self.num_experts)
@@ -616,10 +648,10 @@ class Buffer:
 
     def _dispatch_cached(self, split, x, handle, fp8, round_scale, tokens):
         self._check_handle(handle, "cached dispatch")
-        if handle.send_pos.shape != (tokens, self.num_ranks):
-            _fail(f"x has {tokens} tokens but the handle routed {handle.send_pos.shape[0]}")
+        if handle.num_tokens != tokens:
+            _fail(f"x has {tokens} tokens but the handle routed {handle.num_tokens}")
         ops = self._ops_for(tokens)
-        arrays, moved = _run(
+        arrays, moved = start(
             split,
             ops.dispatch_cached,
             ops.dispatch_cached_send,
@@ -678,7 +710,7 @@ class Buffer:
     def _combine_start(self, split, expert_out, handle, topk_weights, bias, partial_dtype):
         self._require_shard_map()
         self._check_handle(handle, "combine")
-        tokens = handle.send_pos.shape[0]
+        tokens = handle.num_tokens
         rows_shape = (handle.capacity,)
         if handle.layout == "expert_padded":
             rows_shape = (self.num_local_experts, handle.capacity // self.num_local_experts)
@@ -715,7 +747,7 @@ class Buffer:
             row_data = row_data.astype(partial_dtype)
             self._check_row_dtype(row_data, "partial_dtype")
         ops = self._ops_for(tokens)
-        return _run(
+        return start(
             split,
             ops.combine,
             ops.combine_send,
@@ -801,12 +833,14 @@ class Buffer:
             _fail(f"mode must be one of {', '.join(map(repr, _MODES))}, got {mode!r}")
         if self._low_latency_tokens is None:  # no single-kernel path: every mode is the same
             return False
-        if mode == "low_latency" and tokens > self._low_latency_tokens:
+        fast_tokens = self._fast_tokens(tokens)  # what the fast leg's kernels route
+        if mode == "low_latency" and fast_tokens > self._low_latency_tokens:
+            nodes = f" ({self.num_nodes} nodes x {tokens})" if self.num_nodes > 1 else ""
             _fail(
                 f"mode='low_latency' takes at most low_latency_tokens="
-                f"{self._low_latency_tokens} tokens per rank, x has {tokens}"
+                f"{self._low_latency_tokens} tokens per rank, x has {fast_tokens}{nodes}"
             )
-        return mode != "normal" and tokens <= self._low_latency_tokens
+        return mode != "normal" and fast_tokens <= self._low_latency_tokens
 
     def _capacity(self, layout_name, alignment, capacity):
         if capacity is None:

@@ -69,6 +69,14 @@ def done(result):
     return result
 
 
+def start(split, whole, send, *args, **kwargs):
+    """(arrays, finish) of a rank-level primitive: its send half (split), or the whole op up
+    front with nothing left to finish."""
+    if split:
+        return send(*args, **kwargs)
+    return whole(*args, **kwargs), done
+
+
 class Unsplit:
     """The split primitives of a backend whose ops cannot be split: the send half does it all."""
 

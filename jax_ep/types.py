@@ -25,7 +25,8 @@ class Handle:
 
     send_pos: Array  # [T, R] int32: where token t went on rank d, -1 if not sent (the
     # custom calls: its row in this rank's block there; the reference
-    # path: its rank-level row there, -1 also if dropped)
+    # path: its rank-level row there, -1 also if dropped); on a tuple
+    # axis a hierarchical.NodeRoutes
     recv_counts: Array  # [R] int32: rows each source rank sent here, before capacity
     num_rows: Array  # [] int32: rank-level rows present here
     expert_src: Array | None  # [C] int32 (expert layout): rank-level row of each expert row, -1
@@ -35,6 +36,11 @@ class Handle:
     rows: int = dataclasses.field(metadata=dict(static=True))  # S: rank-level rows
     capacity: int = dataclasses.field(metadata=dict(static=True))  # C: rows of the output
     buffer: int = dataclasses.field(metadata=dict(static=True))  # the Buffer's serial
+
+    @property
+    def num_tokens(self):
+        """T: the tokens the dispatch routed (the rows of combine's result)."""
+        return jax.tree.leaves(self.send_pos)[0].shape[0]
 
 
 class DispatchResult(NamedTuple):

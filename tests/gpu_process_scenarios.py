@@ -35,6 +35,7 @@ NORMAL = [
     (128, 2048, "rank", False, 1, 100, False),
     (96, 2048, "expert_padded", False, 1, 24, False),
     (256, 2048, "rank", True, 1, None, True),
+    (4096, 7168, "rank", True, 1, None, False),  # the route kernel's several chunks
 ]
 LOW_LATENCY = [
     (7, 2048, "rank", True, 1, None, True),

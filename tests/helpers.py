@@ -93,8 +93,9 @@ def random_inputs(
     return x, jnp.asarray(idx), jnp.asarray(w)
 
 
-def buffers(mesh, **kwargs):
-    return {impl: jax_ep.Buffer(mesh, "ep", impl=impl, **kwargs) for impl in ("reference", "ffi")}
+def buffers(mesh, axis="ep", **kwargs):
+    """{impl: Buffer} on both paths."""
+    return {impl: jax_ep.Buffer(mesh, axis, impl=impl, **kwargs) for impl in ("reference", "ffi")}
 
 
 def bits(a):
@@ -273,6 +274,7 @@ def layer_gradients(
     hidden=128,
     num_experts=16,
     num_topk=4,
+    axis="ep",
 ):
     """d/dx of a MoE layer (dispatch, tanh, combine) on `impl`'s path, the layer under
     jax.checkpoint when `remat`: a whole op recomputed in the backward pass. second_order: a
@@ -285,7 +287,7 @@ def layer_gradients(
     cotangent = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
     buf = jax_ep.Buffer(
         mesh,
-        "ep",
+        axis,
         num_experts=num_experts,
         hidden=hidden,
         num_topk=num_topk,
@@ -300,7 +302,7 @@ def layer_gradients(
         return buf.combine(jnp.tanh(rows), d.handle, topk_weights=weights)
 
     f = jax.shard_map(
-        jax.checkpoint(layer) if remat else layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")
+        jax.checkpoint(layer) if remat else layer, mesh=mesh, in_specs=P(axis), out_specs=P(axis)
     )
     if second_order:  # curvature after the layer too
         first = jax.grad(lambda x: jnp.vdot(jnp.tanh(f(x, idx, w)), cotangent))
@@ -326,3 +328,95 @@ def branching_dispatch(buf):
         return jax.lax.cond(jax.lax.axis_index("ep") == 0, fp8, plain, x, i)
 
     return step
+
+
+def assert_matches_oracle(
+    out,
+    inputs,
+    num_ranks,
+    dp,
+    lay,
+    alignment,
+    fp8,
+    round_scale,
+    capacity,
+    ranks_per_node=None,
+):
+    """A pipeline's outputs (run on every rank; inputs x, topk_idx, topk_weights, bias) against
+    the numpy oracle of docs/API.md: dp groups of num_ranks ranks, tokens_per_rank = what x
+    gives. ranks_per_node: a Buffer over ("node", "ep") (its combine sums by node; its
+    send_pos is private)."""
+    import oracle
+
+    from jax_ep import layout
+
+    x, idx, w, bias = (np.asarray(a) for a in inputs)
+    devices = num_ranks * dp
+    tokens, hidden = x.shape[0] // devices, x.shape[1]
+
+    def groups(a):  # [devices, ...] -> [dp, R, ...]
+        a = per_rank(a, devices)
+        return a.reshape((dp, num_ranks) + a.shape[1:])
+
+    xs, idxs, ws, biases = (groups(a) for a in (x, idx, w, bias))
+    d = {k: groups(v) for k, v in out["d"]._asdict().items() if v is not None}
+    y, expert_out = groups(out["y"]), groups(out["expert_out"])
+    el = d["tokens_per_expert"].shape[-1]
+    num_experts = el * num_ranks
+    padded = lay == "expert_padded"
+    if padded:  # [dp, R, E_l, B, ...] -> [dp, R, E_l * B, ...]
+        block = d["x"].shape[3]
+        assert d["x"].shape[2] == el
+        assert block == (capacity or num_ranks * tokens)
+        for f in ("x", "scales", "topk_idx", "topk_weights"):
+            if f in d:
+                d[f] = d[f].reshape(d[f].shape[:2] + (-1,) + d[f].shape[4:])
+        expert_out = expert_out.reshape(expert_out.shape[:2] + (-1, hidden))
+    for g in range(dp):
+        rows = capacity if lay == "rank" else num_ranks * tokens
+        if lay == "rank" and capacity is None:
+            rows = num_ranks * tokens
+        want = oracle.dispatch_rank(xs[g], idxs[g], ws[g], num_experts, rows, fp8, round_scale)
+        if ranks_per_node is None:
+            np.testing.assert_array_equal(groups(out["send_pos"])[g], want["send_pos"])
+        np.testing.assert_array_equal(d["num_invalid"][g][:, 0], want["num_invalid"])
+        if lay == "rank":
+            n = want["x"].shape[1]  # default capacity is R*N rows with N = T here
+            for f in ("topk_idx", "topk_weights", "tokens_per_expert"):
+                np.testing.assert_array_equal(d[f][g], want[f], err_msg=f)
+            np.testing.assert_array_equal(d["x"][g][:, :n].view(np.uint8), want["x"].view(np.uint8))
+            if fp8:
+                np.testing.assert_array_equal(d["scales"][g], want["scales"])
+            np.testing.assert_array_equal(d["num_recv"][g][:, 0], want["num_recv"])
+            np.testing.assert_array_equal(d["num_dropped"][g][:, 0], want["num_dropped"])
+            partial = expert_out[g]
+        else:
+            partial = []
+            cap = d["x"].shape[2]  # expert rows (all experts' blocks when padded)
+            for r in range(num_ranks):
+                src, expert, weight, present, dropped = oracle.expert_layout(
+                    want["topk_idx"][r],
+                    want["topk_weights"][r],
+                    el,
+                    alignment,
+                    cap,
+                    block if padded else 0,
+                )
+                np.testing.assert_array_equal(d["topk_idx"][g][r], expert)
+                np.testing.assert_allclose(d["topk_weights"][g][r], weight, rtol=1e-6)
+                np.testing.assert_array_equal(d["tokens_per_expert"][g][r], present)
+                assert d["num_dropped"][g][r, 0] == dropped
+                gathered = np.where((src >= 0)[:, None], want["x"][r][np.maximum(src, 0)], 0)
+                np.testing.assert_array_equal(
+                    d["x"][g][r].view(np.uint8), gathered.astype(want["x"].dtype).view(np.uint8)
+                )
+                sizes = layout.align_up(present, alignment)
+                assert d["num_recv"][g][r, 0] == sizes.sum()
+                # The expert rows of each rank-level row, weighted, in expert order.
+                acc = np.zeros((rows, hidden), np.float32)
+                for i in range(cap):
+                    if src[i] >= 0:
+                        acc[src[i]] += weight[i] * expert_out[g][r][i].astype(np.float32)
+                partial.append(acc)
+        want_y = oracle.combine(partial, want["send_pos"], biases[g], ranks_per_node)
+        assert calc_diff(y[g].astype(np.float32), want_y.astype(x.dtype).astype(np.float32)) < 5e-6

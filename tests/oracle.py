@@ -99,16 +99,24 @@ def expert_layout(topk_rows, w_rows, num_local, alignment, capacity, block_rows=
     return src, expert, weight, present, dropped
 
 
-def combine(expert_out_per_rank, send_pos, bias=None):
-    """y[s, t] = bias + sum over d (in order) of rows_d[send_pos[s, t, d]], float32."""
+def combine(expert_out_per_rank, send_pos, bias=None, ranks_per_node=None):
+    """y[s, t] = bias + sum over d (in order) of rows_d[send_pos[s, t, d]], float32.
+    ranks_per_node (a tuple axis): each node's rows summed first, from zero in rank order,
+    then the nodes' sums added onto the bias in node order."""
     num_ranks, num_tokens, _ = send_pos.shape
     width = expert_out_per_rank[0].shape[1]
+    group = ranks_per_node or 1  # flat: every rank its own "node", added straight on
     y = np.zeros((num_ranks, num_tokens, width), np.float32)
     for s in range(num_ranks):
         for t in range(num_tokens):
             acc = np.zeros(width, np.float32) if bias is None else bias[s, t].astype(np.float32)
-            for d in range(num_ranks):
-                if send_pos[s, t, d] >= 0:
-                    acc = acc + expert_out_per_rank[d][send_pos[s, t, d]].astype(np.float32)
+            for node in range(0, num_ranks, group):
+                sent = [d for d in range(node, node + group) if send_pos[s, t, d] >= 0]
+                if not sent:
+                    continue
+                partial = np.zeros(width, np.float32)
+                for d in sent:
+                    partial = partial + expert_out_per_rank[d][send_pos[s, t, d]].astype(np.float32)
+                acc = acc + partial
             y[s, t] = acc
     return y

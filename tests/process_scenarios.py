@@ -77,9 +77,13 @@ def inputs(mesh, kind="random", dtype=jnp.bfloat16, seed=0):
     return np.asarray(x), np.asarray(idx), np.asarray(w), bias
 
 
-def matches_reference():
+def flat():
+    """A Buffer over "ep" on a mesh across processes: the custom calls against the reference
+    path in every layout, gradients, invalid ids."""
     mesh = global_mesh()
-    bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=10)
+    bufs = buffers(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=10
+    )
     cases = [
         ("rank", 1, False, None, False),
         ("expert", 4, True, None, True),
@@ -87,6 +91,12 @@ def matches_reference():
         ("rank", 1, True, 9, False),
         ("expert", 2, False, 24, False),
     ]
+    matches_reference(mesh, bufs, cases)
+    gradients(mesh, bufs)
+    invalid_ids(mesh, bufs, "ep")
+
+
+def matches_reference(mesh, bufs, cases):
     for lay, alignment, fp8, capacity, split in cases:
         step = {
             impl: runner(mesh, pipeline(buf, lay, alignment, fp8, False, capacity, split=split))
@@ -103,8 +113,6 @@ def matches_reference():
                     assert (
                         calc_diff(g[device].astype(np.float32), r[device].astype(np.float32)) < 5e-6
                     ), what
-    gradients(mesh, bufs)
-    invalid_ids(mesh, bufs)
 
 
 def gradients(mesh, bufs):
@@ -130,7 +138,7 @@ def gradients(mesh, bufs):
                 assert calc_diff(g[device], r[device]) < 1e-6, f"gradient, {lay} layout"
 
 
-def invalid_ids(mesh, bufs):
+def invalid_ids(mesh, bufs, axis):
     x, idx, w, _ = inputs(mesh, seed=5)
     bad = idx.copy()
     bad[3, 1], bad[-1, 0] = E, -9  # on the first and the last rank
@@ -147,7 +155,7 @@ def invalid_ids(mesh, bufs):
         checking = counts(
             jax_ep.Buffer(
                 mesh,
-                "ep",
+                axis,
                 num_experts=E,
                 hidden=H,
                 num_topk=K,
@@ -369,3 +377,52 @@ def many_ranks():
         for impl, buf in bufs.items()
     }
     assert_same_shards(out["ffi"], out["reference"], "many ranks")
+
+
+def node_mesh():
+    """("node", "ep"): each process one node, its devices the node's ranks."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return jax.sharding.Mesh(np.array(devices).reshape(jax.process_count(), -1), ("node", "ep"))
+
+
+NODE_CASES = {  # (layout, alignment, fp8, capacity, split) per launch, sharing the processes
+    "2x2": [("rank", 1, False, None, False), ("expert", 4, True, None, True)],
+    "4x2": [("expert", 2, False, 24, False)],
+    "2x4": [("rank", 1, True, 9, True), ("expert_padded", 1, False, None, False)],
+}
+
+
+def nodes():
+    """A Buffer over ("node", "ep") with processes as nodes (the node leg through gloo): the
+    custom calls against the reference path; with $MISSING_NODE also gradients and invalid ids,
+    then process 1 stops and process 0's next op ends in an error, not a hang."""
+    mesh = node_mesh()
+    axis = ("node", "ep")
+    bufs = buffers(
+        mesh, axis, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=10
+    )
+    shape = f"{mesh.shape['node']}x{mesh.shape['ep']}"
+    matches_reference(mesh, bufs, NODE_CASES[shape])
+    if os.environ.get("MISSING_NODE"):  # the launch that checks the rest too (CI's time)
+        gradients(mesh, bufs)
+        invalid_ids(mesh, bufs, axis)
+        missing_node(mesh, bufs["ffi"])
+
+
+def missing_node(mesh, buf):
+    x, idx, w, _ = inputs(mesh)
+    step = runner(mesh, lambda x, i, w: buf.dispatch(x, i, w).x)
+    jax.block_until_ready(step(x, idx, w))
+    if jax.process_index() == 1:
+        os._exit(0)
+    start = time.perf_counter()
+    try:
+        jax.block_until_ready(step(x, idx, w))
+    except Exception as e:
+        assert "Connection reset by peer" in str(e) or "closed" in str(e), e
+        print("RAISED:", str(e).splitlines()[0], flush=True)
+    else:
+        raise AssertionError("no error for a node that stopped")
+    assert time.perf_counter() - start < 60
+    print("SCENARIO OK", flush=True)
+    os._exit(0)  # the coordination service would wait for process 1 at shutdown

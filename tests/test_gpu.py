@@ -82,6 +82,24 @@ def test_cuda_matches_reference(case, kind, direct_local):
     assert_matches_reference(step, x, idx, w, bias, x2)
 
 
+@pytest.mark.parametrize("lay,fp8", [("rank", True), ("expert", False)])
+def test_cuda_node_axis_of_one_node(lay, fp8):
+    """Buffer(mesh, ("node", "ep")) of 1 x 1 GPU (every GPU node of the tuple axis with one
+    node; two nodes need GPUs across hosts): the custom calls equal the reference path."""
+    mesh = jax.sharding.Mesh(np.array(gpus()[:1]).reshape(1, 1), ("node", "ep"))
+    bufs = buffers(
+        mesh, ("node", "ep"), num_experts=E, hidden=2048, num_topk=K, max_tokens_per_rank=64
+    )
+    assert bufs["ffi"].num_nodes == 1 and bufs["ffi"].num_ranks == 1
+    step = {
+        impl: functools.partial(run, mesh, pipeline(buf, lay, 1, fp8)) for impl, buf in bufs.items()
+    }
+    rng = np.random.default_rng(11)
+    x, idx, w = random_inputs(rng, 1, 64, 2048, E, K, 1, "random")
+    bias = jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+    assert_matches_reference(step, x, idx, w, bias, x * 2)
+
+
 LOW_LATENCY_CASES = [  # tokens, hidden, layout, fp8, capacity, split
     (1, 7168, "expert_padded", True, None, False),
     (7, 2048, "rank", True, None, True),

@@ -66,7 +66,7 @@ def groups(mps):
         CUDA_VISIBLE_DEVICES="0",
         XLA_PYTHON_CLIENT_PREALLOCATE="false",
         NCCL_NVLS_ENABLE="0",
-        JAX_PLATFORMS="cuda",
+        JAX_PLATFORMS="cuda,cpu",  # cpu: check_invalid's host callback
     )
     timeout = int(os.environ.get("JAX_EP_GROUP_TIMEOUT", 900))
     with ThreadPoolExecutor(len(PROCESS_COUNTS)) as pool:

@@ -36,3 +36,19 @@ def test_varying_axes_inside_and_outside_shard_map():
 def test_distributed_client_says_what_to_do_when_jax_distributed_is_off():
     with pytest.raises(ValueError, match=r"jax.distributed.initialize\(\)"):
         _jax.distributed_client()
+
+
+def test_a_float8_residual_saved_by_checkpoint_keeps_its_values():
+    """float8_e4m3fn has no inf: 256..448 use the top exponent. jax.checkpoint's rounding of saved
+    residuals must leave them finite (XLA's reduce_precision would make them NaN)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    def f(x):
+        q = checkpoint_name((x * jnp.array([1.0, 300.0, -448.0])).astype(jnp.float8_e4m3fn), "q")
+        return jnp.sum(q.astype(jnp.float32) * x)
+
+    saving_q = jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names("q"))
+    x = jnp.ones((3,), jnp.float32)
+    want = jax.grad(f)(x)
+    assert jnp.isfinite(want).all()
+    assert (jax.jit(jax.grad(saving_q))(x) == want).all()

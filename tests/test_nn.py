@@ -459,3 +459,26 @@ def test_fp8_weights_made_once_equal_the_ones_made_in_the_call():
     )
     with pytest.raises(ValueError, match="fp8_weights given but cfg.fp8 is False"):
         layer(params, x, fp8_weights=nn.quantize_expert_weights(params))
+
+
+def test_layer_over_nodes_with_node_limited_routing_equals_dense_moe(impl="ffi"):
+    """expert_axis=("node", "ep") on a 2 x 4 mesh, max_nodes_per_token=1: every token's
+    experts on one node, and the layer is the dense MoE with the same node-limited router."""
+    cfg = dataclasses.replace(CONFIGS["sigmoid-groups-shared"], max_nodes_per_token=1)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("node", "ep"))
+    params = nn.init_params(jax.random.key(3), cfg)
+    x = jax.random.normal(jax.random.key(4), (mesh.size * TOKENS, H))
+    layer = nn.MoELayer(cfg, mesh, expert_axis=("node", "ep"), tokens_per_rank=TOKENS, impl=impl)
+    topk_idx, _, _ = nn.route(x, params["router"], cfg, num_nodes=2)
+    nodes = np.asarray(topk_idx) // (E // 2)
+    assert (nodes == nodes[:, :1]).all() and len(np.unique(nodes)) == 2
+    (y, aux), (y_dense, aux_dense) = (
+        jax.jit(layer)(params, x),
+        nn.dense_moe(params, x, cfg, num_nodes=2),
+    )
+    assert relative_error(y, y_dense) < 1e-5
+    assert_same_aux(aux, aux_dense)
+    cotangent = jax.random.normal(jax.random.key(5), x.shape)
+    grads = jax.jit(jax.grad(lambda p: loss(*layer(p, x), cotangent)))(params)
+    dense = jax.grad(lambda p: loss(*nn.dense_moe(p, x, cfg, num_nodes=2), cotangent))(params)
+    assert_close_trees(grads, dense, 1e-5, "gradient")

@@ -15,7 +15,20 @@ def assert_ok(results):
     "num_processes,devices,dp", [(2, 2, 1), (4, 1, 1), (2, 4, 2)], ids=["2x2", "4x1", "2x4-dp2"]
 )
 def test_mesh_across_processes_matches_reference(num_processes, devices, dp):
-    assert_ok(launch("matches_reference", num_processes, devices, env={"DP": str(dp)}))
+    assert_ok(launch("flat", num_processes, devices, env={"DP": str(dp)}))
+
+
+@pytest.mark.parametrize("num_nodes,devices", [(2, 2), (4, 2), (2, 4)], ids=["2x2", "4x2", "2x4"])
+def test_processes_as_nodes_match_reference(num_nodes, devices):
+    """A Buffer over ("node", "ep"), one process per node; 2 x 2 then loses a node: an error
+    on the others, not a hang."""
+    missing = {"MISSING_NODE": "1"} if (num_nodes, devices) == (2, 2) else {}
+    results = launch("nodes", num_nodes, devices, env=missing)
+    if missing:
+        code, out = results[0]
+        assert code == 0 and "SCENARIO OK" in out and "RAISED:" in out, out[-4000:]
+    else:
+        assert_ok(results)
 
 
 def test_buffers_that_differ_between_processes_raise_everywhere():

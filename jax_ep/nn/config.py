@@ -24,6 +24,9 @@ class MoEConfig:
         score: the router's scores, "softmax" or "sigmoid".
         num_groups: > 1: group-limited top-k (DeepSeek-V3), the experts in this many groups.
         topk_groups: groups a token may use.
+        max_nodes_per_token: on a Buffer over ("node", "ep"): the most nodes a token's experts
+            may span (DeepSeek-V3's node-limited routing: the nodes with the best sums of
+            their top num_topk / M scores), before the group limit; None: any.
         normalize_weights: top-k weights sum to 1 before routed_scaling.
         routed_scaling: the factor of the top-k weights.
         shared_ffn_hidden: the shared expert's SwiGLU width; 0: no shared expert.
@@ -52,6 +55,7 @@ class MoEConfig:
     score: str = "softmax"
     num_groups: int = 1
     topk_groups: int = 1
+    max_nodes_per_token: int | None = None
     normalize_weights: bool = True
     routed_scaling: float = 1.0
     shared_ffn_hidden: int = 0
@@ -68,6 +72,13 @@ class MoEConfig:
             raise ValueError(f"jax_ep.nn: score must be 'softmax' or 'sigmoid', got {self.score!r}")
         if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
             raise ValueError("jax_ep.nn: num_groups must divide num_experts and be >= topk_groups")
+        if self.max_nodes_per_token is not None and not (
+            isinstance(self.max_nodes_per_token, int) and self.max_nodes_per_token > 0
+        ):
+            raise ValueError(
+                f"jax_ep.nn: max_nodes_per_token must be a positive integer or None, got "
+                f"{self.max_nodes_per_token!r}"
+            )
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(
                 f"jax_ep.nn: capacity_factor must be positive or None, got {self.capacity_factor!r}"

@@ -189,7 +189,7 @@ def moe_block(
             "jax_ep.nn: fp8_weights given but cfg.fp8 is False (the FP8 weights "
             "multiply the dispatch's FP8 rows)"
         )
-    topk_idx, topk_weights, scores = route(x, params["router"], cfg, routing_bias)
+    topk_idx, topk_weights, scores = route(x, params["router"], cfg, routing_bias, buffer.num_nodes)
     capacity = expert_capacity(cfg, x.shape[0], buffer.num_ranks)
     d = buffer.dispatch(
         x,
@@ -273,7 +273,13 @@ class MoELayer:
         **buffer_options,
     ):
         self.cfg, self.mesh = cfg, mesh
-        self.token_axes = tuple(a for a in (data_axis, expert_axis) if a is not None)
+        # expert_axis may be a tuple, ("node", "ep"): the tokens are split over each of its axes
+        self.token_axes = tuple(
+            name
+            for axis in (data_axis, expert_axis)
+            if axis is not None
+            for name in (axis if isinstance(axis, tuple) else (axis,))
+        )
         self.expert_axis = expert_axis
         self.buffer = Buffer(
             mesh,

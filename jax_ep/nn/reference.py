@@ -12,7 +12,9 @@ from jax_ep.nn.config import MoEConfig
 from jax_ep.nn.routing import check_routing_bias, expert_load, load_balancing_loss, route
 
 
-def dense_moe(params, x, cfg: MoEConfig, *, num_ranks=1, tokens_per_rank=None, routing_bias=None):
+def dense_moe(
+    params, x, cfg: MoEConfig, *, num_ranks=1, tokens_per_rank=None, routing_bias=None, num_nodes=1
+):
     """The same MoE on one device without expert parallelism: every expert on every token.
     x [G * R * T, H] holds the tokens of G EP groups of num_ranks ranks with tokens_per_rank
     each (default: one group), in rank order, as MoELayer splits them; with a capacity_factor
@@ -20,7 +22,7 @@ def dense_moe(params, x, cfg: MoEConfig, *, num_ranks=1, tokens_per_rank=None, r
     sum as the layer's combine does. -> (y, MoEAux)."""
     check_routing_bias(cfg, routing_bias)
     tokens_per_rank = tokens_per_rank or x.shape[0] // num_ranks
-    topk_idx, topk_weights, scores = route(x, params["router"], cfg, routing_bias)
+    topk_idx, topk_weights, scores = route(x, params["router"], cfg, routing_bias, num_nodes)
     per_expert = jax.vmap(lambda g, u, dn: moe.swiglu(x, g, u, dn, jnp.matmul), out_axes=1)(
         params["w_gate"], params["w_up"], params["w_down"]
     )  # [T, E, H]

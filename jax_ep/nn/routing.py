@@ -10,30 +10,40 @@ import jax.numpy as jnp
 from jax_ep.nn.config import MoEConfig
 
 
-def route(x, router, cfg: MoEConfig, routing_bias=None):
+def route(x, router, cfg: MoEConfig, routing_bias=None, num_nodes=1):
     """-> topk_idx [T, K] int32, topk_weights [T, K] float32, scores [T, E] float32.
     routing_bias [E] (DeepSeek-V3's auxiliary-loss-free balancing) moves experts up or down in
-    the choice of the top-k (and of the groups), not in the weights; it gets no gradient."""
+    the choice of the top-k (and of the groups and nodes), not in the weights; it gets no
+    gradient. num_nodes: the nodes the experts lie on, in equal consecutive blocks (a Buffer's
+    num_nodes), for cfg.max_nodes_per_token."""
     logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if cfg.score == "softmax" else jax.nn.sigmoid(logits)
     choose = scores
     if routing_bias is not None:
         choose = scores + jax.lax.stop_gradient(routing_bias.astype(jnp.float32))
+    if cfg.max_nodes_per_token and num_nodes > cfg.max_nodes_per_token:
+        # DeepSeek-V3's node-limited routing: the nodes with the best sums of their top K / M
+        per_node_top = max(1, cfg.num_topk // cfg.max_nodes_per_token)
+        choose = _keep_best_blocks(choose, num_nodes, cfg.max_nodes_per_token, per_node_top)
     if cfg.num_groups > 1:  # keep the experts of the topk_groups groups with the best top-2 sum
-        by_group = choose.reshape(scores.shape[0], cfg.num_groups, -1)
-        group_score = jax.lax.top_k(by_group, min(2, by_group.shape[-1]))[0].sum(-1)
-        _, best = jax.lax.top_k(group_score, cfg.topk_groups)
-        keep = (
-            jnp.zeros(group_score.shape, bool)
-            .at[jnp.arange(scores.shape[0])[:, None], best]
-            .set(True)
-        )
-        choose = jnp.where(jnp.repeat(keep, by_group.shape[-1], axis=1), choose, -jnp.inf)
+        choose = _keep_best_blocks(choose, cfg.num_groups, cfg.topk_groups, 2)
     _, topk_idx = jax.lax.top_k(choose, cfg.num_topk)
     weights = jnp.take_along_axis(scores, topk_idx, axis=1)
     if cfg.normalize_weights:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return topk_idx.astype(jnp.int32), weights * cfg.routed_scaling, scores
+
+
+def _keep_best_blocks(choose, num_blocks, keep, per_block_top):
+    """choose [T, E] with -inf outside the `keep` blocks (of num_blocks consecutive experts)
+    whose best per_block_top scores sum highest."""
+    by_block = choose.reshape(choose.shape[0], num_blocks, -1)
+    block_score = jax.lax.top_k(by_block, min(per_block_top, by_block.shape[-1]))[0].sum(-1)
+    _, best = jax.lax.top_k(block_score, keep)
+    kept = (
+        jnp.zeros(block_score.shape, bool).at[jnp.arange(choose.shape[0])[:, None], best].set(True)
+    )
+    return jnp.where(jnp.repeat(kept, by_block.shape[-1], axis=1), choose, -jnp.inf)
 
 
 def load_balancing_loss(scores, topk_idx, cfg: MoEConfig, token_axes=()):

@@ -7,9 +7,9 @@
 namespace jax_ep {
 
 struct EngineMember {
-  int device;  // local device ordinal
-  int group;   // EP group (a coordinate of the mesh's other axes)
-  int rank;    // position along the Buffer's axis
+  int device;                   // local device ordinal
+  int group;                    // EP group (a coordinate of the mesh's other axes)
+  int rank;                     // position along the Buffer's axis
   uint8_t* window = nullptr;    // this rank's window, zeroed
   std::vector<uint8_t*> peers;  // every rank's window of the group as this process maps it
 };

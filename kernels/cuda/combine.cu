@@ -13,62 +13,57 @@ namespace {
 
 constexpr int kWarps = 16;
 
-struct Params {
-  Peers p;
-  CombineSend s;
-  CombineRecv v;
-  Part part;
-  const int32_t* ticket;
-  int32_t* token_out;
-  __host__ __device__ bool in_place() const { return part == Part::kWhole && p.direct_local; }
-};
+using CombineParams = OpParams<CombineSend, CombineRecv>;
 
 // first[s]: this rank's first rank-level row from source s (the dispatch's counts); first[R]: all.
 // The handle's counts are trusted only within a block of the window and the rows given: a stale
 // or corrupted handle cannot write past a block of a peer's window or read past row_data.
-__device__ void dispatch_offsets(const CombineSend& s, int num_ranks, int rows_per_source,
+__device__ void dispatch_offsets(const CombineSend& send, int num_ranks, int rows_per_source,
                                  int32_t* first) {
   if (threadIdx.x == 0) {
     int running = 0;
     for (int r = 0; r < num_ranks; ++r) {
       first[r] = running;
-      running += min(max(s.recv_counts[r], 0), rows_per_source);
+      running += min(max(send.recv_counts[r], 0), rows_per_source);
     }
     first[num_ranks] = running;
   }
   __syncthreads();
 }
 
-__device__ void send_back(const Params& P, uint64_t op, const int32_t* first) {
-  const Peers& p = P.p;
-  const Window& w = p.w;
-  const CombineSend& s = P.s;
-  const int R = w.num_ranks, me = p.rank, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int slot = int(op % kSlots), present = max(0, min(*s.num_rows, min(first[R], s.rows)));
+__device__ void send_back(const CombineParams& params, uint64_t op, const int32_t* first) {
+  const Peers& peers = params.peers;
+  const Window& window = peers.window;
+  const CombineSend& send = params.send;
+  const int R = window.num_ranks, me = peers.rank, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int slot = int(op % kSlots),
+            present = max(0, min(*send.num_rows, min(first[R], send.rows)));
   if (blockIdx.x == 0 && threadIdx.x < R) {  // rows kept per source (the rest were dropped)
     const int src = threadIdx.x;
     const int kept = max(0, min(present - first[src], first[src + 1] - first[src]));
-    send_count(p, src, op, count_word(kept, 0), signature(s, w.num_ranks * w.experts_per_rank));
+    send_count(peers, src, op, count_word(kept, 0),
+               signature(send, window.num_ranks * window.experts_per_rank));
   }
-  const int64_t elem = dtype_size(s.rows_dtype), row_bytes = s.width * elem;
-  const Pieces pieces(kWarps, present, s.width);
+  const int64_t elem = dtype_size(send.rows_dtype), row_bytes = send.width * elem;
+  const Pieces pieces(kWarps, present, send.width);
   const int units = present * pieces.pieces, stride = gridDim.x * kWarps;
   // Row i of this rank goes back to row j of its source's block there; in place: not sent.
   auto dest = [&](int i) -> uint8_t* {
     const int src = source_of(first, i);
-    if (src == me && P.in_place()) return nullptr;
-    return p.row(src, slot, me, i - first[src]);
+    if (src == me && params.in_place()) return nullptr;
+    return peers.row(src, slot, me, i - first[src]);
   };
   for (int u = blockIdx.x * kWarps + warp; u < units; u += stride) {
     const int i = u / pieces.pieces, piece = u % pieces.pieces;
     uint8_t* to = dest(i);
     if (!to) continue;
-    copy_bytes(to, static_cast<const uint8_t*>(s.row_data) + i * row_bytes,
+    copy_bytes(to, static_cast<const uint8_t*>(send.row_data) + i * row_bytes,
                pieces.first(piece) * kPartElems * elem,
                min(row_bytes, pieces.end(piece) * kPartElems * elem));
-    if (s.extra && piece == 0)
-      for (int c = lane; c < s.extra_cols; c += 32)
-        reinterpret_cast<float*>(to + w.meta_at())[c] = s.extra[int64_t(i) * s.extra_cols + c];
+    if (send.extra && piece == 0)
+      for (int c = lane; c < send.extra_cols; c += 32)
+        reinterpret_cast<float*>(to + window.meta_at())[c] =
+            send.extra[int64_t(i) * send.extra_cols + c];
   }
   __syncwarp();
   fence_release_sys();
@@ -76,18 +71,16 @@ __device__ void send_back(const Params& P, uint64_t op, const int32_t* first) {
     const int i = u / pieces.pieces, piece = u % pieces.pieces;
     uint8_t* to = dest(i);
     if (!to) continue;
-    uint64_t* flags = reinterpret_cast<uint64_t*>(to + w.flags_at());
-    for (int part = pieces.first(piece) + lane; part < pieces.end(piece); part += 32)
-      store_relaxed(flags + part, op);
+    raise_flags(window, to, pieces.first(piece), pieces.end(piece), op);
   }
 }
 
 // out[t] = bias[t] + its rows from every rank it was sent to, in rank order, in float32.
-__device__ void sum_back(const Params& P, uint64_t op) {
-  const Peers& p = P.p;
-  const Window& w = p.w;
-  const CombineRecv& v = P.v;
-  const int R = w.num_ranks, me = p.rank, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+__device__ void sum_back(const CombineParams& params, uint64_t op) {
+  const Peers& peers = params.peers;
+  const Window& window = peers.window;
+  const CombineRecv& recv = params.recv;
+  const int R = window.num_ranks, me = peers.rank, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int slot = int(op % kSlots);
   __shared__ int32_t kept[kMaxGpuRanks + 1];  // via row_offsets-like reads of the count words
   __shared__ int32_t self_first[kMaxGpuRanks + 1];
@@ -96,93 +89,95 @@ __device__ void sum_back(const Params& P, uint64_t op) {
   __shared__ bool ok;
   if (threadIdx.x == 0) ok = true;
   __syncthreads();
-  if (threadIdx.x < R && !wait_count(p, op, threadIdx.x, kWaitCounts, &kept[threadIdx.x]))
+  if (threadIdx.x < R && !wait_count(peers, op, threadIdx.x, kWaitCounts, &kept[threadIdx.x]))
     kept[threadIdx.x] = 0;
-  if (P.in_place()) dispatch_offsets(P.s, R, w.rows_per_source, self_first);
+  if (params.in_place()) dispatch_offsets(params.send, R, window.rows_per_source, self_first);
   __syncthreads();
-  check_signatures(p, op);
+  check_signatures(peers, op);
   __syncthreads();
-  if (threadIdx.x == 0) ok = !aborted(p);
+  if (threadIdx.x == 0) ok = !aborted(peers);
   __syncthreads();
   if (!ok) return;
-  const int64_t elem = dtype_size(v.rows_dtype);
-  const bool vectors = (v.width * elem) % 16 == 0;
-  const Pieces pieces(kWarps, v.num_tokens, v.width);
-  for (int u = blockIdx.x * kWarps + warp; u < v.num_tokens * pieces.pieces;
+  const int64_t elem = dtype_size(recv.rows_dtype);
+  const bool vectors = (recv.width * elem) % 16 == 0;
+  const Pieces pieces(kWarps, recv.num_tokens, recv.width);
+  for (int u = blockIdx.x * kWarps + warp; u < recv.num_tokens * pieces.pieces;
        u += gridDim.x * kWarps) {
     const int t = u / pieces.pieces, piece = u % pieces.pieces;
     const int p0 = pieces.first(piece), p1 = pieces.end(piece);
-    int32_t j = lane < R ? v.send_pos[int64_t(t) * R + lane] : -1;
+    int32_t j = lane < R ? recv.send_pos[int64_t(t) * R + lane] : -1;
     if (lane < R && j >= kept[lane]) j = -1;  // not sent, or dropped there
     const uint32_t sources = __ballot_sync(~0u, j >= 0);
     bool arrived = true;
     if (j >= 0) {
       const uint8_t* row;
-      if (lane == me && P.in_place()) {  // this rank's own row, where its combine input is
+      if (lane == me && params.in_place()) {  // this rank's own row, where its combine input is
         const int64_t i = self_first[me] + j;
-        row = static_cast<const uint8_t*>(P.s.row_data) + i * v.width * elem;
-        extra_at[warp][lane] = P.s.extra ? P.s.extra + i * v.extra_cols : nullptr;
+        row = static_cast<const uint8_t*>(params.send.row_data) + i * recv.width * elem;
+        extra_at[warp][lane] =
+            params.send.extra ? params.send.extra + i * recv.extra_cols : nullptr;
       } else {
-        row = p.row(me, slot, lane, j);
-        extra_at[warp][lane] = reinterpret_cast<const float*>(row + w.meta_at());
-        const uint64_t* flags = reinterpret_cast<const uint64_t*>(row + w.flags_at());
+        row = peers.row(me, slot, lane, j);
+        extra_at[warp][lane] = reinterpret_cast<const float*>(row + window.meta_at());
+        const uint64_t* flags = reinterpret_cast<const uint64_t*>(row + window.flags_at());
         for (int part = p0; part < p1; ++part)
-          arrived &= wait_op(p, flags + part, op, kWaitRows, lane);
+          arrived &= wait_op(peers, flags + part, op, kWaitRows, lane);
       }
       row_at[warp][lane] = reinterpret_cast<const int4*>(row);
     }
     if (!__all_sync(~0u, arrived)) continue;
     __syncwarp();
-    const int c0 = p0 * kPartElems, c1 = min(v.width, p1 * kPartElems);
+    const int c0 = p0 * kPartElems, c1 = min(recv.width, p1 * kPartElems);
     if (vectors) {
-      sum_rows(v, t, sources, row_at[warp], int(c0 * elem / 16), int(c1 * elem / 16));
+      sum_rows(recv, t, sources, row_at[warp], int(c0 * elem / 16), int(c1 * elem / 16));
     } else {
       for (int c = c0 + lane; c < c1; c += 32) {
-        const int64_t at = int64_t(t) * v.width + c;
-        float acc = v.bias ? load_float(v.bias, at, v.bias_dtype) : 0.f;
+        const int64_t at = int64_t(t) * recv.width + c;
+        float acc = recv.bias ? load_float(recv.bias, at, recv.bias_dtype) : 0.f;
         for (uint32_t m = sources; m; m &= m - 1)
-          acc += load_float(row_at[warp][__ffs(m) - 1], c, v.rows_dtype);
-        store_float(v.out, at, v.out_dtype, acc);
+          acc += load_float(row_at[warp][__ffs(m) - 1], c, recv.rows_dtype);
+        store_float(recv.out, at, recv.out_dtype, acc);
       }
     }
-    if (v.extra_out && piece == 0)  // the extra columns, in the same order
-      for (int c = lane; c < v.extra_cols; c += 32) {
+    if (recv.extra_out && piece == 0)  // the extra columns, in the same order
+      for (int c = lane; c < recv.extra_cols; c += 32) {
         float acc = 0.f;
         for (uint32_t m = sources; m; m &= m - 1) acc += extra_at[warp][__ffs(m) - 1][c];
-        v.extra_out[int64_t(t) * v.extra_cols + c] = acc;
+        recv.extra_out[int64_t(t) * recv.extra_cols + c] = acc;
       }
     __syncwarp();
   }
-  finish_recv(p, op);
+  finish_recv(peers, op);
 }
 
 // What a failed op leaves in its output (the whole block, all of it): NaN.
-__device__ void poison(const Params& P) {
-  if (P.part == Part::kSend) return;
-  const CombineRecv& v = P.v;
-  fill_nan(v.out, int64_t(v.num_tokens) * v.width, dtype_size(v.out_dtype));
-  if (v.extra_out) fill_nan(v.extra_out, int64_t(v.num_tokens) * v.extra_cols, 4);
+__device__ void poison(const CombineParams& params) {
+  if (params.part == Part::kSend) return;
+  const CombineRecv& recv = params.recv;
+  fill_nan(recv.out, int64_t(recv.num_tokens) * recv.width, dtype_size(recv.out_dtype));
+  if (recv.extra_out) fill_nan(recv.extra_out, int64_t(recv.num_tokens) * recv.extra_cols, 4);
 }
 
-__global__ void __launch_bounds__(kWarps * 32, 1) combine_kernel(Params P) {
+__global__ void __launch_bounds__(kWarps * 32, 1) combine_kernel(CombineParams params) {
   __shared__ uint64_t op;
   __shared__ int32_t first[kMaxGpuRanks + 1];
   __shared__ bool stop;
-  if (threadIdx.x == 0) stop = aborted(P.p);  // an op gave up: this one only leaves NaN
+  if (threadIdx.x == 0) stop = aborted(params.peers);  // an op gave up: this one only leaves NaN
   __syncthreads();
-  if (stop) return poison(P);
-  const bool sending = P.part != Part::kRecv;
-  begin_op(P.p, sending ? Begin::kCount : Begin::kTicket, P.ticket, &op);
+  if (stop) return poison(params);
+  const bool sending = params.part != Part::kRecv;
+  begin_op(params.peers, sending ? Begin::kCount : Begin::kTicket, params.ticket, &op);
   __syncthreads();
-  if (blockIdx.x == 0 && threadIdx.x == 0 && P.token_out) *P.token_out = int32_t(op);
+  if (blockIdx.x == 0 && threadIdx.x == 0 && params.token_out) *params.token_out = int32_t(op);
   if (sending) {
-    wait_slot_free(P.p, op);
-    dispatch_offsets(P.s, P.p.w.num_ranks, P.p.w.rows_per_source,
+    wait_slot_free(params.peers, op);
+    dispatch_offsets(params.send, params.peers.window.num_ranks,
+                     params.peers.window.rows_per_source,
                      first);  // its barrier completes the wait
-    send_back(P, op, first);
+    send_back(params, op, first);
   }
-  if (P.part != Part::kSend) sum_back(P, op);
-  if (block_sees_abort(P.p)) poison(P);
+  if (params.part != Part::kSend) sum_back(params, op);
+  if (block_sees_abort(params.peers)) poison(params);
 }
 
 }  // namespace
@@ -190,10 +185,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) combine_kernel(Params P) {
 std::string combine(const Rank& r, cudaStream_t stream, Part part, const CombineSend* send,
                     const CombineRecv* recv, const int32_t* ticket, int32_t* token_out) {
   if (auto err = r.failed(); !err.empty()) return err;
-  const Params P{
+  const CombineParams params{
       r.peers(), send ? *send : CombineSend{}, recv ? *recv : CombineRecv{}, part, ticket,
       token_out};
-  combine_kernel<<<r.blocks, kWarps * 32, 0, stream>>>(P);
+  combine_kernel<<<r.blocks, kWarps * 32, 0, stream>>>(params);
   JAX_EP_CUDA_TRY(cudaGetLastError());
   return {};
 }

@@ -7,14 +7,14 @@
 namespace jax_ep::cuda {
 
 Peers Rank::peers() const {
-  Peers p{};
-  p.w = window;
-  for (int r = 0; r < window.num_ranks; ++r) p.window[r] = windows[r];
-  p.rank = rank;
-  p.timeout_ns = uint64_t(timeout_s * 1e9);
-  p.failure = failure_on_device;
-  p.direct_local = direct_local;
-  return p;
+  Peers peers{};
+  peers.window = window;
+  for (int r = 0; r < window.num_ranks; ++r) peers.windows[r] = windows[r];
+  peers.rank = rank;
+  peers.timeout_ns = uint64_t(timeout_s * 1e9);
+  peers.failure = failure_on_device;
+  peers.direct_local = direct_local;
+  return peers;
 }
 
 std::string Rank::failed() const {

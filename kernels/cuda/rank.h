@@ -23,19 +23,33 @@ struct Failure {
 
 // What every kernel of an op takes (by value): the window layout and where every rank's is.
 struct Peers {
-  Window w;
-  uint8_t* window[kMaxGpuRanks];  // window[r]: rank r's window as this GPU reaches it
+  Window window;                   // the layout every rank's window has
+  uint8_t* windows[kMaxGpuRanks];  // windows[r]: rank r's window as this GPU reaches it
   int rank;
   uint64_t timeout_ns;
   Failure* failure;   // device view of the host-mapped record
   bool direct_local;  // whole ops write a rank's own rows in place
 
   __device__ uint64_t* word(int r, int64_t offset) const {
-    return reinterpret_cast<uint64_t*>(window[r] + offset);
+    return reinterpret_cast<uint64_t*>(windows[r] + offset);
   }
   __device__ uint8_t* row(int on, int slot, int source, int j) const {
-    return window[on] + w.row_at(slot, source, j);
+    return windows[on] + window.row_at(slot, source, j);
   }
+};
+
+// What each kernel of an op takes (by value): the group, the op's halves (a split op's kernels
+// get one, the other empty), the part they run, and where the op's number comes from and goes.
+template <typename Send, typename Recv>
+struct OpParams {
+  Peers peers;
+  Send send;
+  Recv recv;
+  Part part;
+  const int32_t* ticket;  // recv halves: the device word holding the op's number
+  int32_t* token_out;     // gets the op's number
+  // A whole op whose rows to this rank are written in place.
+  __host__ __device__ bool in_place() const { return part == Part::kWhole && peers.direct_local; }
 };
 
 struct Rank {
@@ -76,6 +90,6 @@ std::string dispatch(const Rank& r, cudaStream_t stream, Part part, const Dispat
                      int32_t* token_out);
 std::string combine(const Rank& r, cudaStream_t stream, Part part, const CombineSend* send,
                     const CombineRecv* recv, const int32_t* ticket, int32_t* token_out);
-std::string expert_layout(cudaStream_t stream, const ExpertLayoutArgs& a);
+std::string expert_layout(cudaStream_t stream, const ExpertLayoutArgs& args);
 
 }  // namespace jax_ep::cuda

@@ -6,6 +6,7 @@
 
 #include <type_traits>
 
+#include "kernels/cuda/warp.cuh"
 #include "kernels/dtype.h"
 #include "kernels/fp8.h"
 #include "kernels/ops.h"
@@ -67,10 +68,7 @@ __device__ __forceinline__ float element_as_float(const int4* v, int i) {
 template <typename T>
 __device__ __forceinline__ int4 quantize16(const int4* v, bool round_scale, float* scale) {
   constexpr int kLanesPerBlock = RowStep<T, true>::kLanesPerBlock;
-  float max_abs = abs_max16<T>(v);
-#pragma unroll
-  for (int off = kLanesPerBlock / 2; off > 0; off /= 2)
-    max_abs = fmaxf(max_abs, __shfl_xor_sync(~0u, max_abs, off));
+  const float max_abs = group_max<kLanesPerBlock>(abs_max16<T>(v));
   const Fp8Block block = Fp8Block::make(max_abs, round_scale);
   *scale = block.scale;
   uint32_t q[4];
@@ -231,19 +229,19 @@ constexpr int kSumUnroll = 4;  // 16-byte vectors per lane and source in flight
 // (the fixed summation order), accumulated in float32 and rounded once; 16-byte vectors
 // [first, vectors) of rows of 16-byte multiples. Sources are loaded two at a time, so a peer's
 // loads are in flight together with the local ones.
-__device__ __forceinline__ void sum_rows(const CombineRecv& a, int t, uint32_t sources,
+__device__ __forceinline__ void sum_rows(const CombineRecv& recv, int t, uint32_t sources,
                                          const int4* const* row_at, int first, int vectors) {
   const int lane = threadIdx.x % 32;
-  const int per_vector = 16 / dtype_size(a.rows_dtype);
+  const int per_vector = 16 / dtype_size(recv.rows_dtype);
   for (int v0 = first; v0 < vectors; v0 += 32 * kSumUnroll) {
     float acc[kSumUnroll][8] = {};
-    if (a.bias) {
+    if (recv.bias) {
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u) {
         const int v = v0 + u * 32 + lane;
         if (v < vectors)
-          load_run(acc[u], a.bias, int64_t(t) * a.width + int64_t(v) * per_vector, per_vector,
-                   a.bias_dtype);
+          load_run(acc[u], recv.bias, int64_t(t) * recv.width + int64_t(v) * per_vector, per_vector,
+                   recv.bias_dtype);
       }
     }
     for (uint32_t m = sources; m;) {
@@ -251,25 +249,25 @@ __device__ __forceinline__ void sum_rows(const CombineRecv& a, int t, uint32_t s
       m &= m - 1;
       const int4* second_src = m ? row_at[__ffs(m) - 1] : nullptr;
       m &= m - 1;
-      int4 w[2][kSumUnroll];
+      int4 loaded[2][kSumUnroll];
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u) {
         const int v = v0 + u * 32 + lane;
-        w[0][u] = v < vectors ? first_src[v] : make_int4(0, 0, 0, 0);
-        w[1][u] = second_src && v < vectors ? second_src[v] : make_int4(0, 0, 0, 0);
+        loaded[0][u] = v < vectors ? first_src[v] : make_int4(0, 0, 0, 0);
+        loaded[1][u] = second_src && v < vectors ? second_src[v] : make_int4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) add_vector(acc[u], w[0][u], a.rows_dtype);
+      for (int u = 0; u < kSumUnroll; ++u) add_vector(acc[u], loaded[0][u], recv.rows_dtype);
       if (second_src)
 #pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u) add_vector(acc[u], w[1][u], a.rows_dtype);
+        for (int u = 0; u < kSumUnroll; ++u) add_vector(acc[u], loaded[1][u], recv.rows_dtype);
     }
 #pragma unroll
     for (int u = 0; u < kSumUnroll; ++u) {
       const int v = v0 + u * 32 + lane;
       if (v < vectors)
-        store_run(a.out, int64_t(t) * a.width + int64_t(v) * per_vector, acc[u], per_vector,
-                  a.out_dtype);
+        store_run(recv.out, int64_t(t) * recv.width + int64_t(v) * per_vector, acc[u], per_vector,
+                  recv.out_dtype);
     }
   }
 }

@@ -9,22 +9,22 @@ namespace jax_ep::cuda {
 
 constexpr size_t kDefaultSharedBytes = 48 * 1024;  // static + dynamic, without opting in
 
-__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* word) {
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(word) : "memory");
+  return value;
 }
 
-__device__ __forceinline__ uint64_t load_volatile(const uint64_t* p) {
-  return *reinterpret_cast<const volatile uint64_t*>(p);
+__device__ __forceinline__ uint64_t load_volatile(const uint64_t* word) {
+  return *reinterpret_cast<const volatile uint64_t*>(word);
 }
 
-__device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+__device__ __forceinline__ void store_release(uint64_t* word, uint64_t value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(word), "l"(value) : "memory");
 }
 
-__device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+__device__ __forceinline__ void store_relaxed(uint64_t* word, uint64_t value) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(word), "l"(value) : "memory");
 }
 
 // Orders this thread's earlier writes (and those it observed) before its later ones, for every
@@ -41,21 +41,22 @@ __device__ __forceinline__ uint64_t global_time_ns() {
 
 // Whether some rank of the group gave up: its abort record is in this rank's window (or being
 // written there).
-__device__ __forceinline__ bool aborted(const Peers& p) {
-  return load_volatile(p.word(p.rank, p.w.aborted_at())) != kNoAbort;
+__device__ __forceinline__ bool aborted(const Peers& peers) {
+  return load_volatile(peers.word(peers.rank, peers.window.aborted_at())) != kNoAbort;
 }
 
 // The abort record of this rank's window into the host-mapped Failure, by the first thread of
 // the rank's kernels to get here (the host reads it at the next call, or in Buffer.status()).
-static __device__ __noinline__ void record_failure(const Peers& p) {
-  auto* claim = reinterpret_cast<unsigned int*>(p.window[p.rank] + p.w.failure_claim_at());
+static __device__ __noinline__ void record_failure(const Peers& peers) {
+  auto* claim =
+      reinterpret_cast<unsigned int*>(peers.windows[peers.rank] + peers.window.failure_claim_at());
   if (atomicCAS(claim, 0u, 1u) != 0u) return;
-  const uint64_t* state = p.word(p.rank, p.w.aborted_at());
+  const uint64_t* state = peers.word(peers.rank, peers.window.aborted_at());
   const uint64_t start = global_time_ns();  // the writer publishes it at once (unless it died)
-  while (load_acquire(state) != kAbortWritten && global_time_ns() - start < p.timeout_ns) {
+  while (load_acquire(state) != kAbortWritten && global_time_ns() - start < peers.timeout_ns) {
   }
-  volatile Failure* f = p.failure;
-  const uint64_t* record = p.word(p.rank, p.w.abort_record_at());
+  volatile Failure* f = peers.failure;
+  const uint64_t* record = peers.word(peers.rank, peers.window.abort_record_at());
   volatile uint64_t* to = reinterpret_cast<volatile uint64_t*>(&f->record);
   for (int i = 0; i < int(sizeof(AbortRecord) / 8); ++i) to[i] = load_volatile(record + i);
   __threadfence_system();
@@ -67,38 +68,38 @@ static __device__ __noinline__ void record_failure(const Peers& p) {
 // free (this rank's first, so that it names this rank's reason), which stops every wait of
 // every rank at once; then into this rank's host record. The kernels end; their results are
 // NaN (the kernels' ends poison them) and the next call raises.
-static __device__ __noinline__ void give_up(const Peers& p, Wait what, int peer, uint64_t op,
+static __device__ __noinline__ void give_up(const Peers& peers, Wait what, int peer, uint64_t op,
                                             const uint64_t* mine = nullptr,
                                             const uint64_t* theirs = nullptr) {
-  const Window& w = p.w;
-  for (int i = 0; i < w.num_ranks; ++i) {
-    const int r = (p.rank + i) % w.num_ranks;
-    auto* state = reinterpret_cast<unsigned long long*>(p.word(r, w.aborted_at()));
+  const Window& window = peers.window;
+  for (int i = 0; i < window.num_ranks; ++i) {
+    const int r = (peers.rank + i) % window.num_ranks;
+    auto* state = reinterpret_cast<unsigned long long*>(peers.word(r, window.aborted_at()));
     if (atomicCAS_system(state, 0ull, (unsigned long long)kAbortClaimed) != 0ull) continue;
-    uint64_t* record = p.word(r, w.abort_record_at());
+    uint64_t* record = peers.word(r, window.abort_record_at());
     const uint64_t words[8] = {
-        uint64_t(what),     uint64_t(p.rank),   uint64_t(peer),         op,
-        mine ? mine[0] : 0, mine ? mine[1] : 0, theirs ? theirs[0] : 0, theirs ? theirs[1] : 0};
+        uint64_t(what),     uint64_t(peers.rank), uint64_t(peer),         op,
+        mine ? mine[0] : 0, mine ? mine[1] : 0,   theirs ? theirs[0] : 0, theirs ? theirs[1] : 0};
     for (int k = 0; k < 8; ++k) store_relaxed(record + k, words[k]);
     store_release(reinterpret_cast<uint64_t*>(state), kAbortWritten);
   }
-  record_failure(p);
+  record_failure(peers);
 }
 
 // Spins until ready(*flag); false if this rank gives up meanwhile (timeout_ns without it) or
 // finds that another rank did.
 template <typename Ready>
-__device__ __forceinline__ bool wait_until(const Peers& p, const uint64_t* flag, Ready ready,
+__device__ __forceinline__ bool wait_until(const Peers& peers, const uint64_t* flag, Ready ready,
                                            Wait what, int peer, uint64_t op) {
   if (ready(load_acquire(flag))) return true;
   const uint64_t start = global_time_ns();
   while (!ready(load_acquire(flag))) {
-    if (aborted(p)) {
-      record_failure(p);
+    if (aborted(peers)) {
+      record_failure(peers);
       return false;
     }
-    if (global_time_ns() - start > p.timeout_ns) {
-      give_up(p, what, peer, op);
+    if (global_time_ns() - start > peers.timeout_ns) {
+      give_up(peers, what, peer, op);
       return false;
     }
   }
@@ -107,16 +108,16 @@ __device__ __forceinline__ bool wait_until(const Peers& p, const uint64_t* flag,
 
 // A word holding an op number (count records, rows per expert, flags of rows, released ops) is
 // at least `op`. Op numbers are whole 64-bit words: they never wrap.
-__device__ __forceinline__ bool wait_op(const Peers& p, const uint64_t* word, uint64_t op,
+__device__ __forceinline__ bool wait_op(const Peers& peers, const uint64_t* word, uint64_t op,
                                         Wait what, int peer) {
-  return wait_until(p, word, [op](uint64_t v) { return v >= op; }, what, peer, op);
+  return wait_until(peers, word, [op](uint64_t v) { return v >= op; }, what, peer, op);
 }
 
 // The count record for destination d of op `op` (one thread): count_word(rows, invalid ids) and
 // the op's signature, then its op number with release semantics (the flag of the record).
-__device__ __forceinline__ void send_count(const Peers& p, int d, uint64_t op, uint64_t count,
+__device__ __forceinline__ void send_count(const Peers& peers, int d, uint64_t op, uint64_t count,
                                            const Signature& sig) {
-  uint64_t* record = p.word(d, p.w.counts_at(int(op % kSlots), p.rank));
+  uint64_t* record = peers.word(d, peers.window.counts_at(int(op % kSlots), peers.rank));
   store_relaxed(record + kCountRows / 8, count);
   store_relaxed(record + kCountSignature / 8, signature_word0(sig));
   store_relaxed(record + kCountSignature / 8 + 1, signature_word1(sig));
@@ -125,12 +126,12 @@ __device__ __forceinline__ void send_count(const Peers& p, int d, uint64_t op, u
 
 // Source s's count record of op `op` in this rank's window has come (else false: stopped); its
 // rows, and (if asked) the source's invalid expert ids.
-__device__ __forceinline__ bool wait_count(const Peers& p, uint64_t op, int s, Wait what, int* rows,
-                                           int* invalid = nullptr) {
-  const uint64_t* record = p.word(p.rank, p.w.counts_at(int(op % kSlots), s));
-  if (!wait_op(p, record, op, what, s)) return false;
+__device__ __forceinline__ bool wait_count(const Peers& peers, uint64_t op, int s, Wait what,
+                                           int* rows, int* invalid = nullptr) {
+  const uint64_t* record = peers.word(peers.rank, peers.window.counts_at(int(op % kSlots), s));
+  if (!wait_op(peers, record, op, what, s)) return false;
   const uint64_t count = load_volatile(record + kCountRows / 8);
-  *rows = rows_of(count, p.w.rows_per_source);
+  *rows = rows_of(count, peers.window.rows_per_source);
   if (invalid) *invalid = invalid_of(count);
   return true;
 }
@@ -138,18 +139,20 @@ __device__ __forceinline__ bool wait_count(const Peers& p, uint64_t op, int s, W
 // After every source's record of op `op` came (the caller's barrier): thread s < R compares
 // source s's signature with this rank's own record (what it sent itself) and gives up naming
 // both ops if they differ.
-__device__ __forceinline__ void check_signatures(const Peers& p, uint64_t op) {
+__device__ __forceinline__ void check_signatures(const Peers& peers, uint64_t op) {
   const int s = threadIdx.x;
-  if (s >= p.w.num_ranks) return;
+  if (s >= peers.window.num_ranks) return;
   const int slot = int(op % kSlots);
-  const uint64_t* mine = p.word(p.rank, p.w.counts_at(slot, p.rank)) + kCountSignature / 8;
-  const uint64_t* theirs = p.word(p.rank, p.w.counts_at(slot, s)) + kCountSignature / 8;
+  const uint64_t* mine =
+      peers.word(peers.rank, peers.window.counts_at(slot, peers.rank)) + kCountSignature / 8;
+  const uint64_t* theirs =
+      peers.word(peers.rank, peers.window.counts_at(slot, s)) + kCountSignature / 8;
   if (load_volatile(mine - kCountSignature / 8) < op ||
       load_volatile(theirs - kCountSignature / 8) < op)
     return;  // a record that never came: its wait gave up
   const uint64_t a[2] = {load_volatile(mine), load_volatile(mine + 1)};
   const uint64_t b[2] = {load_volatile(theirs), load_volatile(theirs + 1)};
-  if (a[0] != b[0] || a[1] != b[1]) give_up(p, kMismatch, s, op, a, b);
+  if (a[0] != b[0] || a[1] != b[1]) give_up(peers, kMismatch, s, op, a, b);
 }
 
 // The op this kernel serves, into `op` (shared memory) once the caller's next barrier passed.
@@ -159,15 +162,16 @@ __device__ __forceinline__ void check_signatures(const Peers& p, uint64_t op) {
 // Block 0 first releases, to every source, the last op of each slot received here: the kernel
 // boundary has ordered every read of it before (a plain store, off the critical path).
 enum class Begin { kCount, kFollow, kTicket };
-__device__ __forceinline__ void begin_op(const Peers& p, Begin how, const int32_t* ticket,
+__device__ __forceinline__ void begin_op(const Peers& peers, Begin how, const int32_t* ticket,
                                          uint64_t* op) {
-  const Window& w = p.w;
-  if (blockIdx.x == 0 && threadIdx.x < w.num_ranks)
+  const Window& window = peers.window;
+  if (blockIdx.x == 0 && threadIdx.x < window.num_ranks)
     for (int slot = 0; slot < kSlots; ++slot)
-      store_relaxed(p.word(threadIdx.x, w.released_at(slot, p.rank)),
-                    load_volatile(p.word(p.rank, w.received_at(slot))));
+      store_relaxed(peers.word(threadIdx.x, window.released_at(slot, peers.rank)),
+                    load_volatile(peers.word(peers.rank, window.received_at(slot))));
   if (threadIdx.x == 0) {
-    auto* started = reinterpret_cast<unsigned long long*>(p.word(p.rank, w.started_at()));
+    auto* started =
+        reinterpret_cast<unsigned long long*>(peers.word(peers.rank, window.started_at()));
     if (how == Begin::kCount) {
       *op = atomicAdd(started, 1ull) / gridDim.x + 1;
     } else {
@@ -179,10 +183,11 @@ __device__ __forceinline__ void begin_op(const Peers& p, Begin how, const int32_
 
 // Before writing into slot `op % 2` of every destination: each has finished reading op - 2
 // there. Warp 1 waits (warp 0 is free for other work meanwhile); the caller's barrier follows.
-__device__ __forceinline__ void wait_slot_free(const Peers& p, uint64_t op) {
+__device__ __forceinline__ void wait_slot_free(const Peers& peers, uint64_t op) {
   const int d = int(threadIdx.x) - 32;
-  if (d >= 0 && d < p.w.num_ranks && op > kSlots)
-    wait_op(p, p.word(p.rank, p.w.released_at(int(op % kSlots), d)), op - kSlots, kWaitRelease, d);
+  if (d >= 0 && d < peers.window.num_ranks && op > kSlots)
+    wait_op(peers, peers.word(peers.rank, peers.window.released_at(int(op % kSlots), d)),
+            op - kSlots, kWaitRelease, d);
 }
 
 // The source of row `row` in (source, j) order, first[s] being the first row of source s.
@@ -194,29 +199,29 @@ __device__ __forceinline__ int source_of(const int32_t* first, int row) {
 
 // Float outputs of a failed op: NaN (float32, bfloat16 or e4m3 bytes), each thread of the block
 // from `begin` in steps of the block.
-__device__ __forceinline__ void fill_nan(void* p, int64_t n, int elem_bytes) {
+__device__ __forceinline__ void fill_nan(void* out, int64_t n, int elem_bytes) {
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     if (elem_bytes == 4)
-      static_cast<uint32_t*>(p)[i] = 0x7fc00000u;
+      static_cast<uint32_t*>(out)[i] = 0x7fc00000u;
     else if (elem_bytes == 2)
-      static_cast<uint16_t*>(p)[i] = 0x7fc0u;
+      static_cast<uint16_t*>(out)[i] = 0x7fc0u;
     else
-      static_cast<uint8_t*>(p)[i] = 0x7fu;
+      static_cast<uint8_t*>(out)[i] = 0x7fu;
   }
 }
 
 template <typename T>
-__device__ __forceinline__ void fill(T* p, int64_t n, T value) {
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) p[i] = value;
+__device__ __forceinline__ void fill(T* out, int64_t n, T value) {
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = value;
 }
 
 // Whether this rank stopped (the whole block agrees): a failed op's kernels then leave NaN in
 // its outputs, every block all of them (blocks that finished before the abort wrote theirs
 // earlier, so the last writes are NaN).
-__device__ __forceinline__ bool block_sees_abort(const Peers& p) {
+__device__ __forceinline__ bool block_sees_abort(const Peers& peers) {
   __shared__ bool seen;
   __syncthreads();
-  if (threadIdx.x == 0) seen = aborted(p);
+  if (threadIdx.x == 0) seen = aborted(peers);
   __syncthreads();
   return seen;
 }
@@ -236,18 +241,27 @@ struct Pieces {
   __device__ int end(int piece) const { return min(parts, (piece + 1) * per_piece); }
 };
 
+// The raised flags of parts [p0, p1) of `row` (the warp's stores of them are fenced).
+__device__ __forceinline__ void raise_flags(const Window& window, uint8_t* row, int p0, int p1,
+                                            uint64_t op) {
+  uint64_t* flags = reinterpret_cast<uint64_t*>(row + window.flags_at());
+  for (int part = p0 + threadIdx.x % 32; part < p1; part += 32) store_relaxed(flags + part, op);
+}
+
 // The end of a recv part, in every block: the next kernel of this rank releases the op.
-__device__ __forceinline__ void finish_recv(const Peers& p, uint64_t op) {
+__device__ __forceinline__ void finish_recv(const Peers& peers, uint64_t op) {
   if (threadIdx.x == 0)
-    *reinterpret_cast<volatile uint64_t*>(p.word(p.rank, p.w.received_at(int(op % kSlots)))) = op;
+    *reinterpret_cast<volatile uint64_t*>(
+        peers.word(peers.rank, peers.window.received_at(int(op % kSlots)))) = op;
 }
 
 // True in exactly one block: the last of the grid to finish. Each block's writes, ordered by
 // its barrier, are released by one system fence before it counts itself on the ticket; the
 // last block fences again before acting on them, and resets the ticket for the next kernel.
-__device__ __forceinline__ bool last_block_done(const Peers& p) {
+__device__ __forceinline__ bool last_block_done(const Peers& peers) {
   __shared__ bool last;
-  auto* ticket = reinterpret_cast<unsigned int*>(p.window[p.rank] + p.w.ticket_at());
+  auto* ticket =
+      reinterpret_cast<unsigned int*>(peers.windows[peers.rank] + peers.window.ticket_at());
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
