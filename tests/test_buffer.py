@@ -32,7 +32,7 @@ def test_attributes():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(axis_name="tp"), "axis_name 'tp'"),
+        (dict(axis_name="tp"), "axis_name must be an axis of the mesh .*got 'tp'"),
         (dict(num_experts=6), "num_experts=6 must be divisible"),
         (dict(num_experts=0), "num_experts must be a positive integer"),
         (dict(num_experts=-4), "num_experts must be a positive integer"),
