@@ -2,12 +2,15 @@
 
     python -m bench.ep --config v3          # 4096 tokens/rank, H 7168, 256 experts, top-8
     python -m bench.ep --config ll          # 128 tokens/rank, same model
+    python -m bench.ep --config ll --nodes 2  # a ("node", "ep") Buffer and each of its legs
 
 Each op runs many times back to back inside one jitted program; the time per op is the
 difference between two program lengths divided by the extra ops (launch and sync cost cancel),
 less the per-step cost of the harness itself (measured in the same run). Bytes follow
 DeepEP's convention: logical = rows received including the local ones, physical = rows that
 crossed NVLink; FP8 rows count H bytes + H/128 float32 scales, BF16 rows 2H bytes.
+With --nodes M the devices form a ("node", "ep") mesh of M x (devices / M), and the run times
+the tuple-axis Buffer's dispatch and combine whole and each of its two legs alone (bench_nodes).
 Writes bench/results/<config>-<machine>-<date>.json and a PNG; prints a table.
 """
 
@@ -83,11 +86,11 @@ def wire_rows(topk_idx, num_ranks, num_experts):
 
 class Timer:
     """Per-op time of `step(carry) -> carry`: two jitted programs run it `short` and `long`
-    times back to back after `prologue(x, topk_idx)`; the difference of their times over the
-    extra steps cancels launch, prologue and sync costs."""
+    times back to back after `prologue(x, topk_idx)` (both split over every mesh axis); the
+    difference of their times over the extra steps cancels launch, prologue and sync costs."""
 
     def __init__(self, mesh, prologue, step, short=2, long=12):
-        spec = P("ep")
+        spec = P(tuple(mesh.axis_names))  # rank-major rows over every mesh axis
 
         def program(n):
             def body(x, idx):
@@ -144,6 +147,64 @@ def harness_seconds(mesh, x, idx, steps):
     return Timer(mesh, lambda x, i: (x, i, ()), repeat(lambda v, i: (v[:1],)), *steps)((x, idx))
 
 
+def buffer_ops(buf, fp8, mode="auto", lay="rank"):
+    """A Buffer's ops as the timers take them: dispatch(x, idx) -> (result, its arrays),
+    combine(rows, result) and expert_rows(result) (the rows combine gets: dequantized FP8)."""
+
+    def dispatch(x, idx):
+        d = buf.dispatch(x, idx, fp8=fp8, mode=mode, layout=lay)
+        return d, (d.x, d.scales) if fp8 else (d.x,)
+
+    def combine(rows, d):
+        weights = None if d.handle.layout == "rank" else d.topk_weights
+        return buf.combine(rows, d.handle, topk_weights=weights)
+
+    def expert_rows(d):
+        if not fp8:
+            return d.x
+        return jax_ep.dequantize_fp8(d.x, d.scales).astype(jnp.bfloat16)
+
+    return dispatch, combine, expert_rows
+
+
+def op_timers(mesh, dispatch, combine, expert_rows, steps):
+    """Timers of dispatch (a fresh routing each step) and of combine (the rows of one dispatch,
+    which runs first: combine needs its routing)."""
+
+    def combine_prologue(x, idx):
+        d, _ = dispatch(x, idx)
+        return expert_rows(d), d, ()
+
+    return {
+        "dispatch": Timer(
+            mesh, lambda x, idx: (x, idx, ()), repeat(lambda x, idx: dispatch(x, idx)[1]), *steps
+        ),
+        "combine": Timer(mesh, combine_prologue, repeat(combine), *steps),
+    }
+
+
+def result(impl, op, tokens, raw, harness, received_bytes, crossed_bytes, **fields):
+    """One timed op's record: time less the harness's; GB/s of the bytes a rank received
+    (logical, its own rows included) and of those that crossed a link (physical)."""
+    seconds = raw - harness
+    return dict(
+        impl=impl,
+        op=op,
+        tokens_per_rank=tokens,
+        time_us=seconds * 1e6,
+        raw_time_us=raw * 1e6,
+        harness_us=harness * 1e6,
+        logical_gbps=received_bytes / seconds / 1e9,
+        physical_gbps=crossed_bytes / seconds / 1e9,
+        **fields,
+    )
+
+
+def row_bytes(hidden, fp8):
+    """A dispatched row's bytes: FP8 (H bytes and H/128 float32 scales) or BF16."""
+    return hidden + hidden // 128 * 4 if fp8 else 2 * hidden
+
+
 def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12), trace=False):
     num_ranks = mesh.size
     hidden, num_experts, num_topk = cfg["hidden"], cfg["num_experts"], cfg["num_topk"]
@@ -154,8 +215,6 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
     )
     idx = jax.device_put(jnp.asarray(idx_np), sharding)
     rows = wire_rows(idx_np, num_ranks, num_experts)
-    dispatch_row = hidden + hidden // 128 * 4 if fp8 else 2 * hidden
-    combine_row = 2 * hidden
     received = rows.sum(axis=0).mean()  # per rank, local rows included
     crossed = (rows.sum() - np.trace(rows)) / num_ranks  # per rank, over NVLink
     spec = P("ep")
@@ -174,19 +233,7 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
                 max_tokens_per_rank=tokens,
                 num_sms=num_sms,
             )
-
-            def dispatch(x, idx, buf=buf, mode=mode, lay=lay):
-                d = buf.dispatch(x, idx, fp8=fp8, mode=mode, layout=lay)
-                return d, (d.x, d.scales) if fp8 else (d.x,)
-
-            def combine(rows, d, buf=buf):
-                weights = None if d.handle.layout == "rank" else d.topk_weights
-                return buf.combine(rows, d.handle, topk_weights=weights)
-
-            def expert_rows(d):
-                if not fp8:
-                    return d.x
-                return jax_ep.dequantize_fp8(d.x, d.scales).astype(jnp.bfloat16)
+            dispatch, combine, expert_rows = buffer_ops(buf, fp8, mode, lay)
         else:
             base = (AllToAll if impl == "lax_all_to_all" else RaggedAllToAll)(
                 "ep", num_ranks, num_experts
@@ -206,34 +253,22 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
                 q = jax.lax.bitcast_convert_type(parts[0], jnp.float8_e4m3fn)
                 return jax_ep.dequantize_fp8(q, parts[1]).astype(jnp.bfloat16)
 
-        def dispatch_outputs(x, idx, dispatch=dispatch):
-            return dispatch(x, idx)[1]
-
-        def dispatch_prologue(x, idx):
-            return x, idx, ()
-
+        timers = op_timers(mesh, dispatch, combine, expert_rows, steps)
         if cached:  # the steps' routing is the handle of one fresh dispatch
 
-            def dispatch_outputs(x, handle, buf=buf):
+            def cached_outputs(x, handle, buf=buf):
                 d = buf.dispatch(x, handle=handle, fp8=fp8)
                 return (d.x, d.scales) if fp8 else (d.x,)
 
-            def dispatch_prologue(x, idx, dispatch=dispatch):
+            def cached_prologue(x, idx, dispatch=dispatch):
                 return x, dispatch(x, idx)[0].handle, ()
 
-        # Combine needs the routing of a dispatch: one runs first.
-        def combine_prologue(x, idx, dispatch=dispatch, expert_rows=expert_rows):
+            timers["dispatch"] = Timer(mesh, cached_prologue, repeat(cached_outputs), *steps)
+
+        def round_trip(x, idx, dispatch=dispatch, combine=combine, expert_rows=expert_rows):
             d, _ = dispatch(x, idx)
-            return expert_rows(d), d, ()
+            return combine(expert_rows(d), d)
 
-        def round_trip(x, idx, prologue=combine_prologue, combine=combine):
-            rows, d, _ = prologue(x, idx)
-            return combine(rows, d)
-
-        timers = {
-            "dispatch": Timer(mesh, dispatch_prologue, repeat(dispatch_outputs), *steps),
-            "combine": Timer(mesh, combine_prologue, repeat(combine), *steps),
-        }
         raw = {}
         for op, timer in timers.items():
             raw[op] = timer((x, idx), trace=f"{impl} {op}" if trace else None)
@@ -245,18 +280,16 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
                     jax.shard_map(round_trip, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
                 )(x, idx)
             )
-        for op, row in (("dispatch", dispatch_row), ("combine", combine_row)):
-            seconds = raw[op] - harness
+        for op, row in (("dispatch", row_bytes(hidden, fp8)), ("combine", 2 * hidden)):
             results.append(
-                dict(
-                    impl=impl,
-                    op=op,
-                    tokens_per_rank=tokens,
-                    time_us=seconds * 1e6,
-                    raw_time_us=raw[op] * 1e6,
-                    harness_us=harness * 1e6,
-                    logical_gbps=received * row / seconds / 1e9,
-                    physical_gbps=crossed * row / seconds / 1e9,
+                result(
+                    impl,
+                    op,
+                    tokens,
+                    raw[op],
+                    harness,
+                    received * row,
+                    crossed * row,
                     num_sms=num_sms if impl in JAX_EP else None,
                     mode=mode,
                     layout=lay,
@@ -274,6 +307,169 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
         for impl in outputs:
             diff = float(np.abs(np.asarray(outputs[impl], np.float32) - ref).max())
             print(f"  check {impl}: max |round trip - {impls[0]}| = {diff:.3g}", flush=True)
+    return results
+
+
+def fast_leg_routing(topk_idx, num_nodes, ranks_per_node, num_experts):
+    """The top-k that a tuple-axis Buffer's fast leg gets, [R * M * T, K], from the ranks'
+    [R * T, K]: rank (node n, local l) gets from each node s in turn the tokens of rank (s, l),
+    their experts cut to node n's (local ids, -1 for the other nodes'), as the node leg brings
+    them."""
+    k = topk_idx.shape[1]
+    node_experts = num_experts // num_nodes
+    sent = topk_idx.reshape(1, num_nodes, ranks_per_node, -1, k)  # [1, s, l, T, K]
+    node = np.arange(num_nodes).reshape(-1, 1, 1, 1, 1)  # the destination n
+    cut = np.where(sent // node_experts == node, sent - node * node_experts, -1)
+    return cut.transpose(0, 2, 1, 3, 4).reshape(-1, k).astype(np.int32)  # [n, l, s, T, K]
+
+
+def node_leg_payload(x, num_nodes, fp8):
+    """What the node leg carries of a rank's x [T, H], [M, T, W]: its rows for each node (one
+    block of T rows per node); FP8 in 32-bit words, the e4m3 bytes then H/128 float32 scales (the
+    bytes are what counts here: unscaled values, unit scales)."""
+    if fp8:
+        t, h = x.shape
+        q = x.astype(jnp.float8_e4m3fn).reshape(t, -1, 4)
+        scales = jnp.ones((t, h // 128), jnp.float32)
+        x = jnp.concatenate(
+            [
+                jax.lax.bitcast_convert_type(q, jnp.uint32),
+                jax.lax.bitcast_convert_type(scales, jnp.uint32),
+            ],
+            axis=1,
+        )
+    return jnp.broadcast_to(x, (num_nodes,) + x.shape)
+
+
+def bench_nodes(mesh, cfg, tokens, num_sms, fp8, rng, check, steps=(2, 12), trace=False):
+    """On a ("node", "ep") mesh of M x L: the tuple-axis Buffer's dispatch and combine whole
+    ("jax_ep"), and each of its legs alone. "fast_leg": a Buffer over "ep" with a node's E / M
+    experts and the M * T tokens per rank that the node leg brings, routed as they arrive
+    (fast_leg_routing); its FP8 dispatch moves what the tuple-axis Buffer's does, float32 rows
+    of 33 H / 128 words, unquantized. "node_leg": lax.all_to_all over "node" of M blocks of T
+    rows (node_leg_payload; combine: float32 partials). Bytes per rank: the whole's as for one
+    axis of R ranks; the fast leg's of its rows within the node; the node leg's M * T rows
+    received, (M - 1) * T of them from other nodes."""
+    num_nodes, ranks_per_node = mesh.shape["node"], mesh.shape["ep"]
+    num_ranks = mesh.size
+    hidden, num_experts, num_topk = cfg["hidden"], cfg["num_experts"], cfg["num_topk"]
+    node_experts = num_experts // num_nodes
+    spec = P(tuple(mesh.axis_names))
+
+    def put(value):
+        return jax.device_put(jnp.asarray(value), NamedSharding(mesh, spec))
+
+    def random_rows(tokens_per_rank, width, dtype):
+        shape = (num_ranks * tokens_per_rank, width)
+        return put(jnp.asarray(rng.standard_normal(shape), dtype))
+
+    def buffer(axis, experts, width, tokens_per_rank):
+        return jax_ep.Buffer(
+            mesh,
+            axis,
+            num_experts=experts,
+            hidden=width,
+            num_topk=num_topk,
+            max_tokens_per_rank=tokens_per_rank,
+            num_sms=num_sms,
+        )
+
+    idx_np = routing(rng, num_ranks, tokens, num_experts, num_topk)
+    fast_idx_np = fast_leg_routing(idx_np, num_nodes, ranks_per_node, num_experts)
+    x, idx, fast_idx = random_rows(tokens, hidden, jnp.bfloat16), put(idx_np), put(fast_idx_np)
+    fast_x = random_rows(num_nodes * tokens, hidden, jnp.bfloat16)
+    whole = buffer(("node", "ep"), num_experts, hidden, tokens)
+    fast = buffer("ep", node_experts, hidden, num_nodes * tokens)
+    fast_words, fast_words_x = fast, fast_x
+    if fp8:  # FP8 rows as the tuple-axis Buffer's fast leg moves them
+        fast_words = buffer("ep", node_experts, hidden * 33 // 128, num_nodes * tokens)
+        fast_words_x = random_rows(num_nodes * tokens, hidden * 33 // 128, jnp.float32)
+
+    def across_nodes(blocks, _):
+        return (jax.lax.all_to_all(blocks, "node", 0, 0),)
+
+    def node_leg_timer(fp8, dtype):
+        def prologue(x, idx):
+            return node_leg_payload(x.astype(dtype), num_nodes, fp8), idx, ()
+
+        return Timer(mesh, prologue, repeat(across_nodes), *steps)
+
+    timed = {  # impl: {op: (timer, its arguments)}
+        "jax_ep": {
+            op: (timer, (x, idx))
+            for op, timer in op_timers(mesh, *buffer_ops(whole, fp8), steps).items()
+        },
+        "fast_leg": {
+            "dispatch": (
+                op_timers(mesh, *buffer_ops(fast_words, False), steps)["dispatch"],
+                (fast_words_x, fast_idx),
+            ),
+            "combine": (
+                op_timers(mesh, *buffer_ops(fast, False), steps)["combine"],
+                (fast_x, fast_idx),
+            ),
+        },
+        "node_leg": {
+            "dispatch": (node_leg_timer(fp8, jnp.bfloat16), (x, idx)),
+            "combine": (node_leg_timer(False, jnp.float32), (x, idx)),
+        },
+    }
+    rows = wire_rows(idx_np, num_ranks, num_experts)
+    per_node = [
+        wire_rows(part, ranks_per_node, node_experts)
+        for part in fast_idx_np.reshape(num_nodes, -1, num_topk)
+    ]
+    moved = {  # impl: (rows a rank receives, rows that crossed to it)
+        "jax_ep": (rows.sum(axis=0).mean(), (rows.sum() - np.trace(rows)) / num_ranks),
+        "fast_leg": (
+            np.mean([r.sum(axis=0).mean() for r in per_node]),
+            np.mean([(r.sum() - np.trace(r)) / ranks_per_node for r in per_node]),
+        ),
+        "node_leg": (num_nodes * tokens, (num_nodes - 1) * tokens),
+    }
+    combined = {"jax_ep": ("bf16", 2), "fast_leg": ("bf16", 2), "node_leg": ("float32", 4)}
+    checked = {}
+    if check:  # the fast leg gets from each local source what the tuple-axis Buffer gets from
+        # the ranks of that local index on every node
+
+        def received(buf, x, idx):  # [R, rows from each source]
+            count = jax.shard_map(
+                lambda x, idx: buf.dispatch(x, idx).handle.recv_counts[None],
+                mesh=mesh,
+                in_specs=(spec, spec),
+                out_specs=spec,
+            )
+            return np.asarray(jax.jit(count)(x, idx))
+
+        by_local_source = received(whole, x, idx).reshape(num_ranks, num_nodes, -1).sum(axis=1)
+        same = bool(np.array_equal(by_local_source, received(fast, fast_x, fast_idx)))
+        print(f"  check fast_leg: the tuple-axis Buffer's rows per source: {same}", flush=True)
+        checked = dict(rows_as_jax_ep=same)
+    harness = harness_seconds(mesh, x, idx, steps)
+    print(f"  harness: {harness * 1e6:.1f} us per step (subtracted)", flush=True)
+    results = []
+    for impl, ops in timed.items():
+        for op, (timer, args) in ops.items():
+            raw = timer(args, trace=f"{impl} {op}" if trace else None)
+            dtype, row = ("fp8" if fp8 else "bf16", row_bytes(hidden, fp8))
+            if op == "combine":  # dtype, bytes per element
+                dtype, row = combined[impl][0], combined[impl][1] * hidden
+            results.append(
+                result(
+                    impl,
+                    op,
+                    tokens,
+                    raw,
+                    harness,
+                    moved[impl][0] * row,
+                    moved[impl][1] * row,
+                    num_nodes=num_nodes,
+                    num_sms=None if impl == "node_leg" else num_sms,
+                    dtype=dtype,
+                    **(checked if impl == "fast_leg" else {}),
+                    **({"kernels": timer.kernels} if trace else {}),
+                )
+            )
     return results
 
 
@@ -392,6 +588,12 @@ def main(argv=None):
         help="--graphs with independent commands run concurrently (%s)" % CONCURRENT_FLAGS,
     )
     parser.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="M: a (node, ep) mesh of M x devices/M; times the tuple-axis Buffer and each leg",
+    )
+    parser.add_argument(
         "--overlap",
         action="store_true",
         help="also time split ops around a matmul (the config's token count)",
@@ -402,13 +604,20 @@ def main(argv=None):
         help="also record each op's kernel times on the devices (profiler)",
     )
     args = parser.parse_args(argv)
+    if args.nodes and args.overlap:
+        parser.error("--overlap times one axis: not with --nodes")
     cfg = CONFIGS[args.config]
     args.graphs |= args.concurrent
     flags = [GRAPH_FLAGS] * args.graphs + [CONCURRENT_FLAGS] * args.concurrent
     if flags:  # before the backend starts
         os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", "")] + flags).strip()
     devices = jax.devices()
-    mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
+    if args.nodes:
+        if len(devices) % args.nodes:
+            parser.error(f"--nodes {args.nodes} does not divide the {len(devices)} devices")
+        mesh = jax.sharding.Mesh(np.array(devices).reshape(args.nodes, -1), ("node", "ep"))
+    else:
+        mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
     impls = tuple(args.impls.split(","))
     sizes = [int(t) for t in args.tokens.split(",")] if args.tokens else list(cfg["sweep"])
     p2p = p2p_both = None
@@ -430,18 +639,13 @@ def main(argv=None):
     results = []
     for i, tokens in enumerate(sizes):
         print(f"tokens/rank {tokens} ...", flush=True)
-        results += bench_size(
-            mesh,
-            cfg,
-            tokens,
-            impls,
-            args.num_sms,
-            not args.bf16,
-            rng,
-            check=i == 0,
-            steps=cfg["steps"],
-            trace=args.trace,
-        )
+        timing = dict(check=i == 0, steps=cfg["steps"], trace=args.trace)
+        if args.nodes:
+            results += bench_nodes(mesh, cfg, tokens, args.num_sms, not args.bf16, rng, **timing)
+        else:
+            results += bench_size(
+                mesh, cfg, tokens, impls, args.num_sms, not args.bf16, rng, **timing
+            )
     print(table(results))
     overlap = (
         bench_overlap(
@@ -463,6 +667,7 @@ def main(argv=None):
         argv,
         config=args.config,
         num_ranks=len(devices),
+        num_nodes=args.nodes or 1,
         device=devices[0].device_kind,
         p2p_copy_gbps=p2p,
         p2p_copy_both_ways_gbps=p2p_both,
@@ -479,7 +684,8 @@ def main(argv=None):
         record,
         args.out,
         args.config,
-        "-concurrent" if args.concurrent else "-graphs" if args.graphs else "",
+        ("-concurrent" if args.concurrent else "-graphs" if args.graphs else "")
+        + (f"-nodes{args.nodes}" if args.nodes else ""),
     )
     if not args.no_plot:
         from bench.plot import plot

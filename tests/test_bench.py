@@ -1,14 +1,15 @@
 """bench/ep.py on CPU devices at a small shape: every implementation times both ops and makes
-the same round trip (dispatch, dequantise, combine) as jax_ep. (XLA:CPU has no
-ragged-all-to-all, so that baseline runs on GPUs only.)"""
+the same round trip (dispatch, dequantise, combine) as jax_ep; --nodes times a tuple-axis Buffer
+and each of its legs. (XLA:CPU has no ragged-all-to-all, so that baseline runs on GPUs only.)"""
 
+import json
 import math
 
 import jax
 import numpy as np
 import pytest
 
-from bench import harness, probe
+from bench import ep, harness, probe
 from bench.ep import JAX_EP, bench_size, table
 from bench.trace import device_kernels, kernel_summary
 
@@ -36,6 +37,30 @@ def test_every_implementation_times_and_agrees(fp8):
         assert math.isfinite(r["raw_time_us"])  # CPU timings are noise: only present
         assert r["num_sms"] == (24 if r["impl"] in JAX_EP else None)
         assert r["max_abs_diff_vs_jax_ep"] == 0, r
+
+
+def test_nodes_times_the_whole_and_each_leg(tmp_path, monkeypatch, capsys):
+    """--nodes 2 on the 8 CPU devices (2 x 4) at a small shape, through the command line: the
+    record holds both ops of the tuple-axis Buffer and of each leg, and the fast leg's routing
+    gives each rank the rows the tuple-axis Buffer gives it."""
+    small = dict(tokens=4, hidden=256, num_experts=16, num_topk=4, sweep=(4,), steps=(1, 2))
+    monkeypatch.setitem(ep.CONFIGS, "ll", small)
+    ep.main(
+        ["--config", "ll", "--nodes", "2", "--machine", "test", "--out", str(tmp_path), "--no-plot"]
+    )
+    (path,) = tmp_path.glob("ll-test-*-nodes2.json")
+    with open(path) as f:
+        record = json.load(f)
+    assert record["num_nodes"] == 2 and "--nodes 2" in record["command"]
+    results = record["results"]
+    assert sorted((r["impl"], r["op"]) for r in results) == sorted(
+        (impl, op) for impl in ("jax_ep", "fast_leg", "node_leg") for op in ("dispatch", "combine")
+    )
+    for r in results:
+        assert math.isfinite(r["raw_time_us"]) and r["num_nodes"] == 2
+    assert all(r["rows_as_jax_ep"] for r in results if r["impl"] == "fast_leg")
+    assert [r["dtype"] for r in results if r["op"] == "combine"] == ["bf16", "bf16", "float32"]
+    assert "fast_leg" in capsys.readouterr().out  # the table
 
 
 def test_kernel_summary_per_step_and_table_column():
