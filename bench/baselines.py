@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_ep import layout
+import jax_ep
 
 
 def exclusive_cumsum(values, axis=0):
@@ -34,7 +34,7 @@ def _route(topk_idx, num_ranks, num_experts):
 def _payload(x, fp8):
     if not fp8:
         return [x]
-    q, scales = layout.quantize_fp8(x, False)
+    q, scales = jax_ep.quantize_fp8(x, False)
     return [jax.lax.bitcast_convert_type(q, jnp.uint8), scales]
 
 

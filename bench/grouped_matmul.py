@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jax_ep
 from bench.harness import common_arguments, loop_seconds, new_record, save_record
-from jax_ep import layout
 from jax_ep.nn import grouped
 from jax_ep.nn.grouped import Blocks
 
@@ -107,7 +107,7 @@ def fp8_step(alignment, prequantized):
 
 
 def fp8_operands(lhs, rhs, sizes):
-    lhs_q, scales = jax.jit(lambda a: layout.quantize_fp8(a, False))(lhs)
+    lhs_q, scales = jax.jit(lambda a: jax_ep.quantize_fp8(a, False))(lhs)
     return (scales, lhs_q, rhs) + jax.jit(grouped.quantize_weights_fp8)(rhs) + (sizes,)
 
 

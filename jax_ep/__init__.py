@@ -5,10 +5,18 @@ import importlib.util
 import os
 
 from jax_ep.buffer import Buffer, limits
-from jax_ep.fp8 import dequantize_fp8
+from jax_ep.fp8 import dequantize_fp8, quantize_fp8
 from jax_ep.types import DispatchResult, Handle, Pending
 
-__all__ = ["Buffer", "DispatchResult", "Handle", "Pending", "dequantize_fp8", "limits"]
+__all__ = [
+    "Buffer",
+    "DispatchResult",
+    "Handle",
+    "Pending",
+    "dequantize_fp8",
+    "limits",
+    "quantize_fp8",
+]
 
 try:
     __version__ = importlib.metadata.version("jax_ep")

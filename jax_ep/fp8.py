@@ -6,6 +6,8 @@ rounded to nearest even, once, from the bits.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,3 +104,31 @@ def quantize_weights_fp8(w):
         blocks, jnp.max(jnp.abs(blocks), axis=(2, 4), keepdims=True)
     )  # scales [G,K/b,1,N/b,1]
     return jnp.swapaxes(q.reshape(g, k, n), 1, 2), jnp.swapaxes(scales[:, :, 0, :, 0], 1, 2)
+
+
+def quantize_fp8(x, round_scale):
+    """[T, H] -> (e4m3fn [T, H], float32 scales [T, H/128]): a dispatch's FP8 rows (1 x 128
+    blocks), as the backends make them; straight-through for gradients."""
+    t, h = x.shape
+    blocks = x.astype(jnp.float32).reshape(t, h // FP8_BLOCK, FP8_BLOCK)
+    q, scale = quantize_blocks(
+        blocks, jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), round_scale
+    )
+    return _with_gradient_to_x(x.dtype, x, q.reshape(t, h)), jax.lax.stop_gradient(scale[..., 0])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _with_gradient_to_x(dtype, x, q):
+    """q, whose cotangent goes to x unchanged (cast to x's dtype)."""
+    return q
+
+
+def _with_gradient_to_x_fwd(dtype, x, q):
+    return q, None
+
+
+def _with_gradient_to_x_bwd(dtype, _, ct_q):
+    return ct_q.astype(dtype), None
+
+
+_with_gradient_to_x.defvjp(_with_gradient_to_x_fwd, _with_gradient_to_x_bwd)

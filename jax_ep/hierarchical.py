@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jax_ep import layout
-from jax_ep.fp8 import FP8_BLOCK
+from jax_ep.fp8 import FP8_BLOCK, quantize_fp8
 from jax_ep.primitives import RankRows, Routing, all_varying, start
 
 Array = Any
@@ -55,7 +55,7 @@ class NodeRoutes(NamedTuple):
 
 def _pack_fp8(x, round_scale):
     """[T, H] -> [T, 33 H / 128] uint32: the e4m3 bytes, then the float32 scales' bytes."""
-    q, scales = layout.quantize_fp8(jax.lax.stop_gradient(x), round_scale)
+    q, scales = quantize_fp8(jax.lax.stop_gradient(x), round_scale)
     t = x.shape[0]
     as_bytes = jnp.concatenate(
         [

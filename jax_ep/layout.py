@@ -6,13 +6,11 @@ The CUDA and CPU kernels implement the same rules in kernels/; the tests compare
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jax_ep.fp8 import FP8_BLOCK, quantize_blocks
 from jax_ep.primitives import varying_like
 
 
@@ -74,36 +72,6 @@ def tokens_per_expert(topk_rows, experts_per_rank):
 def has_expert(topk_rows, experts_per_rank):
     """[rows, E_l] bool: the row holds local expert e (duplicated slots count once)."""
     return (topk_rows[:, :, None] == jnp.arange(experts_per_rank)).any(axis=1)
-
-
-# ---------------------------------------------------------------- FP8 (fused into dispatch)
-
-
-def quantize_fp8(x, round_scale):
-    """[T, H] -> (e4m3fn [T, H], float32 scales [T, H/128]); straight-through for gradients."""
-    t, h = x.shape
-    blocks = x.astype(jnp.float32).reshape(t, h // FP8_BLOCK, FP8_BLOCK)
-    q, scale = quantize_blocks(
-        blocks, jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), round_scale
-    )
-    return _with_gradient_to_x(x.dtype, x, q.reshape(t, h)), jax.lax.stop_gradient(scale[..., 0])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _with_gradient_to_x(dtype, x, q):
-    """q, whose cotangent goes to x unchanged (cast to x's dtype)."""
-    return q
-
-
-def _with_gradient_to_x_fwd(dtype, x, q):
-    return q, None
-
-
-def _with_gradient_to_x_bwd(dtype, _, ct_q):
-    return ct_q.astype(dtype), None
-
-
-_with_gradient_to_x.defvjp(_with_gradient_to_x_fwd, _with_gradient_to_x_bwd)
 
 
 # ---------------------------------------------------------------- expert layout (receiver side)

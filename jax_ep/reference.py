@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import layout
+from jax_ep.fp8 import quantize_fp8
 from jax_ep.primitives import RankRows, Routing, Unsplit, all_varying
 
 
@@ -109,7 +110,7 @@ class Reference(Unsplit):
 
     def _move_x(self, x, send_pos, recv_counts, rows, fp8, round_scale):
         if fp8:
-            q, scales = layout.quantize_fp8(x, round_scale)
+            q, scales = quantize_fp8(x, round_scale)
             return (
                 _place(_send(self.axis, lambda d: q, send_pos, 0), recv_counts, rows, 0),
                 _place(_send(self.axis, lambda d: scales, send_pos, 0.0), recv_counts, rows, 0.0),

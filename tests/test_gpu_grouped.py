@@ -17,7 +17,7 @@ import pytest
 from helpers import make_mesh, relative_error
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import layout
+import jax_ep
 from jax_ep.fp8 import dequantize_fp8
 from jax_ep.nn import grouped
 
@@ -178,7 +178,7 @@ def test_under_command_buffers():
 
 def fp8_inputs(m, k, n, groups, seed=3):
     lhs, rhs, ct = operands(m, k, n, groups, seed)
-    lhs_q, scales = jax.jit(lambda a: layout.quantize_fp8(a, False))(lhs)
+    lhs_q, scales = jax.jit(lambda a: jax_ep.quantize_fp8(a, False))(lhs)
     return dequantize_fp8(lhs_q, scales).astype(jnp.bfloat16), lhs_q, scales, rhs, ct
 
 

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
-from jax_ep import layout
+import jax_ep
 from jax_ep.fp8 import dequantize_fp8, quantize_weights_fp8
 from jax_ep.nn import grouped
 
@@ -189,7 +189,7 @@ def test_shape_errors():
 def fp8_operands(seed, m=256, k=256, n=128, groups=3):
     """lhs quantized 1 x 128 as dispatch(fp8=True) does, its dequantized value, bf16 weights."""
     lhs, rhs, ct = operands(seed, m, k, n, groups)
-    lhs_q, scales = layout.quantize_fp8(jnp.asarray(lhs, jnp.bfloat16), False)
+    lhs_q, scales = jax_ep.quantize_fp8(jnp.asarray(lhs, jnp.bfloat16), False)
     return (
         dequantize_fp8(lhs_q, scales).astype(jnp.bfloat16),
         lhs_q,

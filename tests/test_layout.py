@@ -9,6 +9,7 @@ from helpers import bits, routing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import jax_ep
 from jax_ep import layout
 from jax_ep.fp8 import dequantize_fp8, divide_rounded, float_to_e4m3
 
@@ -21,7 +22,7 @@ def test_fp8_rule_matches_oracle(dtype, round_scale):
     x[0, :128] = 0.0  # amax floor 1e-4
     x[1, 5] = 448.0 * 3  # one large value in a block
     x = jnp.asarray(x, dtype)
-    q, scales = jax.jit(layout.quantize_fp8, static_argnums=1)(x, round_scale)
+    q, scales = jax.jit(jax_ep.quantize_fp8, static_argnums=1)(x, round_scale)
     for t in range(x.shape[0]):
         want_q, want_scales = oracle.quantize(np.asarray(x[t], np.float32), round_scale)
         np.testing.assert_array_equal(bits(q[t]), bits(want_q))
@@ -30,7 +31,7 @@ def test_fp8_rule_matches_oracle(dtype, round_scale):
 
 def test_fp8_dequantize_is_close():
     x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 256)), jnp.float32)
-    q, scales = layout.quantize_fp8(x, False)
+    q, scales = jax_ep.quantize_fp8(x, False)
     assert float(jnp.max(jnp.abs(dequantize_fp8(q, scales) - x))) < 0.07 * float(
         jnp.max(jnp.abs(x))
     )
