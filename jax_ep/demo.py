@@ -169,7 +169,7 @@ def random_inputs(mesh, sizes):
     return make()
 
 
-def best_time_ms(fn, args, runs=5):
+def best_time_ms(fn, args, runs=3):
     out = jax.block_until_ready(fn(*args))  # compiles, or warms up
     times = []
     for _ in range(runs):
@@ -222,7 +222,7 @@ def main():
         outputs[impl] = layer_out, trip_out
         print(
             f"  {name:27s} layer {layer_ms:9.2f} ms, dispatch + combine alone "
-            f"{trip_ms:8.2f} ms (best of 5)",
+            f"{trip_ms:8.2f} ms (best of 3)",
             flush=True,
         )
     (layer, trip), (ref_layer, ref_trip) = outputs["ffi"], outputs["reference"]
