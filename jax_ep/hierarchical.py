@@ -95,7 +95,7 @@ class Hierarchical:
 
     def __init__(self, inner, outer_axes, num_nodes, fast_axis, ranks_per_node, num_experts):
         self.inner = inner
-        self._outer_axes = tuple(outer_axes)
+        self.group_axes = (*outer_axes, fast_axis)  # every axis of the EP group
         self.outer = outer_axes[0] if len(outer_axes) == 1 else tuple(outer_axes)
         self.fast_axis = fast_axis
         self.num_nodes, self.ranks_per_node = num_nodes, ranks_per_node
@@ -191,7 +191,7 @@ class Hierarchical:
                     num_dropped=received - num_recv,
                     num_invalid=num_invalid,
                     # The fast leg sees the ids cut to a node (invalid ones gone): sum the group's.
-                    group_invalid=jax.lax.psum(num_invalid, (*self._outer_axes, self.fast_axis)),
+                    group_invalid=jax.lax.psum(num_invalid, self.group_axes),
                 )
             )
 
