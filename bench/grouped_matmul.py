@@ -16,14 +16,21 @@ group_alignment=1 (jax's ragged_dot_mgpu and transposed_ragged_dot_mgpu); "mosai
 forward of the MoE layer (grouped.fp8_grouped_matmul: rows quantized 1 x 128 beforehand, as
 dispatch delivers them, the weights 128 x 128 in the call) and "mosaic_fp8_kernel" the same
 with the weights quantized beforehand (its TFLOP/s against the dense bf16 rate: FP8's peak is
-twice bf16's). The first case sweeps a few block sizes per product and the other cases use the
-best. Prints a table; writes bench/results/grouped-matmul-<machine>-<date>.json.
+twice bf16's). Where torch is importable with a GPU, its forwards run too, in a child process
+(its own CUDA context and allocator) on the same shapes and group sizes: "torch_dense"
+(torch.bmm), "torch_grouped" (torch._grouped_mm, bf16) and "torch_scaled_grouped"
+(torch._scaled_grouped_mm, FP8 with one scale per row of lhs and per column of each weight,
+coarser than jax_ep's 1 x 128 / 128 x 128 blocks). The first case sweeps a few block sizes per
+product and the other cases use the best. Prints a table; writes
+bench/results/grouped-matmul-<machine>-<date>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import multiprocessing
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +157,57 @@ def fp8_forward_rate(rows, k, n, sizes, alignment, prequantized, counts=(1, 4)):
     return tflops(int(np.sum(sizes)), k, n, seconds)
 
 
+def torch_seconds(rows, k, n, sizes, iterations=20):
+    """{impl: seconds per call} of torch's forwards on these shapes (run in a child process);
+    {impl: error text} where one fails, {} without torch or a GPU."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+    groups, gpu = len(sizes), torch.device("cuda")
+    lhs = torch.randn(rows, k, device=gpu, dtype=torch.bfloat16)
+    # Each weight [K, N] with K contiguous ("column-major"), as the grouped kernels take it.
+    rhs = (torch.randn(groups, n, k, device=gpu) / k**0.5).to(torch.bfloat16).transpose(-2, -1)
+    ends = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device=gpu)
+    fp8 = torch.float8_e4m3fn
+    lhs_q, rhs_q = lhs.to(fp8), (rhs.transpose(-2, -1) * 16).to(fp8).transpose(-2, -1)
+    lhs_scales = torch.ones(rows, device=gpu, dtype=torch.float32)
+    rhs_scales = torch.full((groups, n), 1 / 16, device=gpu, dtype=torch.float32)
+    calls = {
+        "torch_dense": lambda: torch.bmm(lhs.view(groups, -1, k), rhs),
+        "torch_grouped": lambda: torch._grouped_mm(lhs, rhs, offs=ends),
+        "torch_scaled_grouped": lambda: torch._scaled_grouped_mm(
+            lhs_q, rhs_q, lhs_scales, rhs_scales, offs=ends, out_dtype=torch.bfloat16
+        ),
+    }
+    out = {}
+    for impl, call in calls.items():
+        try:
+            call()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iterations):
+                call()
+            end.record()
+            end.synchronize()
+            out[impl] = start.elapsed_time(end) / iterations / 1e3
+        except Exception as e:  # noqa: BLE001  (an op this torch or GPU lacks)
+            out[impl] = str(e).splitlines()[0][:200]
+    return out
+
+
+def torch_forwards(rows, k, n, sizes):
+    """torch_seconds in a child process (spawned: no CUDA state of this one); {} without
+    torch."""
+    if importlib.util.find_spec("torch") is None:
+        return {}
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(torch_seconds, (rows, k, n, [int(s) for s in sizes]))
+
+
 def run_case(case, plan, sweep, counts, results):
     """Times the implementations of the three products of one case. plan: the Mosaic blocks;
     sweep: also try SWEEP's blocks (and jax's unaligned forward kernels) and return the best
@@ -198,6 +256,28 @@ def run_case(case, plan, sweep, counts, results):
         )
         return seconds
 
+    for impl, value in torch_forwards(rows, k, n, sizes).items():
+        measured = not isinstance(value, str)
+        results.append(
+            dict(
+                base,
+                product="gmm",
+                impl=impl,
+                blocks=None,
+                error=None if measured else value,
+                time_ms=value * 1e3 if measured else None,
+                tflops=tflops(rows, k, n, value) if measured else None,
+            )
+        )
+        print(
+            f"  R={ranks} {projection:7s} {distribution:7s} gmm   {impl:16s}: "
+            + (
+                f"{value * 1e3:8.3f} ms {tflops(rows, k, n, value):7.1f} TFLOP/s"
+                if measured
+                else f"failed ({value})"
+            ),
+            flush=True,
+        )
     mosaic = not grouped.mosaic_misfits((rows, k), (groups, k, n), jnp.bfloat16, plan)
     best = {}
     for kind in grouped.PRODUCTS:
@@ -249,6 +329,54 @@ def run_case(case, plan, sweep, counts, results):
     return best
 
 
+def decode_case(ranks, tokens, topk, experts, k, n, projection, counts, results, seed=0):
+    """The decode MLP on one rank of R: [E/R, R * tokens, K] rows in the expert_padded layout,
+    each expert's first rows (as a uniform random top-k routing of R * tokens tokens gives)
+    holding data, times its weights: masked_matmul's kernel against the batched einsum over
+    every row. TFLOP/s count the rows of data only."""
+    groups, capacity = experts // ranks, ranks * tokens
+    rng = np.random.default_rng(seed)
+    chosen = np.argsort(-rng.random((ranks * tokens, experts)), axis=1)[:, :topk]
+    rows = np.bincount(chosen.reshape(-1), minlength=experts)[:groups].astype(np.int32)
+    keys = jax.random.split(jax.random.key(seed), 2)
+    lhs = jax.random.normal(keys[0], (groups, capacity, k), jnp.bfloat16)
+    rhs = (jax.random.normal(keys[1], (groups, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+    for impl in ("mosaic", "xla"):
+        seconds = error = None
+        try:
+            seconds = loop_seconds(
+                lambda a, b, r, impl=impl: grouped.masked_matmul(a, b, r, impl=impl),
+                (lhs, rhs, jnp.asarray(rows)),
+                counts,
+            )
+        except Exception as e:  # noqa: BLE001
+            error = str(e).splitlines()[0][:200]
+        rate = None if error else tflops(int(rows.sum()), k, n, seconds)
+        results.append(
+            dict(
+                ranks=ranks,
+                groups=groups,
+                rows=int(rows.sum()),
+                capacity=capacity,
+                projection=projection,
+                k=k,
+                n=n,
+                distribution="decode",
+                product="masked",
+                impl="masked_" + impl if impl == "mosaic" else "batched_einsum",
+                error=error,
+                time_ms=None if error else seconds * 1e3,
+                tflops=rate,
+            )
+        )
+        print(
+            f"  R={ranks} {projection:7s} decode {groups} x {capacity} rows "
+            f"({int(rows.sum())} of data) {impl:7s}: "
+            + (f"failed ({error})" if error else f"{seconds * 1e6:8.1f} us {rate:7.1f} TFLOP/s"),
+            flush=True,
+        )
+
+
 def table(results):
     dense = {
         (r["ranks"], r["projection"], r["product"]): r["tflops"]
@@ -285,6 +413,12 @@ def main(argv=None):
     parser.add_argument("--alignment", type=int, default=128)
     parser.add_argument("--counts", default="1,4", help="loop lengths timed (low,high)")
     parser.add_argument("--no-sweep", action="store_true", help="the default blocks only")
+    parser.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=128,
+        help="tokens per rank of the decode MLP cases (expert_padded rows; 0: none)",
+    )
     common_arguments(parser)
     args = parser.parse_args(argv)
     counts = tuple(int(c) for c in args.counts.split(","))
@@ -316,6 +450,22 @@ def main(argv=None):
             results,
         )
         blocks.setdefault(projection, found)
+    for ranks in (int(r) for r in args.ranks.split(",")) if args.decode_tokens else ():
+        for projection, (k, n) in (
+            ("gate_up", (args.hidden, args.ffn)),
+            ("down", (args.ffn, args.hidden)),
+        ):
+            decode_case(
+                ranks,
+                args.decode_tokens,
+                args.topk,
+                args.experts,
+                k,
+                n,
+                projection,
+                counts,
+                results,
+            )
     print(table(results))
     best_blocks = {p: {kind: list(b) for kind, b in found.items()} for p, found in blocks.items()}
     print("best blocks:", best_blocks)

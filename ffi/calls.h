@@ -7,7 +7,8 @@
 //
 // A backend B supplies Context (decoded from the execution context), Rank, State (CallState of
 // its rank type), Result (ffi::Error, or ffi::Future when it completes asynchronously), traits
-// (XLA's traits of its execute handlers), error(), dispatch(), combine() and expert_layout().
+// (XLA's traits of its execute handlers), error(), dispatch(), combine(), expert_layout() and
+// place_rows().
 #pragma once
 #include <memory>
 #include <string>
@@ -283,6 +284,16 @@ struct Calls {
   }
   static auto bind_expert_layout() { return ffi::Ffi::BindTo(expert_layout, B::traits); }
 
+  // ---- rows placed in the expert_padded layout (local to the rank, no Buffer)
+
+  static ffi::Error place_rows(Ctx ctx, ffi::AnyBuffer src, ffi::Buffer<ffi::S32, 2> expert_rows,
+                               ffi::Result<ffi::AnyBuffer> out) {
+    PlaceRowsArgs a;
+    if (auto err = decode_place_rows(src, expert_rows, out, &a); err.failure()) return err;
+    return to_error(B::place_rows(ctx, a));
+  }
+  static auto bind_place_rows() { return ffi::Ffi::BindTo(place_rows, B::traits); }
+
  private:
   // What every execute handler of a Buffer's calls takes first.
   static auto call() {
@@ -332,6 +343,7 @@ Targets targets() {
       {"combine_recv", {buffer, handler<C::bind_combine_recv>}},
       {"dispatch_adjoint", {buffer, handler<C::bind_dispatch_adjoint>}},
       {"expert_layout", {nullptr, handler<C::bind_expert_layout>}},
+      {"place_rows", {nullptr, handler<C::bind_place_rows>}},
   };
 }
 

@@ -109,6 +109,8 @@ struct CpuBackend {
     cpu::expert_layout(a);
     return {};
   }
+
+  static std::string place_rows(Context, const PlaceRowsArgs& a) { return cpu::place_rows(a); }
 };
 
 }  // namespace

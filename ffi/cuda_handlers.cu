@@ -69,6 +69,10 @@ struct CudaBackend {
   static std::string expert_layout(const Context& c, const ExpertLayoutArgs& a) {
     return cuda::expert_layout(c.stream, a);
   }
+
+  static std::string place_rows(const Context& c, const PlaceRowsArgs& a) {
+    return cuda::place_rows(c.stream, a);
+  }
 };
 
 }  // namespace

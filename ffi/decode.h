@@ -300,6 +300,27 @@ inline ffi::Error decode_expert_layout(
   return ffi::Error::Success();
 }
 
+// ---- rows placed in the expert_padded layout
+
+inline ffi::Error decode_place_rows(ffi::AnyBuffer src, ffi::Buffer<ffi::S32, 2> expert_rows,
+                                    ffi::Result<ffi::AnyBuffer> out, PlaceRowsArgs* a) {
+  const auto in_dims = src.dimensions(), out_dims = out->dimensions();
+  if (src.element_type() != out->element_type() || in_dims.size() != out_dims.size() ||
+      in_dims.size() == 0 || expert_rows.dimensions()[0] != in_dims[0])
+    return invalid("place rows: the rows, their expert rows and the output do not match");
+  for (size_t d = 1; d < in_dims.size(); ++d)
+    if (in_dims[d] != out_dims[d]) return invalid("place rows: rows and output differ in width");
+  *a = PlaceRowsArgs{};
+  a->rows = int(in_dims[0]);
+  a->per_row = int(expert_rows.dimensions()[1]);
+  a->out_rows = out_dims[0];
+  a->row_bytes = a->rows ? int64_t(src.size_bytes() / a->rows) : 0;
+  a->src = static_cast<const uint8_t*>(src.untyped_data());
+  a->expert_rows = expert_rows.typed_data();
+  a->out = static_cast<uint8_t*>(out->untyped_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace jax_ep
 
 // How XLA decodes the attributes (by name; XLA checks their number and types).

@@ -20,6 +20,8 @@ import importlib.util
 import json
 import os
 import secrets
+import socket
+import threading
 
 import numpy as np
 
@@ -117,6 +119,66 @@ def _try_get(client, key):
         return client.key_value_try_get(key)
     except Exception:
         return None
+
+
+_liveness_address: str | None = None  # this process's liveness socket, once listening
+
+
+def announce_liveness(p: Plan):
+    """Lets the mesh's other processes ask whether this one still runs (stopped_processes): a
+    TCP socket listens, a thread accepts and closes each connection, and the key-value store
+    holds the address. When the process ends, however it ends, the kernel closes the socket."""
+    global _liveness_address
+    if not p.multi_process:
+        return
+    if _liveness_address is None:
+        server = socket.create_server(("", 0), backlog=64)
+
+        def answer():
+            while True:
+                connection, _ = server.accept()
+                connection.close()
+
+        threading.Thread(target=answer, name="jax_ep liveness", daemon=True).start()
+        _liveness_address = f"{_reachable_address()}:{server.getsockname()[1]}"
+    distributed_client().key_value_set(
+        f"jax_ep/alive/{p.process}", _liveness_address, allow_overwrite=True
+    )
+
+
+def _reachable_address() -> str:
+    """This host's address on the route to jax.distributed's coordinator (how the others reach
+    it; no packet is sent)."""
+    from jax._src import distributed
+
+    host = (distributed.global_state.coordinator_address or "127.0.0.1").rsplit(":", 1)[0]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host.strip("[]"), 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def stopped_processes(p: Plan, timeout_s: float = 2.0) -> dict:
+    """{process: why} for the mesh's other processes that no longer run (their liveness socket
+    refuses connections) or do not answer within timeout_s. Asks each once; waits for nothing
+    else."""
+    if not p.multi_process:
+        return {}
+    client, stopped = distributed_client(), {}
+    for q in p.processes:
+        address = None if q == p.process else _try_get(client, f"jax_ep/alive/{q}")
+        if not address:
+            continue
+        host, port = address.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        except ConnectionRefusedError:
+            stopped[q] = "it has ended"
+        except OSError as e:
+            stopped[q] = f"it does not answer ({e})"
+    return stopped
 
 
 def meet(p: Plan, step: str, timeout_s: float):
@@ -401,6 +463,7 @@ def connect(p: Plan, window, *, timeout_s, num_sms, direct_local):
         engines[p.key] = engine
     _native.register_buffer(p.key, native)
     _forget_at_exit()
+    announce_liveness(p)
     return native
 
 

@@ -9,6 +9,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ep import bootstrap
 from jax_ep import layout as layouts
@@ -308,18 +309,39 @@ class Buffer:
         self._native = bootstrap.connect(
             plan, self._window(), timeout_s=timeout_s, num_sms=num_sms, direct_local=direct_local
         )
-        self._key = plan.key
+        self._key, self._plan = plan.key, plan
         self.engine = bootstrap.engines[plan.key]  # "nccl", "cuda_ipc" or "shm" (CPUs)
         ffi_path.register_targets()
         return ffi_path.Ffi(plan.key, self._ranks_per_node, self.num_experts // self.num_nodes)
 
     def status(self):
         """The error that stopped this Buffer on this process (a wait that timed out, a peer
-        that gave up, ranks that ran different ops), or None. Reads what the ops recorded
-        without waiting for them or for the devices: an op still running is not in it yet."""
+        that gave up, ranks that ran different ops), or None. Where the mesh spans processes,
+        also the processes that have ended or do not answer, with the nodes or ranks they
+        held: what to ask when a step fails with only a lost connection in XLA's own error
+        (a node leg's collective, say). Reads what the ops recorded without waiting for them
+        or for the devices: an op still running is not in it yet."""
         if self._native is None:
             return None
-        return self._native.status() or None
+        found = [self._native.status()]
+        for process, why in bootstrap.stopped_processes(self._plan).items():
+            found.append(f"jax_ep: process {process} ({self._held_by(process)}) stopped: {why}")
+        return "\n".join(filter(None, found)) or None
+
+    def _held_by(self, process):
+        """The nodes (a tuple axis) or ranks of the Buffer that `process`'s devices hold."""
+        names, shape = self.mesh.axis_names, self.mesh.devices.shape
+        coords = [i for i, d in np.ndenumerate(self.mesh.devices) if d.process_index == process]
+        if self.num_nodes > 1:
+            outer = [names.index(a) for a in self._axes[:-1]]
+            nodes = {
+                np.ravel_multi_index([c[a] for a in outer], [shape[a] for a in outer])
+                for c in coords
+            }
+            return f"node {', '.join(map(str, sorted(nodes)))} of {self.axis_name!r}"
+        fast = names.index(self._axes[-1])
+        ranks = sorted({c[fast] for c in coords})
+        return f"rank {', '.join(map(str, ranks))} of {self.axis_name!r}"
 
     def close(self):
         """Drops this Buffer's communication memory: it is freed once no compiled program that
@@ -641,9 +663,13 @@ class Buffer:
     def _expand(self, x_rows, scales, handle):
         if handle.layout == "rank":
             return x_rows, scales
+        if handle.layout == "expert":  # padding rows are zeros
+            expand = layouts.expand_rows
+        else:  # expert_padded: only the valid rows are written (E_l * C rows could be many)
+            expand = functools.partial(layouts.placed_rows, self._ops_for(handle.rows).place_rows)
         if scales is not None:
-            scales = layouts.expand_rows(scales, handle.expert_src, handle.expert_rows)
-        x = layouts.expand_rows(x_rows, handle.expert_src, handle.expert_rows)
+            scales = expand(scales, handle.expert_src, handle.expert_rows)
+        x = expand(x_rows, handle.expert_src, handle.expert_rows)
         return self._blocks(handle.layout, x), self._blocks(handle.layout, scales)
 
     def _dispatch_cached(self, split, x, handle, fp8, round_scale, tokens):

@@ -405,3 +405,8 @@ class Ffi:
             topk_rows,
         )
         return layout.ExpertMaps(*out[:5])
+
+    def place_rows(self, rank_rows, expert_rows, capacity):
+        shape = jax.ShapeDtypeStruct((capacity,) + rank_rows.shape[1:], rank_rows.dtype)
+        call = jax.ffi.ffi_call("jax_ep_place_rows", shape, vmap_method="sequential")
+        return varying_like(call(rank_rows, expert_rows), rank_rows, expert_rows)

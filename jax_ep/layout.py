@@ -6,6 +6,7 @@ The CUDA and CPU kernels implement the same rules in kernels/; the tests compare
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -154,6 +155,38 @@ def _expand_rows_bwd(res, ct):
 
 
 expand_rows.defvjp(_expand_rows_fwd, _expand_rows_bwd, symbolic_zeros=True)
+
+
+def place_rows(rank_rows, expert_rows, capacity):
+    """[S, W] rank-level rows -> [C, W] expert rows of the expert_padded layout: only the rows
+    that expert_rows names hold data, the others are unspecified (this statement writes zeros
+    there; the ffi path leaves them as it found them, so that a padded tensor of E_l * C rows
+    costs only the rows received)."""
+    out = jnp.zeros((capacity,) + rank_rows.shape[1:], rank_rows.dtype)
+    source = jnp.broadcast_to(jnp.arange(expert_rows.shape[0])[:, None], expert_rows.shape)
+    target = jnp.where(expert_rows >= 0, expert_rows, capacity)  # capacity = nowhere
+    return varying_like(out.at[target].set(rank_rows[source], mode="drop"), rank_rows, expert_rows)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def placed_rows(place, rank_rows, expert_src, expert_rows):
+    """place(rank_rows, expert_rows, C) (a backend's place_rows), differentiable: the gradient
+    of a row sums the cotangents of the expert rows it was placed in (those rows only)."""
+    return place(rank_rows, expert_rows, expert_src.shape[0])
+
+
+def _placed_rows_fwd(place, *args):
+    rank_rows, expert_src, expert_rows = jax.custom_derivatives.custom_vjp_primal_tree_values(args)
+    return placed_rows(place, rank_rows, expert_src, expert_rows), (expert_src, expert_rows)
+
+
+def _placed_rows_bwd(place, res, ct):
+    if isinstance(ct, jax.custom_derivatives.SymbolicZero):
+        return None, None, None
+    return reduce_expert_rows(ct, None, *res).astype(ct.dtype), None, None
+
+
+placed_rows.defvjp(_placed_rows_fwd, _placed_rows_bwd, symbolic_zeros=True)
 
 
 @jax.custom_vjp

@@ -1,4 +1,4 @@
-"""The four primitives a backend provides; Buffer builds dispatch and combine from them.
+"""The primitives a backend provides; Buffer builds dispatch and combine from them.
 
 Rank level (crosses ranks):
   dispatch(x, topk_idx, topk_weights)   -> RankRows, Routing   one row per (source rank, token)
@@ -6,6 +6,8 @@ Rank level (crosses ranks):
   combine(rows, send_pos, ..., bias)    -> [T, W]              bias + sum over ranks, float32
 Receiver-local:
   expert_layout(topk_rows)              -> layout.ExpertMaps   rank-level rows -> expert rows
+  place_rows(rows, expert_rows, C)      -> [C, W]              rows into the expert_padded
+                                                               layout (the others unspecified)
 
 The three cross-rank primitives also come split, as X_send(...) -> (arrays, finish) with
 finish(arrays) -> the result of X: the send half returns once the data is on its way, finish

@@ -138,3 +138,6 @@ class Reference(Unsplit):
 
     def expert_layout(self, topk_rows, *, experts_per_rank, alignment, capacity, block_rows=0):
         return layout.expert_layout(topk_rows, experts_per_rank, alignment, capacity, block_rows)
+
+    def place_rows(self, rank_rows, expert_rows, capacity):
+        return layout.place_rows(rank_rows, expert_rows, capacity)

@@ -92,6 +92,16 @@ struct ExpertLayoutArgs {
   JAX_EP_HD int max_per_row() const { return max_experts_per_row(num_topk, experts_per_rank); }
 };
 
+// Receiver-local: each rank-layout row copied to its expert rows (the expert_padded layout).
+// Rows of `out` that no row names are left as they were: a padded tensor costs the rows received.
+struct PlaceRowsArgs {
+  int rows, per_row;            // S rank-layout rows, M expert rows at most per row
+  int64_t row_bytes, out_rows;  // bytes of a row, rows of out
+  const uint8_t* src;           // [rows, row_bytes]
+  const int32_t* expert_rows;   // [rows, per_row] rows of out, or -1 (others: out of range)
+  uint8_t* out;                 // [out_rows, row_bytes]
+};
+
 // The signatures both backends send with an op's counts (kernels/signature.h).
 JAX_EP_HD Signature signature(const DispatchSend& a) {
   Signature s{};

@@ -145,6 +145,13 @@ def pipeline(
 
     def step(x, topk_idx, topk_weights, bias, x2):
         between = []  # what the work between the halves computed
+        valid = None  # expert_padded: the rows of data (its padding rows are unspecified)
+
+        def data(rows):
+            """rows with the unspecified ones zeroed, for comparing."""
+            if rows is None or valid is None:
+                return rows
+            return jnp.where(valid, rows, jnp.zeros((), rows.dtype))
 
         def work(pending, value):
             pending, out = pending.run_between(lambda v: (v.astype(jnp.float32) * 3).sum(0), value)
@@ -160,7 +167,7 @@ def pipeline(
 
         def combine(rows, *args, **kwargs):
             if split:
-                return buf.combine_recv(work(buf.combine_send(rows, *args, **kwargs), rows))
+                return buf.combine_recv(work(buf.combine_send(rows, *args, **kwargs), data(rows)))
             return buf.combine(rows, *args, **kwargs)
 
         d = dispatch(
@@ -173,6 +180,8 @@ def pipeline(
             round_scale=round_scale,
             capacity=capacity,
         )
+        if layout == "expert_padded":
+            valid = (d.topk_idx >= 0)[..., None]
         if fp8:
             rows = jax_ep.dequantize_fp8(
                 d.x.reshape(-1, d.x.shape[-1]), d.scales.reshape(-1, d.scales.shape[-1])
@@ -191,11 +200,11 @@ def pipeline(
         again = dispatch(x2, handle=d.handle, fp8=fp8, round_scale=round_scale)
         h = d.handle
         return dict(
-            d=d._replace(handle=None),
+            d=d._replace(handle=None, x=data(d.x), scales=data(d.scales)),
             y=y,
-            expert_out=expert_out,
-            cached_x=again.x,
-            cached_scales=again.scales,
+            expert_out=data(expert_out),  # combine took it unmasked
+            cached_x=data(again.x),
+            cached_scales=data(again.scales),
             handle=dict(
                 recv_counts=h.recv_counts,
                 num_rows=h.num_rows,

@@ -336,7 +336,9 @@ def early_exit():
     x, idx, w, _ = inputs(mesh)
     rows = run(mesh, lambda x, i, w: buf.dispatch(x, i, w).x, x, idx, w)  # the op that timed out
     assert all(np.isnan(v.astype(np.float32)).all() for v in local(rows)[0].values())
-    assert "waited more than 3" in buf.status()
+    status = buf.status()
+    assert "waited more than 3" in status, status
+    assert "process 1 (rank 1 of 'ep') stopped: it has ended" in status, status
     try:  # the next call raises
         jax.block_until_ready(run(mesh, lambda x, i, w: buf.dispatch(x, i, w).x, x, idx, w))
     except Exception as e:
@@ -423,6 +425,10 @@ def missing_node(mesh, buf):
         print("RAISED:", str(e).splitlines()[0], flush=True)
     else:
         raise AssertionError("no error for a node that stopped")
+    # XLA's error names a socket; the Buffer names the node.
+    status = buf.status()
+    assert "process 1 (node 1 of ('node', 'ep')) stopped: it has ended" in status, status
+    print("STATUS:", status, flush=True)
     assert time.perf_counter() - start < 60
     print("SCENARIO OK", flush=True)
     os._exit(0)  # the coordination service would wait for process 1 at shutdown

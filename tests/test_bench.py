@@ -1,6 +1,7 @@
 """bench/ep.py on CPU devices at a small shape: every implementation times both ops and makes
 the same round trip (dispatch, dequantise, combine) as jax_ep; --nodes times a tuple-axis Buffer
-and each of its legs. (XLA:CPU has no ragged-all-to-all, so that baseline runs on GPUs only.)"""
+and each of its legs. (XLA:CPU has no ragged-all-to-all, so that baseline runs on GPUs only.)
+bench/grouped_matmul.py's cases and decode MLP at a tiny shape."""
 
 import json
 import math
@@ -96,3 +97,21 @@ def test_peer_bandwidth_is_not_measured_without_the_probe():
     assert harness.copy_engine_gbps(False) is None and harness.copy_engine_gbps(True) is None
     with pytest.raises(SystemExit, match="bench._probe"):
         probe.main()
+
+
+def test_grouped_matmul_bench_records_every_case(tmp_path):
+    """bench.grouped_matmul on tiny shapes: the XLA products and the decode MLP's batched einsum
+    are timed, the Mosaic kernels recorded as failed where they cannot run."""
+    from bench import grouped_matmul
+
+    grouped_matmul.main(
+        "--ranks 2 --tokens 32 --experts 4 --hidden 128 --ffn 128 --alignment 8 --no-sweep "
+        f"--decode-tokens 8 --counts 1,2 --machine test --out {tmp_path}".split()
+    )
+    (path,) = tmp_path.glob("grouped-matmul-test-*.json")
+    results = json.loads(path.read_text())["results"]
+    timed = {(r["projection"], r["impl"]) for r in results if r["tflops"]}
+    for projection in ("gate_up", "down"):
+        assert {(projection, "dense"), (projection, "xla"), (projection, "batched_einsum")} <= timed
+    decode = [r for r in results if r["distribution"] == "decode"]
+    assert len(decode) == 4 and all(r["capacity"] == 16 for r in decode)

@@ -1,9 +1,9 @@
 """jax_ep.nn.grouped_matmul's Mosaic GPU kernels (Hopper) against its XLA path computing in
 float32 on the same bfloat16 values: the forward and both gradients, uniform, skewed and empty
 groups, rows past sum(group_sizes) zero, both forward kernels (rows aligned to the block or
-not), under shard_map, jax.checkpoint and command buffers; the FP8 forward kernel against its
-XLA path on the same FP8 values, its bf16 backward, and the FP8 MoE layer on it. Skipped where
-JAX sees no GPU."""
+not), under shard_map, jax.checkpoint and command buffers; the masked forward over
+expert_padded rows; the FP8 forward kernel against its XLA path on the same FP8 values, its
+bf16 backward, and the FP8 MoE layer on it. Skipped where JAX sees no GPU."""
 
 import os
 import subprocess
@@ -83,6 +83,27 @@ def test_matches_xla(name, group_alignment):
     sizes = np.asarray(SIZES[name], np.int32)
     lhs, rhs, ct = operands(1024, 256, 384, len(sizes))
     assert_like_xla(lhs, rhs, ct, jnp.asarray(sizes), group_alignment=group_alignment)
+
+
+@pytest.mark.parametrize(
+    "rows", [[5, 0, 256, 130, 1, 0, 0, 64], [0] * 8, [256] * 8], ids=["mixed", "none", "full"]
+)
+def test_masked_matmul_kernel_matches_xla(rows):
+    """The decode MLP's kernel over expert_padded rows: each group's rows of data against the
+    float32 einsum; the other rows hold NaN, which must not reach a row of data."""
+    rows = np.asarray(rows, np.int32)
+    groups, capacity, k, n = len(rows), 256, 512, 384
+    lhs, rhs, _ = operands(groups * capacity, k, n, groups, seed=2)
+    valid = jnp.asarray(np.arange(capacity)[None, :, None] < rows[:, None, None])
+    lhs = jnp.where(valid, lhs.reshape(groups, capacity, k), jnp.nan).astype(jnp.bfloat16)
+    masked = jax.jit(grouped.masked_matmul, static_argnames="impl")
+    got = np.asarray(masked(lhs, rhs, jnp.asarray(rows), impl="mosaic"), np.float32)
+    want = np.asarray(
+        masked(lhs.astype(jnp.float32), rhs.astype(jnp.float32), jnp.asarray(rows), impl="xla")
+    )
+    for g in range(groups):
+        if rows[g]:
+            assert relative_error(got[g, : rows[g]], want[g, : rows[g]]) < TOLERANCE, g
 
 
 @pytest.mark.parametrize("k,n", [(7168, 2048), (2048, 7168)])

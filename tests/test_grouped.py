@@ -295,3 +295,26 @@ def test_fp8_which_implementation_and_errors():
         grouped.fp8_grouped_matmul(lhs, lhs_q, scales[:, :1], rhs, sizes)
     with pytest.raises(ValueError, match="impl must be one of"):
         grouped.fp8_grouped_matmul(lhs, lhs_q, scales, rhs, sizes, impl="cutlass")
+
+
+def test_masked_matmul_is_the_product_of_the_rows_of_data():
+    """The decode MLP's matmul over expert_padded rows: the valid rows are each group's product
+    (rows past them are unspecified: here NaN, which must not reach a valid row)."""
+    rng = np.random.default_rng(3)
+    groups, capacity, k, n = 4, 32, 64, 48
+    rows = np.array([5, 0, 32, 17], np.int32)
+    lhs = rng.standard_normal((groups, capacity, k)).astype(np.float32)
+    valid = np.arange(capacity)[None, :] < rows[:, None]
+    lhs[~valid] = np.nan
+    rhs = rng.standard_normal((groups, k, n)).astype(np.float32)
+    got = np.asarray(grouped.masked_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(rows)))
+    for g in range(groups):
+        want = lhs[g, : rows[g]] @ rhs[g]
+        np.testing.assert_allclose(got[g, : rows[g]], want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="lhs must be"):
+        grouped.masked_matmul(jnp.asarray(lhs[0]), jnp.asarray(rhs), jnp.asarray(rows))
+    with pytest.raises(ValueError, match="rows_per_group must have shape"):
+        grouped.masked_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(rows[:2]))
+    if grouped._platform_misfits():
+        with pytest.raises(ValueError, match="cannot run"):
+            grouped.masked_matmul(jnp.asarray(lhs), jnp.asarray(rhs), rows, impl="mosaic")

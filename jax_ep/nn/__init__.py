@@ -5,7 +5,7 @@ extra "flax") and Equinox (jax_ep.nn.eqx, extra "equinox")."""
 
 from jax_ep.fp8 import quantize_weights_fp8
 from jax_ep.nn.config import MoEConfig
-from jax_ep.nn.grouped import fp8_grouped_matmul, grouped_matmul
+from jax_ep.nn.grouped import fp8_grouped_matmul, grouped_matmul, masked_matmul
 from jax_ep.nn.moe import (
     EXPERT_WEIGHTS,
     MoEAux,
@@ -32,6 +32,7 @@ __all__ = [
     "expert_load",
     "fp8_grouped_matmul",
     "grouped_matmul",
+    "masked_matmul",
     "grouped_matmul_path",
     "init_params",
     "load_balancing_loss",

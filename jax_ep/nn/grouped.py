@@ -107,6 +107,33 @@ def grouped_matmul(lhs, rhs, group_sizes, *, impl="auto", group_alignment=1, blo
     )
 
 
+def masked_matmul(lhs, rhs, rows_per_group, *, impl="auto", blocks=MOSAIC_BLOCKS):
+    """The decode MLP's matmul over the expert_padded layout: lhs [G, C, K] @ rhs[g] ([G, K, N])
+    -> [G, C, N] in lhs.dtype, where only group g's first rows_per_group[g] rows hold data
+    (a dispatch's x and tokens_per_expert). Rows past them in the result are unspecified.
+    "xla": the batched einsum (every row); "mosaic": the row blocks holding data only
+    (mosaic.masked_gmm, gmm's blocks; C a multiple of block_m). Forward only."""
+    if lhs.ndim != 3 or rhs.ndim != 3 or rhs.shape[:2] != (lhs.shape[0], lhs.shape[2]):
+        raise ValueError(
+            f"jax_ep.nn.masked_matmul: lhs must be [G, C, K] and rhs [G, K, N], got "
+            f"{lhs.shape} and {rhs.shape}"
+        )
+    if rows_per_group.shape != (lhs.shape[0],):
+        raise ValueError(
+            f"jax_ep.nn.masked_matmul: rows_per_group must have shape ({lhs.shape[0]},), got "
+            f"{rows_per_group.shape}"
+        )
+    groups, capacity, k = lhs.shape
+    # Each group's rows start a row block: C is "M" of the forward's blocks.
+    chosen = resolve_impl(impl, (capacity, k), rhs.shape, lhs.dtype, blocks)
+    rhs = rhs.astype(lhs.dtype)
+    if chosen == "xla":
+        return jnp.einsum("gck,gkn->gcn", lhs, rhs, preferred_element_type=jnp.float32).astype(
+            lhs.dtype
+        )
+    return mosaic.masked_gmm(lhs, rhs, rows_per_group.astype(jnp.int32), blocks.gmm)
+
+
 def product(kind, a, b, group_sizes, *, impl="auto", group_alignment=1, blocks=MOSAIC_BLOCKS):
     """One of the three products alone ("gmm", "gmm_t" or "tgmm", shapes as in the module
     docstring), differentiable like grouped_matmul: for benchmarks and custom layers."""

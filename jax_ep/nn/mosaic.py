@@ -1,8 +1,9 @@
 """The Mosaic GPU (Pallas) kernels of jax_ep.nn.grouped, for Hopper: persistent grouped matmuls
 over row groups whose sizes are multiples of a block (aligned_gmm, aligned_tgmm, and
-aligned_gmm_fp8 for the FP8 forward), and jax's own ragged_dot_mgpu kernels (jax_kernels) for
-the rest. grouped.py chooses between them and makes them differentiable; its module docstring
-describes each kernel.
+aligned_gmm_fp8 for the FP8 forward), the same forward over the expert_padded layout's blocks
+of rows (masked_gmm), and jax's own ragged_dot_mgpu kernels (jax_kernels) for the rest.
+grouped.py chooses between them and makes them differentiable; its module docstring describes
+each kernel.
 """
 
 from __future__ import annotations
@@ -31,6 +32,19 @@ def _row_blocks(group_sizes, m, bm):
         axis=1, dtype=jnp.int32
     )
     return (jnp.minimum(block_group, group_sizes.shape[0] - 1), (ends[-1:] // bm).astype(jnp.int32))
+
+
+def _masked_row_blocks(rows_per_group, capacity, bm):
+    """For kernels over [G, capacity] rows of which group g's first rows_per_group[g] hold data:
+    the row blocks that hold any (block j of group g is row block g * capacity / bm + j), first
+    in order, their groups, and [1] their number."""
+    groups, per_group = rows_per_group.shape[0], capacity // bm
+    used = jnp.arange(per_group)[None, :] * bm < rows_per_group[:, None]  # [G, per_group]
+    order = jnp.cumsum(used.reshape(-1), dtype=jnp.int32) - 1
+    slot = jnp.where(used.reshape(-1), order, groups * per_group)  # past the end: unused
+    block = jnp.arange(groups * per_group, dtype=jnp.int32)
+    place = lambda values: jnp.zeros_like(block).at[slot].set(values, mode="drop")  # noqa: E731
+    return place(block // per_group), place(block), used.sum(dtype=jnp.int32)[None]
 
 
 def _over_tiles(body, out_type, tiles, *operands):
@@ -69,21 +83,44 @@ def aligned_gmm(lhs, rhs, group_sizes, tiles, transpose_rhs):
     (a grid sized on the device), n fastest within grid_block_n columns so that neighbouring
     SMs read the same rows; each tile is a pipeline of block_k steps. Rows past the groups are
     not written."""
+    block_group, row_blocks = _row_blocks(group_sizes, lhs.shape[0], tiles.block_m)
+    return _gmm_over_blocks(lhs, rhs, block_group, None, row_blocks, tiles, transpose_rhs)
+
+
+def masked_gmm(lhs, rhs, rows_per_group, tiles):
+    """lhs [G, C, K] @ rhs[g] ([G, K, N]) -> [G, C, N] over group g's first rows_per_group[g]
+    rows only (the expert_padded layout's x and tokens_per_expert; C a multiple of
+    tiles.block_m): only the row blocks holding such rows are computed and written, so the
+    other rows of the result are unspecified, like the layout's own padding rows."""
+    groups, capacity, k = lhs.shape
+    block_group, block_row, row_blocks = _masked_row_blocks(rows_per_group, capacity, tiles.block_m)
+    out = _gmm_over_blocks(
+        lhs.reshape(groups * capacity, k), rhs, block_group, block_row, row_blocks, tiles, False
+    )
+    return out.reshape(groups, capacity, -1)
+
+
+def _gmm_over_blocks(lhs, rhs, block_group, block_row, row_blocks, tiles, transpose_rhs):
+    """The output tiles of the first row_blocks[0] row blocks of the list: block i is lhs's
+    row block block_row[i] (None: i) times rhs[block_group[i]]."""
     bm, bn, bk, steps, columns_together = tiles[:5]
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    block_group, row_blocks = _row_blocks(group_sizes, m, bm)
     column_blocks = n // bn
+    operands = (block_group,) + (() if block_row is None else (block_row,))
 
-    def body(block_group_ref, row_blocks_ref, lhs_ref, rhs_ref, out_ref, store):
+    def body(*refs):
+        *index_refs, row_blocks_ref, lhs_ref, rhs_ref, out_ref, store = refs
+        block_group_ref = index_refs[0]
         used_row_blocks = row_blocks_ref[0]
 
         @plgpu.nd_loop((used_row_blocks * column_blocks,), collective_axes="sm")
         def tile(loop):
-            mi, ni = plgpu.planar_snake(
+            bi, ni = plgpu.planar_snake(
                 loop.index[0], (used_row_blocks, column_blocks), 1, columns_together
             )
-            weights = rhs_ref.at[block_group_ref[mi]]
+            mi = bi if block_row is None else index_refs[1][bi]
+            weights = rhs_ref.at[block_group_ref[bi]]
 
             def multiply(_, lhs_smem, rhs_smem, acc_ref):
                 plgpu.wgmma(
@@ -107,7 +144,7 @@ def aligned_gmm(lhs, rhs, group_sizes, tiles, transpose_rhs):
             store(pl.run_scoped(accumulate, plgpu.ACC((bm, bn))), out_ref, mi, ni)
 
     return _over_tiles(
-        body, jax.ShapeDtypeStruct((m, n), lhs.dtype), tiles, block_group, row_blocks, lhs, rhs
+        body, jax.ShapeDtypeStruct((m, n), lhs.dtype), tiles, *operands, row_blocks, lhs, rhs
     )
 
 

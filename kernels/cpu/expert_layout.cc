@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "kernels/cpu/rank.h"
@@ -38,6 +39,17 @@ void expert_layout(const ExpertLayoutArgs& a) {
     }
   }
   *a.num_dropped = dropped;
+}
+
+std::string place_rows(const PlaceRowsArgs& a) {
+  for (int r = 0; r < a.rows; ++r)
+    for (int m = 0; m < a.per_row; ++m) {
+      const int32_t pos = a.expert_rows[int64_t(r) * a.per_row + m];
+      if (pos < 0) continue;
+      if (pos >= a.out_rows) return "place rows: an expert row lies past the output";
+      std::memcpy(a.out + pos * a.row_bytes, a.src + r * a.row_bytes, a.row_bytes);
+    }
+  return {};
 }
 
 }  // namespace jax_ep::cpu
