@@ -10,10 +10,13 @@ SCENARIO names a function of process_scenarios.py, or MODULE:FUNCTION of another
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -26,7 +29,8 @@ def free_port():
 
 def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
     """Runs `scenario` in num_processes processes; [(returncode, stdout + stderr)] per process
-    (a process still running after `timeout` s is killed: returncode None)."""
+    (a process still running `timeout` s after the start prints its threads' stacks and is
+    killed: returncode None)."""
     port = free_port()
     # Each process sets its own device count; XLA's other flags (tests/conftest.py) carry over,
     # unless launch(env=) gives its own.
@@ -59,18 +63,21 @@ def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
         )
         for p in range(num_processes)
     ]
-    results = []
+    results, deadline = [], time.monotonic() + timeout
     for proc in procs:
         try:
-            out, _ = proc.communicate(timeout=timeout)
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             results.append((proc.returncode, out))
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # its threads' Python stacks first (_start), then kill
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)
             proc.kill()
             results.append((None, proc.communicate()[0]))
     return results
 
 
 def _start(process, num_processes, port, devices):
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # launch() asks before a kill
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
     ).strip()

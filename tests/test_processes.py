@@ -8,7 +8,11 @@ from processes import launch
 
 def assert_ok(results):
     for p, (code, out) in enumerate(results):
-        assert code == 0 and "SCENARIO OK" in out, f"process {p} (exit {code}):\n{out[-4000:]}"
+        if code != 0 or "SCENARIO OK" not in out:
+            every = "\n".join(
+                f"---- process {q} (exit {c}):\n{o[-6000:]}" for q, (c, o) in enumerate(results)
+            )
+            raise AssertionError(f"process {p} failed (exit {code})\n{every}")
 
 
 @pytest.mark.parametrize(
