@@ -92,16 +92,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, impl="auto", group_alignment=1, blo
     kernels cannot run here or these shapes do not fit their blocks). group_alignment: a
     number every group size is a multiple of (the caller's promise: wrong results otherwise),
     e.g. the expert_alignment of the dispatch that made the rows."""
-    if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
-        raise ValueError(
-            f"jax_ep.nn.grouped_matmul: lhs must be [M, K] and rhs [G, K, N], got "
-            f"{lhs.shape} and {rhs.shape}"
-        )
-    if group_sizes.shape != (rhs.shape[0],):
-        raise ValueError(
-            f"jax_ep.nn.grouped_matmul: group_sizes must have shape "
-            f"({rhs.shape[0]},), got {group_sizes.shape}"
-        )
+    _check_operands("grouped_matmul", ("M", "K"), lhs, rhs, "group_sizes", group_sizes)
     return product(
         "gmm", lhs, rhs, group_sizes, impl=impl, group_alignment=group_alignment, blocks=blocks
     )
@@ -113,16 +104,7 @@ def masked_matmul(lhs, rhs, rows_per_group, *, impl="auto", blocks=MOSAIC_BLOCKS
     (a dispatch's x and tokens_per_expert). Rows past them in the result are unspecified.
     "xla": the batched einsum (every row); "mosaic": the row blocks holding data only
     (mosaic.masked_gmm, gmm's blocks; C a multiple of block_m). Forward only."""
-    if lhs.ndim != 3 or rhs.ndim != 3 or rhs.shape[:2] != (lhs.shape[0], lhs.shape[2]):
-        raise ValueError(
-            f"jax_ep.nn.masked_matmul: lhs must be [G, C, K] and rhs [G, K, N], got "
-            f"{lhs.shape} and {rhs.shape}"
-        )
-    if rows_per_group.shape != (lhs.shape[0],):
-        raise ValueError(
-            f"jax_ep.nn.masked_matmul: rows_per_group must have shape ({lhs.shape[0]},), got "
-            f"{rows_per_group.shape}"
-        )
+    _check_operands("masked_matmul", ("G", "C", "K"), lhs, rhs, "rows_per_group", rows_per_group)
     groups, capacity, k = lhs.shape
     # Each group's rows start a row block: C is "M" of the forward's blocks.
     chosen = resolve_impl(impl, (capacity, k), rhs.shape, lhs.dtype, blocks)
@@ -132,6 +114,25 @@ def masked_matmul(lhs, rhs, rows_per_group, *, impl="auto", blocks=MOSAIC_BLOCKS
             lhs.dtype
         )
     return mosaic.masked_gmm(lhs, rhs, rows_per_group.astype(jnp.int32), blocks.gmm)
+
+
+def _check_operands(name, lhs_dims, lhs, rhs, sizes_name, sizes):
+    """lhs of dimensions lhs_dims (K last; a leading G is rhs's), rhs [G, K, N], sizes [G]."""
+    batched = lhs_dims[0] == "G"
+    if (
+        lhs.ndim != len(lhs_dims)
+        or rhs.ndim != 3
+        or rhs.shape[1] != lhs.shape[-1]
+        or (batched and rhs.shape[0] != lhs.shape[0])
+    ):
+        raise ValueError(
+            f"jax_ep.nn.{name}: lhs must be [{', '.join(lhs_dims)}] and rhs [G, K, N], got "
+            f"{lhs.shape} and {rhs.shape}"
+        )
+    if sizes.shape != (rhs.shape[0],):
+        raise ValueError(
+            f"jax_ep.nn.{name}: {sizes_name} must have shape ({rhs.shape[0]},), got {sizes.shape}"
+        )
 
 
 def product(kind, a, b, group_sizes, *, impl="auto", group_alignment=1, blocks=MOSAIC_BLOCKS):
