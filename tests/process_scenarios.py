@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from jax_ep._jax import distributed_client
 
 E, H, K, T = 16, 256, 4, 16
 
@@ -164,13 +165,30 @@ def invalid_ids(mesh, bufs, axis):
                 check_invalid=True,
             )
         )
+        out = checking(x, bad, w)
         try:
-            jax.block_until_ready(checking(x, bad, w))
+            jax.block_until_ready(out)
         except Exception as e:  # every process raises, also those whose ids were all valid
             assert "topk_idx holds 2 expert id" in str(e), e
         else:
             raise AssertionError(f"check_invalid did not raise ({impl})")
+        after_failure(out, f"invalid ids {impl}")
         assert_same_shards(checking(x, clean, w), reference(x, clean, w), "after the check")
+
+
+def after_failure(out, name):
+    """Waits until every device here is done with the step that raised (block_until_ready stops
+    at the first error), then for every process (the key-value store's barrier, no collective).
+    Without it a process went on to the next steps while a peer was still in the failed one's
+    gloo collectives, and both hung (once, CI, jax 0.12: process 0 in an all-reduce of a later
+    step, process 1 in the failed step's all-gather)."""
+    for leaf in jax.tree.leaves(out):
+        for piece in leaf.addressable_shards:
+            try:
+                piece.data.block_until_ready()
+            except Exception:  # noqa: BLE001  (the failed step's error, on each device)
+                pass
+    distributed_client().wait_at_barrier(f"after {name}", 120_000)
 
 
 def mismatched_arguments():
