@@ -152,6 +152,11 @@ def invalid_ids(mesh, bufs, axis):
     reference = counts(bufs["reference"])
     want = reference(x, bad, w)
     assert_same_shards(counts(bufs["ffi"])(x, bad, w), want, "invalid ids")
+    if jax.local_device_count() > 1:
+        # The raise with one device per process only: where processes hold several devices,
+        # XLA's CPU runtime (jax 0.12) left the devices' gloo collectives out of step after it,
+        # and the next steps hung (docs/API.md, check_invalid).
+        return
     for impl in ("reference", "ffi"):
         checking = counts(
             jax_ep.Buffer(
@@ -165,8 +170,9 @@ def invalid_ids(mesh, bufs, axis):
                 check_invalid=True,
             )
         )
-        out = checking(x, bad, w)
+        out = None  # (the call itself may raise: where each process has one device)
         try:
+            out = checking(x, bad, w)
             jax.block_until_ready(out)
         except Exception as e:  # every process raises, also those whose ids were all valid
             assert "topk_idx holds 2 expert id" in str(e), e
