@@ -106,6 +106,19 @@ def bits(a):
     return a
 
 
+def settle(out):
+    """Waits until every device is done with `out`'s step, one that raised: block_until_ready
+    stops at the first error, and XLA's CPU runtime (jax 0.12) skips a step enqueued on a device
+    whose failed step still runs, so the next step's collectives would wait for that device (in
+    one process XLA aborts after 40 s; docs/API.md, check_invalid)."""
+    for leaf in jax.tree.leaves(out):
+        for piece in leaf.addressable_shards:
+            try:
+                piece.data.block_until_ready()
+            except Exception:  # noqa: BLE001  (the step's error, on each device)
+                pass
+
+
 def assert_bitwise_equal(a, b, what=""):
     leaves_a, tree_a = jax.tree.flatten(a)
     leaves_b, tree_b = jax.tree.flatten(b)

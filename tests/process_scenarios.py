@@ -11,7 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import bits, buffers, calc_diff, pipeline, random_inputs
+from helpers import bits, buffers, calc_diff, pipeline, random_inputs, settle
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -188,12 +188,7 @@ def after_failure(out, name):
     Without it a process went on to the next steps while a peer was still in the failed one's
     gloo collectives, and both hung (once, CI, jax 0.12: process 0 in an all-reduce of a later
     step, process 1 in the failed step's all-gather)."""
-    for leaf in jax.tree.leaves(out):
-        for piece in leaf.addressable_shards:
-            try:
-                piece.data.block_until_ready()
-            except Exception:  # noqa: BLE001  (the failed step's error, on each device)
-                pass
+    settle(out)
     distributed_client().wait_at_barrier(f"after {name}", 120_000)
 
 
@@ -415,6 +410,7 @@ NODE_CASES = {  # (layout, alignment, fp8, capacity, split) per launch, sharing 
     "2x2": [("rank", 1, False, None, False), ("expert", 4, True, None, True)],
     "4x2": [("expert", 2, False, 24, False)],
     "2x4": [("rank", 1, True, 9, True), ("expert_padded", 1, False, None, False)],
+    "2x1": [("expert", 1, False, None, False)],
 }
 
 
@@ -429,6 +425,8 @@ def nodes():
     )
     shape = f"{mesh.shape['node']}x{mesh.shape['ep']}"
     matches_reference(mesh, bufs, NODE_CASES[shape])
+    if os.environ.get("CHECK_INVALID"):  # check_invalid's raise: one device per process
+        invalid_ids(mesh, bufs, axis)
     if os.environ.get("MISSING_NODE"):  # the launch that checks the rest too (CI's time)
         gradients(mesh, bufs)
         invalid_ids(mesh, bufs, axis)

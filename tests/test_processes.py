@@ -22,12 +22,15 @@ def test_mesh_across_processes_matches_reference(num_processes, devices, dp):
     assert_ok(launch("flat", num_processes, devices, env={"DP": str(dp)}))
 
 
-@pytest.mark.parametrize("num_nodes,devices", [(2, 2), (4, 2), (2, 4)], ids=["2x2", "4x2", "2x4"])
+@pytest.mark.parametrize(
+    "num_nodes,devices", [(2, 2), (4, 2), (2, 4), (2, 1)], ids=["2x2", "4x2", "2x4", "2x1"]
+)
 def test_processes_as_nodes_match_reference(num_nodes, devices):
     """A Buffer over ("node", "ep"), one process per node; 2 x 2 then loses a node: an error
-    on the others, not a hang."""
+    on the others, not a hang; 2 x 1 also raises on invalid ids (check_invalid)."""
     missing = {"MISSING_NODE": "1"} if (num_nodes, devices) == (2, 2) else {}
-    results = launch("nodes", num_nodes, devices, env=missing)
+    checking = {"CHECK_INVALID": "1"} if devices == 1 else {}
+    results = launch("nodes", num_nodes, devices, env=missing | checking)
     if missing:
         code, out = results[0]
         assert code == 0 and "SCENARIO OK" in out and "RAISED:" in out, out[-4000:]

@@ -18,6 +18,7 @@ from helpers import (
     pipeline,
     random_inputs,
     run,
+    settle,
 )
 from jax.sharding import PartitionSpec as P
 
@@ -185,8 +186,11 @@ def test_check_invalid_between_the_halves_of_another_op_is_refused_at_trace_time
         received = buf.dispatch_recv(pending).num_recv
         return received, buf.dispatch(x, bad).num_recv
 
+    out = None
     with pytest.raises(Exception, match="topk_idx holds 1 expert id"):
-        jax.block_until_ready(run(mesh, after, x, good, bad))
+        out = run(mesh, after, x, good, bad)
+        jax.block_until_ready(out)
+    settle(out)
     for _ in range(3):  # more ops than the two slots
         d = run(mesh, lambda x, i: buf.dispatch(x, i)._replace(handle=None), x, good)
         assert list(np.asarray(d.num_recv)) == [2 * T, 0]
