@@ -122,6 +122,7 @@ def _try_get(client, key):
 
 
 _liveness_address: str | None = None  # this process's liveness socket, once listening
+_peer_liveness: dict[int, str] = {}  # the others', as read from the store (they never change)
 
 
 def announce_liveness(p: Plan):
@@ -168,10 +169,12 @@ def stopped_processes(p: Plan, timeout_s: float = 2.0) -> dict:
         return {}
     client, stopped = distributed_client(), {}
     for q in p.processes:
-        address = None if q == p.process else _try_get(client, f"jax_ep/alive/{q}")
-        if not address:
+        if q != p.process and q not in _peer_liveness:
+            if address := _try_get(client, f"jax_ep/alive/{q}"):
+                _peer_liveness[q] = address
+        if q == p.process or q not in _peer_liveness:
             continue
-        host, port = address.rsplit(":", 1)
+        host, port = _peer_liveness[q].rsplit(":", 1)
         try:
             socket.create_connection((host, int(port)), timeout=timeout_s).close()
         except ConnectionRefusedError:

@@ -127,10 +127,49 @@ def expert_weights(weight_rows, topk_rows, expert_src, expert_of_row):
     return jnp.where(match, _take(weight_rows, expert_src), 0.0).sum(axis=1)
 
 
-@jax.custom_vjp
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _expert_rows(make, rank_rows, expert_src, expert_rows):
+    """make(rank_rows, expert_src, expert_rows): [S, W] rank-level rows -> [C, W] expert rows,
+    differentiable: a row's gradient sums the cotangents of its expert rows (those rows only)."""
+    return make(rank_rows, expert_src, expert_rows)
+
+
+def _expert_rows_fwd(make, *args):
+    rank_rows, expert_src, expert_rows = jax.custom_derivatives.custom_vjp_primal_tree_values(args)
+    return make(rank_rows, expert_src, expert_rows), (expert_src, expert_rows)
+
+
+def _expert_rows_bwd(make, res, ct):
+    if isinstance(ct, jax.custom_derivatives.SymbolicZero):  # stays a zero JAX sees
+        return None, None, None
+    return reduce_expert_rows(ct, None, *res).astype(ct.dtype), None, None
+
+
+_expert_rows.defvjp(_expert_rows_fwd, _expert_rows_bwd, symbolic_zeros=True)
+
+
 def expand_rows(rank_rows, expert_src, expert_rows):
     """[S, W] rank-level rows -> [C, W] expert rows (zeros on padding)."""
+    return _expert_rows(_gather, rank_rows, expert_src, expert_rows)
+
+
+def placed_rows(place, rank_rows, expert_src, expert_rows):
+    """The same rows by a backend's place_rows(rank_rows, expert_rows, C) (the expert_padded
+    layout: only the rows expert_rows names are written)."""
+    return _expert_rows(_Placed(place), rank_rows, expert_src, expert_rows)
+
+
+def _gather(rank_rows, expert_src, expert_rows):
     return _take(rank_rows, expert_src)
+
+
+class _Placed(NamedTuple):
+    """place_rows with _expert_rows' arguments (a NamedTuple: equal for an equal place)."""
+
+    place: object
+
+    def __call__(self, rank_rows, expert_src, expert_rows):
+        return self.place(rank_rows, expert_rows, expert_src.shape[0])
 
 
 def _take(rows, index):
@@ -143,20 +182,6 @@ def _take(rows, index):
     )
 
 
-def _expand_rows_fwd(*args):
-    rank_rows, expert_src, expert_rows = jax.custom_derivatives.custom_vjp_primal_tree_values(args)
-    return expand_rows(rank_rows, expert_src, expert_rows), (expert_src, expert_rows)
-
-
-def _expand_rows_bwd(res, ct):
-    if isinstance(ct, jax.custom_derivatives.SymbolicZero):  # stays a zero JAX sees
-        return None, None, None
-    return reduce_expert_rows(ct, None, *res).astype(ct.dtype), None, None
-
-
-expand_rows.defvjp(_expand_rows_fwd, _expand_rows_bwd, symbolic_zeros=True)
-
-
 def place_rows(rank_rows, expert_rows, capacity):
     """[S, W] rank-level rows -> [C, W] expert rows of the expert_padded layout: only the rows
     that expert_rows names hold data, the others are unspecified (this statement writes zeros
@@ -166,27 +191,6 @@ def place_rows(rank_rows, expert_rows, capacity):
     source = jnp.broadcast_to(jnp.arange(expert_rows.shape[0])[:, None], expert_rows.shape)
     target = jnp.where(expert_rows >= 0, expert_rows, capacity)  # capacity = nowhere
     return varying_like(out.at[target].set(rank_rows[source], mode="drop"), rank_rows, expert_rows)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def placed_rows(place, rank_rows, expert_src, expert_rows):
-    """place(rank_rows, expert_rows, C) (a backend's place_rows), differentiable: the gradient
-    of a row sums the cotangents of the expert rows it was placed in (those rows only)."""
-    return place(rank_rows, expert_rows, expert_src.shape[0])
-
-
-def _placed_rows_fwd(place, *args):
-    rank_rows, expert_src, expert_rows = jax.custom_derivatives.custom_vjp_primal_tree_values(args)
-    return placed_rows(place, rank_rows, expert_src, expert_rows), (expert_src, expert_rows)
-
-
-def _placed_rows_bwd(place, res, ct):
-    if isinstance(ct, jax.custom_derivatives.SymbolicZero):
-        return None, None, None
-    return reduce_expert_rows(ct, None, *res).astype(ct.dtype), None, None
-
-
-placed_rows.defvjp(_placed_rows_fwd, _placed_rows_bwd, symbolic_zeros=True)
 
 
 @jax.custom_vjp
