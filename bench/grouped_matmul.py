@@ -1,5 +1,5 @@
-"""Grouped matmuls of DeepSeek-V3's experts on one GPU: jax_ep.nn.grouped's Mosaic GPU kernels
-against the dense batched matmul of the same FLOPs and XLA's ragged_dot.
+"""Grouped matmuls of DeepSeek-V3's experts on one GPU: jax_ep.nn.grouped's CUTLASS and Mosaic GPU
+kernels against the dense batched matmul of the same FLOPs and XLA's ragged_dot.
 
     python -m bench.grouped_matmul --machine nvidia-h200      # a few minutes on one H200
 
@@ -10,7 +10,9 @@ empty); gate/up (K 7168, N 2048) and down (K 2048, N 7168). Each product (forwar
 gmm_t, d rhs tgmm) is timed with bench.harness.loop_seconds; TFLOP/s count 2 * rows * K * N.
 "dense" is the batched einsum of the same FLOPs ([G, rows/G, K] x [G, K, N]: the grouped
 matmul of uniform groups known in advance); "xla" jax.lax.ragged_dot's product (the forward
-only, and skipped where its dense operand [M, G*K] would exceed 20 GB); "mosaic" the kernels of
+only, and skipped where its dense operand [M, G*K] would exceed 20 GB); "cutlass" CUTLASS's
+grouped GEMMs (nn/cutlass.py; "cutlass_fp8" and "cutlass_fp8_kernel" its FP8 forward, as the
+Mosaic ones below, with the same block scales); "mosaic" the kernels of
 jax_ep.nn.grouped (its kernels for aligned groups), and "mosaic_unaligned" the products with
 group_alignment=1 (jax's ragged_dot_mgpu and transposed_ragged_dot_mgpu); "mosaic_fp8" the FP8
 forward of the MoE layer (grouped.fp8_grouped_matmul: rows quantized 1 x 128 beforehand, as
@@ -20,8 +22,9 @@ twice bf16's). Where torch is importable with a GPU, its forwards run too, in a 
 (its own CUDA context and allocator) on the same shapes and group sizes: "torch_dense"
 (torch.bmm), "torch_grouped" (torch._grouped_mm, bf16) and "torch_scaled_grouped"
 (torch._scaled_grouped_mm, FP8 with one scale per row of lhs and per column of each weight,
-coarser than jax_ep's 1 x 128 / 128 x 128 blocks). The first case sweeps a few block sizes per
-product and the other cases use the best. Prints a table; writes
+coarser than jax_ep's 1 x 128 / 128 x 128 blocks). The first case of each projection sweeps a
+few Mosaic block sizes per product (the other cases use the best) and CUTLASS's tile orders
+("cutlass_order", "cutlass_fp8_order": cutlass.ORDERS takes the best). Prints a table; writes
 bench/results/grouped-matmul-<machine>-<date>.json.
 """
 
@@ -38,7 +41,7 @@ import numpy as np
 
 import jax_ep
 from bench.harness import common_arguments, loop_seconds, new_record, save_record
-from jax_ep.nn import grouped
+from jax_ep.nn import cutlass, grouped
 from jax_ep.nn.grouped import Blocks
 
 EINSUMS = {"gmm": "gmk,gkn->gmn", "gmm_t": "gmn,gkn->gmk", "tgmm": "gmk,gmn->gkn"}
@@ -51,6 +54,7 @@ SWEEP = {  # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n, pro
     ],
 }
 SWEEP["gmm_t"] = SWEEP["gmm"]
+ORDER_SWEEP = [cutlass.Order(r, w) for r, w in (("m", 1), ("n", 1), ("m", 4), ("n", 4), ("m", 8))]
 XLA_MEMORY_LIMIT = 20e9
 
 
@@ -92,7 +96,7 @@ def grouped_step(kind, impl, alignment, blocks=grouped.MOSAIC_BLOCKS):
     return step
 
 
-def fp8_step(alignment, prequantized):
+def fp8_step(alignment, prequantized, impl="mosaic"):
     """grouped.fp8_grouped_matmul's forward as the MoE layer calls it (weights quantized in the
     call) or with the weights quantized beforehand (the kernel alone). The scales come first:
     loop_seconds perturbs them, so no call is loop-invariant."""
@@ -105,10 +109,20 @@ def fp8_step(alignment, prequantized):
             scales,
             rhs,
             sizes,
-            impl="mosaic",
+            impl=impl,
             group_alignment=alignment,
             rhs_fp8=(rhs_q, rhs_scales) if prequantized else None,
         )
+
+    return step
+
+
+def fp8_order_step(order):
+    """The CUTLASS FP8 kernel alone (weights quantized beforehand) with the tiles in order."""
+
+    def step(scales, lhs_q, rhs, rhs_q, rhs_scales, sizes):
+        del rhs
+        return cutlass.gmm_fp8(lhs_q, scales, rhs_q, rhs_scales, sizes, jnp.bfloat16, order)
 
     return step
 
@@ -210,8 +224,8 @@ def torch_forwards(rows, k, n, sizes):
 
 def run_case(case, plan, sweep, counts, results):
     """Times the implementations of the three products of one case. plan: the Mosaic blocks;
-    sweep: also try SWEEP's blocks (and jax's unaligned forward kernels) and return the best
-    blocks per product."""
+    sweep: what to sweep ("mosaic": also SWEEP's blocks, jax's unaligned forward kernels, and
+    return the best blocks per product; "cutlass": also ORDER_SWEEP's tile orders)."""
     ranks, groups, rows, projection, k, n, distribution, alignment = case
     sizes = group_sizes(distribution, rows, groups, alignment)
     lhs, rhs, ct = operands(rows, k, n, groups)
@@ -279,9 +293,28 @@ def run_case(case, plan, sweep, counts, results):
             flush=True,
         )
     mosaic = not grouped.mosaic_misfits((rows, k), (groups, k, n), jnp.bfloat16, plan)
+    use_cutlass = not grouped.cutlass_misfits((rows, k), (groups, k, n), jnp.bfloat16)
     best = {}
     for kind in grouped.PRODUCTS:
         args = product_operands(kind, lhs, rhs, ct) + (jnp.asarray(sizes),)
+        if use_cutlass:
+            timed(kind, "cutlass", grouped_step(kind, "cutlass", 1), args)
+            if kind == "gmm":
+                fp8_args = fp8_operands(lhs, rhs, args[-1])
+                for prequantized in (True, False):
+                    timed(
+                        kind,
+                        "cutlass_fp8" + ("_kernel" if prequantized else ""),
+                        fp8_step(1, prequantized, "cutlass"),
+                        fp8_args,
+                    )
+            for order in ORDER_SWEEP if "cutlass" in sweep else ():
+                step = lambda a, b, sizes, order=order: cutlass.product(
+                    kind, a, b, sizes, order=order
+                )
+                timed(kind, "cutlass_order", step, args, list(order))
+                if kind == "gmm":
+                    timed(kind, "cutlass_fp8_order", fp8_order_step(order), fp8_args, list(order))
         if distribution == "uniform":
             timed(kind, "dense", dense_step(kind, groups), args)
             if kind == "gmm":
@@ -296,7 +329,7 @@ def run_case(case, plan, sweep, counts, results):
                     timed(kind, "xla", grouped_step(kind, "xla", alignment), args, repeats=2)
         if not mosaic:
             continue
-        candidates = SWEEP[kind] if sweep else [getattr(plan, kind)]
+        candidates = SWEEP[kind] if "mosaic" in sweep else [getattr(plan, kind)]
         times = []
         for blocks in candidates:
             step = grouped_step(
@@ -317,7 +350,7 @@ def run_case(case, plan, sweep, counts, results):
                     fp8_args,
                     list(grouped.FP8_TILES),
                 )
-        if sweep:  # jax's kernels, for groups of any size
+        if "mosaic" in sweep:  # jax's kernels, for groups of any size
             blocks = best.get(kind, candidates[0])
             timed(
                 kind,
@@ -341,7 +374,7 @@ def decode_case(ranks, tokens, topk, experts, k, n, projection, counts, results,
     keys = jax.random.split(jax.random.key(seed), 2)
     lhs = jax.random.normal(keys[0], (groups, capacity, k), jnp.bfloat16)
     rhs = (jax.random.normal(keys[1], (groups, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
-    for impl in ("mosaic", "xla"):
+    for impl in ("cutlass", "mosaic", "xla"):
         seconds = error = None
         try:
             seconds = loop_seconds(
@@ -363,7 +396,7 @@ def decode_case(ranks, tokens, topk, experts, k, n, projection, counts, results,
                 n=n,
                 distribution="decode",
                 product="masked",
-                impl="masked_" + impl if impl == "mosaic" else "batched_einsum",
+                impl="batched_einsum" if impl == "xla" else "masked_" + impl,
                 error=error,
                 time_ms=None if error else seconds * 1e3,
                 tflops=rate,
@@ -412,7 +445,12 @@ def main(argv=None):
     parser.add_argument("--ffn", type=int, default=2048)
     parser.add_argument("--alignment", type=int, default=128)
     parser.add_argument("--counts", default="1,4", help="loop lengths timed (low,high)")
-    parser.add_argument("--no-sweep", action="store_true", help="the default blocks only")
+    parser.add_argument(
+        "--sweep",
+        default="mosaic,cutlass",
+        help="sweep these kernels' blocks or tile orders in each projection's first case "
+        "(comma-separated; empty: the defaults only)",
+    )
     parser.add_argument(
         "--decode-tokens",
         type=int,
@@ -445,7 +483,7 @@ def main(argv=None):
         found = run_case(
             case,
             dataclasses.replace(grouped.MOSAIC_BLOCKS, **blocks.get(projection, {})),
-            not args.no_sweep and projection not in blocks,
+            () if projection in blocks else args.sweep.split(","),
             counts,
             results,
         )

@@ -8,7 +8,7 @@ layer against a MaxText-style layer and a dense capacity-padded all_to_all layer
 
 Per rank T tokens on an EP mesh of every device; the same router (softmax top-k), SwiGLU experts
 and shared expert (jax_ep.nn, bfloat16 weights) in every layer, and the experts as the same
-grouped matmuls (jax_ep.nn.grouped: the Mosaic GPU kernels on Hopper):
+grouped matmuls (jax_ep.nn.grouped: CUTLASS's or the Mosaic GPU kernels on Hopper):
 
 - jax_ep: jax_ep.nn.moe_block. Expert-layout dispatch (FP8 with --fp8, groups aligned to
   --alignment rows), grouped matmuls, weighted combine with the shared expert as its bias.

@@ -117,6 +117,11 @@ NB_MODULE(_native, m) {
 
 #ifdef JAX_EP_WITH_CUDA
   m.attr("has_cuda") = true;
+#ifdef JAX_EP_WITH_GROUPED_GEMM
+  m.attr("has_grouped_gemm") = true;  // CUTLASS's grouped matmuls (kernels/cuda/grouped_gemm.h)
+#else
+  m.attr("has_grouped_gemm") = false;
+#endif
   m.def("cuda_targets", [] { return as_handlers(cuda_targets()); });
   m.def("cuda_state_type", [] { return state_type(cuda_state_type_id(), cuda_state_type_info()); });
   m.def("cuda_handler_calls", &cuda_handler_calls);
@@ -153,5 +158,6 @@ NB_MODULE(_native, m) {
       .def("stop_serving", &CudaIpcBuffer::stop_serving, nb::call_guard<nb::gil_scoped_release>());
 #else
   m.attr("has_cuda") = false;
+  m.attr("has_grouped_gemm") = false;
 #endif
 }

@@ -41,7 +41,8 @@ def report():
     from jax_ep import _native
 
     lines = [
-        f"jax_ep {jax_ep.__version__} (CUDA backend built: {_native.has_cuda})",
+        f"jax_ep {jax_ep.__version__} (CUDA backend built: {_native.has_cuda}; CUTLASS grouped "
+        f"matmuls: {_native.has_grouped_gemm})",
         f"jax {jax.__version__}, jaxlib {_version('jaxlib')}",
     ]
     plugins = {name: _version(name) for name in ("jax-cuda13-plugin", "jax-cuda12-plugin")}

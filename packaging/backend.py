@@ -1,6 +1,7 @@
 """jax_ep's build backend: scikit-build-core, asking in addition for NCCL's headers (the
-nvidia-nccl wheel of the CUDA toolkit's major version) when the CUDA backend will be built, so
-that `pip install .` builds it with build isolation too."""
+nvidia-nccl wheel of the CUDA toolkit's major version) and CUTLASS's (the nvidia-cutlass wheel,
+for the grouped matmuls) when the CUDA backend will be built, so that `pip install .` builds it
+with build isolation too."""
 
 import os
 import re
@@ -11,7 +12,7 @@ from scikit_build_core import build as _build
 from scikit_build_core.build import *  # noqa: F401,F403  (the other PEP 517 hooks)
 
 
-def _nccl_requirement():
+def _cuda_requirements():
     if os.environ.get("JAX_EP_CUDA", "AUTO").upper() == "OFF":
         return []
     nvcc = shutil.which("nvcc") or os.path.join(
@@ -24,12 +25,12 @@ def _nccl_requirement():
     except (OSError, subprocess.SubprocessError):
         return []  # no CUDA toolkit: the CPU backend alone
     major = re.search(r"release (\d+)\.", version)
-    return [f"nvidia-nccl-cu{major.group(1) if major else 13}>=2.28"]
+    return [f"nvidia-nccl-cu{major.group(1) if major else 13}>=2.28", "nvidia-cutlass>=4.2"]
 
 
 def get_requires_for_build_wheel(config_settings=None):
-    return _build.get_requires_for_build_wheel(config_settings) + _nccl_requirement()
+    return _build.get_requires_for_build_wheel(config_settings) + _cuda_requirements()
 
 
 def get_requires_for_build_editable(config_settings=None):
-    return _build.get_requires_for_build_editable(config_settings) + _nccl_requirement()
+    return _build.get_requires_for_build_editable(config_settings) + _cuda_requirements()

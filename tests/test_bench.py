@@ -105,7 +105,7 @@ def test_grouped_matmul_bench_records_every_case(tmp_path):
     from bench import grouped_matmul
 
     grouped_matmul.main(
-        "--ranks 2 --tokens 32 --experts 4 --hidden 128 --ffn 128 --alignment 8 --no-sweep "
+        "--ranks 2 --tokens 32 --experts 4 --hidden 128 --ffn 128 --alignment 8 --sweep= "
         f"--decode-tokens 8 --counts 1,2 --machine test --out {tmp_path}".split()
     )
     (path,) = tmp_path.glob("grouped-matmul-test-*.json")
@@ -114,4 +114,4 @@ def test_grouped_matmul_bench_records_every_case(tmp_path):
     for projection in ("gate_up", "down"):
         assert {(projection, "dense"), (projection, "xla"), (projection, "batched_einsum")} <= timed
     decode = [r for r in results if r["distribution"] == "decode"]
-    assert len(decode) == 4 and all(r["capacity"] == 16 for r in decode)
+    assert len(decode) == 6 and all(r["capacity"] == 16 for r in decode)

@@ -1,9 +1,10 @@
-"""jax_ep.nn.grouped_matmul's Mosaic GPU kernels (Hopper) against its XLA path computing in
-float32 on the same bfloat16 values: the forward and both gradients, uniform, skewed and empty
-groups, rows past sum(group_sizes) zero, both forward kernels (rows aligned to the block or
-not), under shard_map, jax.checkpoint and command buffers; the masked forward over
-expert_padded rows; the FP8 forward kernel against its XLA path on the same FP8 values, its
-bf16 backward, and the FP8 MoE layer on it. Skipped where JAX sees no GPU."""
+"""jax_ep.nn.grouped_matmul's GPU kernels (Hopper: CUTLASS's and the Mosaic ones) against its
+XLA path computing in float32 on the same bfloat16 values: the forward and both gradients,
+uniform, skewed, unaligned and empty groups, rows past sum(group_sizes) zero, both Mosaic
+forward kernels (rows aligned to the block or not), group sizes past M, under shard_map,
+jax.checkpoint and command buffers; the masked forward over expert_padded rows; the FP8 forward
+kernels against the XLA path on the same FP8 values, their bf16 backward, and the FP8 MoE layer
+on them. Skipped where JAX sees no GPU."""
 
 import os
 import subprocess
@@ -51,8 +52,11 @@ def forward_and_gradients(lhs, rhs, ct, sizes, **kwargs):
     return (out,) + grads
 
 
-def assert_like_xla(lhs, rhs, ct, sizes, **kwargs):
-    got = forward_and_gradients(lhs, rhs, ct, sizes, impl="mosaic", **kwargs)
+KERNELS = ["mosaic", "cutlass"]
+
+
+def assert_like_xla(lhs, rhs, ct, sizes, impl="mosaic", **kwargs):
+    got = forward_and_gradients(lhs, rhs, ct, sizes, impl=impl, **kwargs)
     f32 = [a.astype(jnp.float32) for a in (lhs, rhs, ct)]
     want = forward_and_gradients(*f32, sizes, impl="xla")
     for what, g, w in zip(("forward", "d lhs", "d rhs"), got, want):
@@ -66,29 +70,46 @@ def assert_like_xla(lhs, rhs, ct, sizes, **kwargs):
 
 
 def test_auto_takes_the_kernels_here():
-    assert grouped.resolve_impl("auto", (1024, 256), (8, 256, 384), jnp.bfloat16) == "mosaic"
+    assert jax_ep._native.has_grouped_gemm, "the GPU tests need a build with CUTLASS's kernels"
+    assert grouped.resolve_impl("auto", (1024, 256), (8, 256, 384), jnp.bfloat16) == "cutlass"
+    assert grouped.resolve_impl("auto", (1024, 256), (8, 256, 384), jnp.float16) == "mosaic"
     assert grouped.resolve_impl("auto", (1024, 256), (8, 256, 384), jnp.float32) == "xla"
 
 
 @pytest.mark.parametrize(
-    "name,group_alignment",
-    [  # 128: the aligned forward kernels
-        (name, alignment)
+    "name,impl,group_alignment",
+    [  # 128: the aligned Mosaic forward kernels; CUTLASS's take any groups
+        (name, "mosaic", alignment)
         for name in sorted(SIZES)
         for alignment in (1, 128)
         if not np.any(np.asarray(SIZES[name]) % alignment)
-    ],
+    ]
+    + [(name, "cutlass", 1) for name in sorted(SIZES)],
 )
-def test_matches_xla(name, group_alignment):
+def test_matches_xla(name, impl, group_alignment):
     sizes = np.asarray(SIZES[name], np.int32)
     lhs, rhs, ct = operands(1024, 256, 384, len(sizes))
-    assert_like_xla(lhs, rhs, ct, jnp.asarray(sizes), group_alignment=group_alignment)
+    assert_like_xla(lhs, rhs, ct, jnp.asarray(sizes), impl=impl, group_alignment=group_alignment)
+
+
+def test_cutlass_clamps_groups_past_m():
+    """Group sizes that add up past M (or are negative) never reach past lhs: each group keeps
+    the rows left, as the XLA path on the clamped sizes computes."""
+    asked = np.asarray([300, -5, 500, 400, 100, 0, 0, 50], np.int32)  # 1350 rows of 1024
+    clamped = np.asarray([300, 0, 500, 224, 0, 0, 0, 0], np.int32)
+    lhs, rhs, ct = operands(1024, 256, 384, len(asked), seed=4)
+    got = forward_and_gradients(lhs, rhs, ct, jnp.asarray(asked), impl="cutlass")
+    want = forward_and_gradients(lhs, rhs, ct, jnp.asarray(clamped), impl="cutlass")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    assert_like_xla(lhs, rhs, ct, jnp.asarray(clamped), impl="cutlass")
 
 
 @pytest.mark.parametrize(
     "rows", [[5, 0, 256, 130, 1, 0, 0, 64], [0] * 8, [256] * 8], ids=["mixed", "none", "full"]
 )
-def test_masked_matmul_kernel_matches_xla(rows):
+@pytest.mark.parametrize("impl", KERNELS)
+def test_masked_matmul_kernel_matches_xla(rows, impl):
     """The decode MLP's kernel over expert_padded rows: each group's rows of data against the
     float32 einsum; the other rows hold NaN, which must not reach a row of data."""
     rows = np.asarray(rows, np.int32)
@@ -97,7 +118,7 @@ def test_masked_matmul_kernel_matches_xla(rows):
     valid = jnp.asarray(np.arange(capacity)[None, :, None] < rows[:, None, None])
     lhs = jnp.where(valid, lhs.reshape(groups, capacity, k), jnp.nan).astype(jnp.bfloat16)
     masked = jax.jit(grouped.masked_matmul, static_argnames="impl")
-    got = np.asarray(masked(lhs, rhs, jnp.asarray(rows), impl="mosaic"), np.float32)
+    got = np.asarray(masked(lhs, rhs, jnp.asarray(rows), impl=impl), np.float32)
     want = np.asarray(
         masked(lhs.astype(jnp.float32), rhs.astype(jnp.float32), jnp.asarray(rows), impl="xla")
     )
@@ -106,18 +127,27 @@ def test_masked_matmul_kernel_matches_xla(rows):
             assert relative_error(got[g, : rows[g]], want[g, : rows[g]]) < TOLERANCE, g
 
 
+def zipf_sizes(rows, groups, alignment):
+    weights = 1 / np.arange(1, groups + 1)
+    sizes = np.floor(weights / weights.sum() * rows / alignment).astype(np.int32) * alignment
+    sizes[0] += rows - sizes.sum()
+    return sizes
+
+
+@pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("k,n", [(7168, 2048), (2048, 7168)])
-def test_v3_expert_shapes(k, n):
-    """32 experts of DeepSeek-V3's shapes, 4096 rows, skewed (Zipf) and aligned to 128."""
-    weights = 1 / np.arange(1, 33)
-    sizes = np.floor(weights / weights.sum() * 4096 / 128).astype(np.int32) * 128
-    sizes[0] += 4096 - sizes.sum()
+def test_v3_expert_shapes(k, n, impl):
+    """32 experts of DeepSeek-V3's shapes, 4096 rows, skewed (Zipf); aligned to 128 for the
+    Mosaic kernels, not for CUTLASS's."""
+    alignment = 128 if impl == "mosaic" else 1
     lhs, rhs, ct = operands(4096, k, n, 32, seed=1)
-    assert_like_xla(lhs, rhs, ct, jnp.asarray(sizes), group_alignment=128)
+    sizes = zipf_sizes(4096, 32, alignment)
+    assert_like_xla(lhs, rhs, ct, jnp.asarray(sizes), impl=impl, group_alignment=alignment)
 
 
+@pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("remat", [False, True])
-def test_under_shard_map(remat):
+def test_under_shard_map(remat, impl):
     """On a mesh of this machine's GPUs, each its own rows and experts, under check_vma."""
     mesh = make_mesh(len(jax.devices("gpu")), devices=jax.devices("gpu"))
     ranks, groups, rows = mesh.size, 4, 512
@@ -143,14 +173,16 @@ def test_under_shard_map(remat):
             )
         )
 
-    got = layer("mosaic")(lhs, rhs)
+    got = layer(impl)(lhs, rhs)
     want = layer("xla")(lhs.astype(jnp.float32), rhs.astype(jnp.float32))
     for g, w in zip(got, want):
         assert relative_error(g, w) < TOLERANCE
 
 
-def test_under_command_buffers():
-    """A jitted loop of forward and backward passes under XLA command buffers (CUDA graphs)."""
+@pytest.mark.parametrize("impl", KERNELS)
+def test_under_command_buffers(impl):
+    """A jitted loop of forward and backward passes under XLA command buffers (CUDA graphs):
+    the Mosaic kernels inside them, CUTLASS's calls between them (their scratch is per call)."""
     code = """
         import jax, jax.numpy as jnp, numpy as np
         from jax_ep.nn import grouped
@@ -168,8 +200,8 @@ def test_under_command_buffers():
                 return lhs - 1e-3 * da.astype(lhs.dtype), rhs - 1e-3 * db.astype(rhs.dtype)
             return jax.jit(lambda a, b: jax.lax.fori_loop(0, 3, step, (a, b)))
 
-        got = steps("mosaic")(lhs, rhs)
-        got_again = steps("mosaic")(lhs, rhs)
+        got = steps(IMPL)(lhs, rhs)
+        got_again = steps(IMPL)(lhs, rhs)
         want = steps("xla")(lhs.astype(jnp.float32), rhs.astype(jnp.float32))
         for g, a, w in zip(got, got_again, want):
             np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(a, np.float32))
@@ -184,7 +216,7 @@ def test_under_command_buffers():
         "--xla_gpu_graph_min_graph_size=1",
     )
     out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, "-c", textwrap.dedent(code).replace("IMPL", repr(impl))],
         capture_output=True,
         text=True,
         timeout=300,
@@ -203,10 +235,10 @@ def fp8_inputs(m, k, n, groups, seed=3):
     return dequantize_fp8(lhs_q, scales).astype(jnp.bfloat16), lhs_q, scales, rhs, ct
 
 
-def fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, impl):
+def fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, impl, alignment=128):
     def objective(lhs, rhs):
         out = grouped.fp8_grouped_matmul(
-            lhs, lhs_q, scales, rhs, sizes, impl=impl, group_alignment=128
+            lhs, lhs_q, scales, rhs, sizes, impl=impl, group_alignment=alignment
         )
         return jnp.vdot(out.astype(jnp.float32), ct.astype(jnp.float32)), out
 
@@ -214,13 +246,14 @@ def fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, impl):
     return (out,) + grads
 
 
-def assert_fp8_like_xla(m, k, n, sizes):
+def assert_fp8_like_xla(m, k, n, sizes, impl):
+    alignment = 128 if impl == "mosaic" else 1
     lhs, lhs_q, scales, rhs, ct = fp8_inputs(m, k, n, len(sizes))
     sizes = jnp.asarray(sizes, jnp.int32)
-    assert grouped.resolve_fp8_impl("auto", (m, k), (len(sizes), k, n), 128) == "mosaic"
-    got = fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, "mosaic")
-    want = fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, "xla")
-    bf16 = forward_and_gradients(lhs, rhs, ct, sizes, impl="mosaic", group_alignment=128)
+    assert grouped.resolve_fp8_impl("auto", (m, k), (len(sizes), k, n), alignment) == "cutlass"
+    got = fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, impl, alignment)
+    want = fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, "xla", alignment)
+    bf16 = forward_and_gradients(lhs, rhs, ct, sizes, group_alignment=alignment)
     past = int(np.sum(sizes))
     assert got[0].dtype == jnp.bfloat16 and not np.asarray(got[0])[past:].any()
     if past:  # the same FP8 values: equal up to float32 summation order and bf16 rounding
@@ -230,17 +263,23 @@ def assert_fp8_like_xla(m, k, n, sizes):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(b, np.float32))
 
 
-@pytest.mark.parametrize("name", ["uniform", "skewed", "empty_first_and_padding_rows", "no_rows"])
-def test_fp8_matches_xla(name):
-    assert_fp8_like_xla(1024, 256, 384, SIZES[name])
+@pytest.mark.parametrize(
+    "name,impl",
+    [
+        (name, impl)
+        for name in ["uniform", "skewed", "empty_first_and_padding_rows", "no_rows", "unaligned"]
+        for impl in KERNELS
+        if impl == "cutlass" or name != "unaligned"
+    ],
+)
+def test_fp8_matches_xla(name, impl):
+    assert_fp8_like_xla(1024, 256, 384, SIZES[name], impl)
 
 
+@pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("k,n", [(7168, 2048), (2048, 7168)])
-def test_fp8_v3_expert_shapes(k, n):
-    weights = 1 / np.arange(1, 33)
-    sizes = np.floor(weights / weights.sum() * 4096 / 128).astype(np.int32) * 128
-    sizes[0] += 4096 - sizes.sum()
-    assert_fp8_like_xla(4096, k, n, sizes)
+def test_fp8_v3_expert_shapes(k, n, impl):
+    assert_fp8_like_xla(4096, k, n, zipf_sizes(4096, 32, 128 if impl == "mosaic" else 1), impl)
 
 
 def test_fp8_layer_on_the_kernels():
@@ -269,7 +308,7 @@ def test_fp8_layer_on_the_kernels():
         )
         layer = nn.MoELayer(cfg, mesh, expert_axis="ep", tokens_per_rank=tokens)
         if name == "fp8":
-            assert layer.grouped_matmul_path() == {"gate_up": "mosaic_fp8", "down": "mosaic"}
+            assert layer.grouped_matmul_path() == {"gate_up": "cutlass_fp8", "down": "cutlass"}
         params = nn.init_params(jax.random.key(0), cfg, jnp.bfloat16, mesh=mesh, expert_axis="ep")
         results[name] = jax.jit(
             jax.value_and_grad(

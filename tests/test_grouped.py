@@ -172,8 +172,15 @@ def test_which_implementation():
         "tgmm: N=96 is not a positive multiple of 128",
     ):
         assert any(p.startswith(expected) for p in problems), (expected, problems)
+    problems = grouped.cutlass_misfits((200, 100), (4, 100, 96), jnp.float32)
+    for expected in ("dtype float32", "cutlass: K=100 is not a positive multiple of 8"):
+        assert any(p.startswith(expected) for p in problems), (expected, problems)
+    assert not any("M=" in p or "N=" in p for p in problems), problems  # any M; N=96 fits
+    if jax.devices()[0].platform == "cpu":
+        with pytest.raises(ValueError, match="impl='cutlass' cannot run: the default device"):
+            grouped.resolve_impl("cutlass", *shape, jnp.bfloat16)
     with pytest.raises(ValueError, match="impl must be one of"):
-        grouped.resolve_impl("cutlass", *shape, jnp.bfloat16)
+        grouped.resolve_impl("cuBLAS", *shape, jnp.bfloat16)
 
 
 def test_shape_errors():
@@ -293,8 +300,11 @@ def test_fp8_which_implementation_and_errors():
         grouped.fp8_grouped_matmul(lhs, lhs, scales, rhs, sizes)
     with pytest.raises(ValueError, match="lhs_q must be e4m3fn like lhs"):
         grouped.fp8_grouped_matmul(lhs, lhs_q, scales[:, :1], rhs, sizes)
+    if jax.devices()[0].platform == "cpu":
+        with pytest.raises(ValueError, match="impl='cutlass' cannot run: the default device"):
+            grouped.fp8_grouped_matmul(lhs, lhs_q, scales, rhs, sizes, impl="cutlass")
     with pytest.raises(ValueError, match="impl must be one of"):
-        grouped.fp8_grouped_matmul(lhs, lhs_q, scales, rhs, sizes, impl="cutlass")
+        grouped.fp8_grouped_matmul(lhs, lhs_q, scales, rhs, sizes, impl="cuBLAS")
 
 
 def test_masked_matmul_is_the_product_of_the_rows_of_data():

@@ -181,7 +181,7 @@ def test_config_errors():
         ("num_groups", 3, "num_groups"),
         ("capacity_factor", 0.0, "capacity_factor"),
         ("combine_partial_dtype", jnp.float16, "combine_partial_dtype"),
-        ("grouped_matmul", "cutlass", "grouped_matmul"),
+        ("grouped_matmul", "cuBLAS", "grouped_matmul"),
     ):
         with pytest.raises(ValueError, match=match):
             nn.MoEConfig(**base, **{field: value})

@@ -31,7 +31,7 @@ class MoEConfig:
         routed_scaling: the factor of the top-k weights.
         shared_ffn_hidden: the shared expert's SwiGLU width; 0: no shared expert.
         expert_alignment: rows per expert block rounded up to this (grouped GEMMs; 128 lets
-            the Mosaic kernels take one block per tile).
+            the Mosaic kernels take one block per tile; CUTLASS's take any groups, 1).
         fp8: FP8 dispatch (activations into the experts).
         fp8_experts: with fp8: the gate and up projections multiply the FP8 rows as they come
             (grouped.fp8_grouped_matmul, weights quantized 128 x 128 in the call; the layer's
@@ -45,7 +45,7 @@ class MoEConfig:
             argument), weights from the scores alone.
         combine_partial_dtype: each rank's sum of a token's expert rows (bf16: half the
             combine's bytes; needed with max_row_dtype=bf16).
-        grouped_matmul: the jax_ep.nn.grouped impl: "auto", "xla" or "mosaic".
+        grouped_matmul: the jax_ep.nn.grouped impl: "auto", "xla", "cutlass" or "mosaic".
     """
 
     num_experts: int

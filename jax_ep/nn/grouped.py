@@ -13,10 +13,11 @@ Three products make the matmul and its gradients, each the adjoint of the others
   gmm_t  out[i] = lhs[i] @ rhs[g(i)]^T        [M, N] x [G, K, N] -> [M, K]   (d lhs)
   tgmm   out[g] = sum_i lhs[i]^T rhs[i]       [M, K] x [M, N]    -> [G, K, N] (d rhs)
 
-Two implementations: "xla" (jax.lax.ragged_dot_general: the reference, and the path on CPU;
-XLA:GPU expands it to dense work) and "mosaic" (Pallas Mosaic GPU kernels for Hopper). impl="auto"
-takes "mosaic" where the default device is a CUDA GPU of compute capability 9.x and the shapes
-fit the kernels' blocks (`mosaic_misfits`), "xla" otherwise. The Mosaic kernels:
+Three implementations: "xla" (jax.lax.ragged_dot_general: the reference, and the path on CPU;
+XLA:GPU expands it to dense work), "cutlass" (CUTLASS's Hopper grouped GEMMs as custom calls,
+nn/cutlass.py: groups of any size, bfloat16) and "mosaic" (Pallas Mosaic GPU kernels for Hopper).
+impl="auto" takes the first of AUTO_ORDER that can run here on these operands (`cutlass_misfits`,
+`mosaic_misfits`), "xla" otherwise. The Mosaic kernels:
 
 - gmm, gmm_t with group_alignment a multiple of block_m (every group size a multiple of it, as
   a dispatch with that expert_alignment gives): `mosaic.aligned_gmm`, one output tile per row
@@ -47,10 +48,15 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep.fp8 import FP8_BLOCK, dequantize_fp8, quantize_weights_fp8
-from jax_ep.nn import mosaic
+from jax_ep.nn import cutlass, mosaic
 from jax_ep.primitives import all_varying, varying_like
 
-IMPLS = ("auto", "xla", "mosaic")
+IMPLS = ("auto", "xla", "mosaic", "cutlass")
+AUTO_ORDER = ("cutlass", "mosaic")  # what impl="auto" tries first: the faster on an H200
+# masked_matmul's: at decode sizes (a few rows per group) the Mosaic kernel is the faster
+# (bench/results/grouped-matmul-nvidia-h200-2026-12-02-cutlass.json: 608 / 415 us against
+# CUTLASS's 666 / 522 us at the EP8 decode shape).
+MASKED_AUTO_ORDER = ("mosaic", "cutlass")
 PRODUCTS = ("gmm", "gmm_t", "tgmm")
 MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -88,8 +94,8 @@ MOSAIC_BLOCKS = MosaicBlocks()
 
 def grouped_matmul(lhs, rhs, group_sizes, *, impl="auto", group_alignment=1, blocks=MOSAIC_BLOCKS):
     """lhs [M, K] rows in groups of group_sizes [G] (int32, sum <= M), rhs [G, K, N] -> [M, N]
-    in lhs.dtype (rhs is cast to it). impl: "auto", "xla" or "mosaic" (ValueError when the
-    kernels cannot run here or these shapes do not fit their blocks). group_alignment: a
+    in lhs.dtype (rhs is cast to it). impl: "auto", "xla", "cutlass" or "mosaic" (ValueError
+    when the kernels cannot run here or these shapes do not fit them). group_alignment: a
     number every group size is a multiple of (the caller's promise: wrong results otherwise),
     e.g. the expert_alignment of the dispatch that made the rows."""
     _check_operands("grouped_matmul", ("M", "K"), lhs, rhs, "group_sizes", group_sizes)
@@ -102,18 +108,23 @@ def masked_matmul(lhs, rhs, rows_per_group, *, impl="auto", blocks=MOSAIC_BLOCKS
     """The decode MLP's matmul over the expert_padded layout: lhs [G, C, K] @ rhs[g] ([G, K, N])
     -> [G, C, N] in lhs.dtype, where only group g's first rows_per_group[g] rows hold data
     (a dispatch's x and tokens_per_expert). Rows past them in the result are unspecified.
-    "xla": the batched einsum (every row); "mosaic": the row blocks holding data only
-    (mosaic.masked_gmm, gmm's blocks; C a multiple of block_m). Forward only."""
+    "xla": the batched einsum (every row); "cutlass": group g's first rows_per_group[g] rows
+    only (clamped to C); "mosaic": the row blocks holding data only (mosaic.masked_gmm, gmm's
+    blocks; C a multiple of block_m). Forward only."""
     _check_operands("masked_matmul", ("G", "C", "K"), lhs, rhs, "rows_per_group", rows_per_group)
     groups, capacity, k = lhs.shape
     # Each group's rows start a row block: C is "M" of the forward's blocks.
-    chosen = resolve_impl(impl, (capacity, k), rhs.shape, lhs.dtype, blocks)
-    rhs = rhs.astype(lhs.dtype)
+    chosen = resolve_impl(impl, (capacity, k), rhs.shape, lhs.dtype, blocks, MASKED_AUTO_ORDER)
+    rhs, rows_per_group = rhs.astype(lhs.dtype), rows_per_group.astype(jnp.int32)
     if chosen == "xla":
         return jnp.einsum("gck,gkn->gcn", lhs, rhs, preferred_element_type=jnp.float32).astype(
             lhs.dtype
         )
-    return mosaic.masked_gmm(lhs, rhs, rows_per_group.astype(jnp.int32), blocks.gmm)
+    if chosen == "cutlass":
+        rows = lhs.reshape(groups * capacity, k)
+        out = cutlass.product("gmm", rows, rhs, rows_per_group, group_stride=capacity)
+        return varying_like(out, lhs, rhs, rows_per_group).reshape(groups, capacity, -1)
+    return mosaic.masked_gmm(lhs, rhs, rows_per_group, blocks.gmm)
 
 
 def _check_operands(name, lhs_dims, lhs, rhs, sizes_name, sizes):
@@ -160,20 +171,48 @@ class _Plan(NamedTuple):
     blocks: MosaicBlocks
 
 
-def resolve_impl(impl, lhs_shape, rhs_shape, dtype, blocks=MOSAIC_BLOCKS):
-    """The implementation grouped_matmul takes for these operands: "xla" or "mosaic"."""
+def resolve_impl(impl, lhs_shape, rhs_shape, dtype, blocks=MOSAIC_BLOCKS, order=AUTO_ORDER):
+    """The implementation grouped_matmul takes for these operands: "xla", "cutlass" or
+    "mosaic" (for "auto", the first of `order` that can run)."""
+    return _resolve(
+        "grouped_matmul",
+        impl,
+        {
+            "cutlass": lambda: cutlass_misfits(lhs_shape, rhs_shape, dtype),
+            "mosaic": lambda: mosaic_misfits(lhs_shape, rhs_shape, dtype, blocks),
+        },
+        order,
+    )
+
+
+def _resolve(name, impl, misfits, order=AUTO_ORDER):
+    """impl itself when it can run ("xla" always can), else a ValueError saying why; for
+    "auto" the first of `order` that can, else "xla". misfits: impl -> () -> its problems."""
     if impl not in IMPLS:
-        raise ValueError(f"jax_ep.nn.grouped_matmul: impl must be one of {IMPLS}, got {impl!r}")
+        raise ValueError(f"jax_ep.nn.{name}: impl must be one of {IMPLS}, got {impl!r}")
     if impl == "xla":
         return impl
-    problems = mosaic_misfits(lhs_shape, rhs_shape, dtype, blocks)
-    if not problems:
-        return "mosaic"
-    if impl == "mosaic":
-        raise ValueError(
-            "jax_ep.nn.grouped_matmul: impl='mosaic' cannot run: " + "; ".join(problems)
-        )
-    return "xla"
+    if impl != "auto":
+        problems = misfits[impl]()
+        if problems:
+            raise ValueError(f"jax_ep.nn.{name}: impl={impl!r} cannot run: " + "; ".join(problems))
+        return impl
+    return next((each for each in order if not misfits[each]()), "xla")
+
+
+def cutlass_misfits(lhs_shape, rhs_shape, dtype):
+    """Why the CUTLASS kernels cannot compute this grouped matmul and both its gradients (empty
+    when they can): K and N multiples of 8, any group sizes."""
+    problems = list(_platform_misfits())
+    if not cutlass.built():
+        problems.append("this jax_ep was built without CUTLASS's grouped matmuls")
+    if jnp.dtype(dtype) not in cutlass.DTYPES:
+        problems.append(f"dtype {jnp.dtype(dtype).name} (needs bfloat16)")
+    (_, k), (_, _, n) = lhs_shape, rhs_shape
+    for name, size in (("K", k), ("N", n)):
+        if size <= 0 or size % cutlass.ALIGNMENT:
+            problems.append(f"cutlass: {name}={size} is not a positive multiple of 8")
+    return problems
 
 
 def mosaic_misfits(lhs_shape, rhs_shape, dtype, blocks=MOSAIC_BLOCKS):
@@ -256,6 +295,8 @@ _XLA_DIMENSIONS = {  # ((lhs contracting, rhs contracting), (batch, batch)), rag
 
 
 def _compute(kind, plan, a, b, group_sizes):
+    if plan.impl == "cutlass":  # complete: zeros past the groups
+        return varying_like(cutlass.product(kind, a, b, group_sizes), a, b, group_sizes)
     if plan.impl == "xla":
         dot, ragged, group = _XLA_DIMENSIONS[kind]
         return jax.lax.ragged_dot_general(
@@ -312,17 +353,23 @@ def fp8_misfits(lhs_shape, rhs_shape, group_alignment):
 
 
 def resolve_fp8_impl(impl, lhs_shape, rhs_shape, group_alignment):
-    """The implementation fp8_grouped_matmul takes for these operands: "xla" or "mosaic"."""
-    if impl not in IMPLS:
-        raise ValueError(f"jax_ep.nn.fp8_grouped_matmul: impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "xla":
-        return impl
-    problems = fp8_misfits(lhs_shape, rhs_shape, group_alignment)
-    if problems and impl == "mosaic":
-        raise ValueError(
-            "jax_ep.nn.fp8_grouped_matmul: impl='mosaic' cannot run: " + "; ".join(problems)
-        )
-    return "xla" if problems else "mosaic"
+    """The implementation fp8_grouped_matmul takes for these operands: "xla", "cutlass" or
+    "mosaic"."""
+
+    def cutlass_fp8_misfits():
+        problems = list(_platform_misfits())
+        if not cutlass.built():
+            problems.append("this jax_ep was built without CUTLASS's grouped matmuls")
+        return problems + cutlass.fp8_shape_misfits(lhs_shape[1], rhs_shape[2])
+
+    return _resolve(
+        "fp8_grouped_matmul",
+        impl,
+        {
+            "cutlass": cutlass_fp8_misfits,
+            "mosaic": lambda: fp8_misfits(lhs_shape, rhs_shape, group_alignment),
+        },
+    )
 
 
 def fp8_grouped_matmul(
@@ -344,9 +391,10 @@ def fp8_grouped_matmul(
     once per optimizer step for several micro-batches; default: quantized here). Each 128 of K
     is one FP8 product, scaled by its row's and its weight block's scales and summed in float32;
     the result is in lhs.dtype. The backward is grouped_matmul's, in lhs.dtype, from lhs and rhs
-    (no gradient reaches the FP8 values or their scales). impl: "auto" ("mosaic" on Hopper when
-    the shapes fit FP8_TILES and group_alignment is a multiple of its 64 rows, else "xla":
-    dequantized, float32 ragged_dot), "xla" or "mosaic"."""
+    (no gradient reaches the FP8 values or their scales). impl: "auto" (the first of AUTO_ORDER
+    that fits: "cutlass" on Hopper for K and N multiples of 128, any groups; "mosaic" when the
+    shapes fit FP8_TILES and group_alignment is a multiple of its 64 rows), "xla" (dequantized,
+    float32 ragged_dot), "cutlass" or "mosaic"."""
     if (
         lhs_q.dtype != jnp.float8_e4m3fn
         or lhs_q.shape != lhs.shape
@@ -387,6 +435,9 @@ def _fp8_gmm(fp8_impl, backward, lhs, rhs, group_sizes, lhs_q, lhs_scales, rhs_q
             jax.lax.RaggedDotDimensionNumbers(_XLA_DIMENSIONS["gmm_t"][0], [0], [0]),
             precision=jax.lax.Precision.HIGHEST,
         )
+    elif fp8_impl == "cutlass":  # complete: zeros past the groups
+        out = cutlass.gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, jnp.bfloat16)
+        return varying_like(out.astype(lhs.dtype), lhs)
     else:
         out = varying_like(
             mosaic.aligned_gmm_fp8(

@@ -228,9 +228,9 @@ def moe_block(
 
 
 def grouped_matmul_path(cfg: MoEConfig, num_ranks, tokens_per_rank, dtype=jnp.bfloat16):
-    """The grouped-matmul implementations moe_block's experts take ("mosaic" or "xla", with
-    "_fp8" where the FP8 rows are multiplied as they come, for the gate/up and the down
-    projection) with tokens_per_rank tokens of `dtype` per rank."""
+    """The grouped-matmul implementations moe_block's experts take ("cutlass", "mosaic" or
+    "xla", with "_fp8" where the FP8 rows are multiplied as they come, for the gate/up and the
+    down projection) with tokens_per_rank tokens of `dtype` per rank."""
     rows = expert_capacity(cfg, tokens_per_rank, num_ranks) or layout.default_capacity(
         "expert",
         num_ranks,
