@@ -161,12 +161,12 @@ def forward_rates(rows, k, n, sizes, impl, alignment, counts=(1, 4)):
     return tflops(int(np.sum(sizes)), k, n, grouped_s), tflops(rows, k, n, dense_s)
 
 
-def fp8_forward_rate(rows, k, n, sizes, alignment, prequantized, counts=(1, 4)):
+def fp8_forward_rate(rows, k, n, sizes, alignment, prequantized, counts=(1, 4), impl="mosaic"):
     """TFLOP/s of the MoE layer's FP8 forward (the weights quantized in the call, or
     beforehand) with these group sizes (for bench.moe_layer)."""
     lhs, rhs, _ = operands(rows, k, n, len(sizes))
     seconds = loop_seconds(
-        fp8_step(alignment, prequantized), fp8_operands(lhs, rhs, jnp.asarray(sizes)), counts
+        fp8_step(alignment, prequantized, impl), fp8_operands(lhs, rhs, jnp.asarray(sizes)), counts
     )
     return tflops(int(np.sum(sizes)), k, n, seconds)
 

@@ -30,13 +30,15 @@ x, of the layer and of each part. tokens/s counts the tokens of every rank. Also
 matmul's forward rate at the layer's expert shape (balanced groups) against the dense batched
 matmul of the same FLOPs, and with --fp8 --fp8-experts call|once on Hopper the FP8 forward's
 rate ("fp8_tflops", the weights quantized as the layer does).
-Writes bench/results/moe-layer-<machine>-<date>[-fp8-<fp8 experts>].json and a PNG.
+--fp8-down multiplies the down projection in FP8 too (MoEConfig.fp8_down).
+Writes bench/results/moe-layer-<machine>-<date>[-fp8-<fp8 experts>[-down]].json and a PNG.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 
 import jax
@@ -465,6 +467,11 @@ def main(argv=None):
         default=1.0,
         help="rows per expert of the padded layer, x the balanced count",
     )
+    parser.add_argument(
+        "--fp8-down",
+        action="store_true",
+        help="with --fp8-experts: the down projection multiplies FP8 too (MoEConfig.fp8_down)",
+    )
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--phases", default="forward,train")
     parser.add_argument("--buffer-impl", default="auto", help="jax_ep.Buffer impl")
@@ -485,12 +492,14 @@ def main(argv=None):
         expert_alignment=args.alignment,
         fp8=args.fp8,
         fp8_experts=args.fp8_experts == "call",
+        fp8_down=args.fp8_down,
         combine_partial_dtype=jnp.bfloat16,
     )
     params = moe.init_params(jax.random.key(0), cfg, jnp.bfloat16, mesh=mesh, expert_axis=AXIS)
     jax_ep_params = params
     if args.fp8 and args.fp8_experts == "once":
-        jax_ep_params = dict(params, **{FP8_WEIGHTS: jax.jit(moe.quantize_expert_weights)(params)})
+        quantize = functools.partial(moe.quantize_expert_weights, down=args.fp8_down)
+        jax_ep_params = dict(params, **{FP8_WEIGHTS: jax.jit(quantize)(params)})
     x = jax.device_put(
         jax.random.normal(jax.random.key(1), (num_ranks * args.tokens, args.hidden), jnp.bfloat16),
         NamedSharding(mesh, P(AXIS)),
@@ -536,15 +545,23 @@ def main(argv=None):
     balanced = np.full(local, -(-per_group // args.alignment) * args.alignment, np.int32)
     rows = int(balanced.sum())
     rate, dense_rate = forward_rates(rows, args.hidden, args.ffn, balanced, "auto", args.alignment)
-    matmul = dict(impl=paths["down"], tflops=rate, dense_tflops=dense_rate)
+    bf16 = dataclasses.replace(cfg, fp8=False, fp8_down=False)
+    bf16_impl = moe.grouped_matmul_path(bf16, num_ranks, args.tokens)
+    matmul = dict(impl=bf16_impl["gate_up"], tflops=rate, dense_tflops=dense_rate)
     print(
-        f"grouped matmul ({paths['down']}, {local} groups of {balanced[0]} rows, "
+        f"grouped matmul ({bf16_impl['gate_up']}, {local} groups of {balanced[0]} rows, "
         f"{args.hidden} x {args.ffn}): {rate:.1f} TFLOP/s, dense batched {dense_rate:.1f}"
     )
-    if paths["gate_up"] == "mosaic_fp8":
+    if paths["gate_up"].endswith("_fp8"):
         once = args.fp8_experts == "once"
         matmul["fp8_tflops"] = fp8_forward_rate(
-            rows, args.hidden, args.ffn, balanced, args.alignment, prequantized=once
+            rows,
+            args.hidden,
+            args.ffn,
+            balanced,
+            args.alignment,
+            prequantized=once,
+            impl=paths["gate_up"].removesuffix("_fp8"),
         )
         print(
             f"  FP8 forward (weights quantized {'beforehand' if once else 'in the call'}): "
@@ -567,6 +584,7 @@ def main(argv=None):
         expert_alignment=args.alignment,
         fp8=args.fp8,
         fp8_experts=args.fp8_experts if args.fp8 else None,
+        fp8_down=args.fp8_down,
         capacity_factor=args.capacity_factor,
         buffer_impl=args.buffer_impl,
         combine_partial_dtype=jnp.dtype(cfg.combine_partial_dtype).name,
@@ -576,7 +594,10 @@ def main(argv=None):
         grouped_matmul=matmul,
     )
     stem = save_record(
-        record, args.out, "moe-layer", f"-fp8-{args.fp8_experts}" if args.fp8 else ""
+        record,
+        args.out,
+        "moe-layer",
+        (f"-fp8-{args.fp8_experts}" + ("-down" if args.fp8_down else "")) if args.fp8 else "",
     )
     if not args.no_plot and results:
         try:

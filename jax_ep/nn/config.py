@@ -37,6 +37,11 @@ class MoEConfig:
             (grouped.fp8_grouped_matmul, weights quantized 128 x 128 in the call; the layer's
             fp8_weights argument gives them quantized once); False: the rows are dequantized
             to the compute dtype first.
+        fp8_down: with the FP8 gate and up projections (fp8 with fp8_experts, or the layer's
+            fp8_weights): the down projection multiplies FP8 too, its input (the SwiGLU's
+            output) quantized per row in 1 x 128 blocks as it is made, its weights 128 x 128
+            (fp8_weights["w_down"], from quantize_expert_weights(params, down=True), or
+            quantized in the call). The backward stays bf16.
         capacity_factor: rows each rank receives, as a multiple of the balanced count (T * K
             per rank, split evenly over its experts, each block aligned); None: room for every
             row (nothing is dropped). Rows past it drop in the expert layout's row order (the
@@ -62,6 +67,7 @@ class MoEConfig:
     expert_alignment: int = 1
     fp8: bool = False
     fp8_experts: bool = False
+    fp8_down: bool = False
     capacity_factor: float | None = None
     routing_bias: bool = False
     combine_partial_dtype: Any = jnp.float32
@@ -94,6 +100,11 @@ class MoEConfig:
                 f"{FP8_BLOCK} x {FP8_BLOCK} blocks: ffn_hidden must be "
                 f"a multiple of {FP8_BLOCK}, got {self.ffn_hidden} (or set "
                 f"fp8_experts=False)"
+            )
+        if self.fp8_down and (not self.fp8 or self.ffn_hidden % FP8_BLOCK):
+            raise ValueError(
+                f"jax_ep.nn: fp8_down needs fp8=True and ffn_hidden a multiple of {FP8_BLOCK} "
+                f"(its FP8 blocks), got fp8={self.fp8}, ffn_hidden={self.ffn_hidden}"
             )
         if self.grouped_matmul not in grouped.IMPLS:
             raise ValueError(

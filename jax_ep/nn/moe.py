@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ep import layout
 from jax_ep.buffer import Buffer
-from jax_ep.fp8 import quantize_weights_fp8
+from jax_ep.fp8 import quantize_fp8, quantize_weights_fp8
 from jax_ep.nn import grouped
 from jax_ep.nn.config import MoEConfig
 from jax_ep.nn.routing import (
@@ -132,12 +132,14 @@ def shared_expert(params, x):
 FP8_WEIGHTS = ("w_gate", "w_up")  # the projections that can read the dispatch's FP8 rows
 
 
-def quantize_expert_weights(params):
-    """{name: quantize_weights_fp8(params[name])} for the gate and up projections: the
-    FP8 weights of an fp8 layer, for its fp8_weights argument. Made once (e.g. per optimizer
-    step, under jit, outside the gradient: they are sharded like the experts), they serve every
-    call until the weights change, such as a step's micro-batches."""
-    return {name: quantize_weights_fp8(params[name]) for name in FP8_WEIGHTS}
+def quantize_expert_weights(params, down=False):
+    """{name: quantize_weights_fp8(params[name])} for the gate and up projections (and with
+    down=True the down projection, which a layer with cfg.fp8_down reads): the FP8 weights of
+    an fp8 layer, for its fp8_weights argument. Made once (e.g. per optimizer step, under jit,
+    outside the gradient: they are sharded like the experts), they serve every call until the
+    weights change, such as a step's micro-batches."""
+    names = FP8_WEIGHTS + (("w_down",) if down else ())
+    return {name: quantize_weights_fp8(params[name]) for name in names}
 
 
 def expert_ffn(
@@ -147,13 +149,14 @@ def expert_ffn(
     (cfg.grouped_matmul), rows promised aligned to group_alignment (default
     cfg.expert_alignment). fp8_rows: (e4m3fn [M, H], scales [M, H/128]) whose value rows is:
     the gate and up projections then multiply them (grouped.fp8_grouped_matmul), with
-    fp8_weights (quantize_expert_weights) or weights quantized here."""
+    fp8_weights (quantize_expert_weights) or weights quantized here; with cfg.fp8_down the
+    down projection too, from the SwiGLU's output quantized per row (jax_ep.fp8's rule)."""
     options = dict(
         impl=cfg.grouped_matmul,
         group_alignment=(cfg.expert_alignment if group_alignment is None else group_alignment),
     )
 
-    def project(name):
+    def project(name, rows, fp8_rows):
         if fp8_rows is None:
             return grouped.grouped_matmul(rows, params[name], group_sizes, **options)
         return grouped.fp8_grouped_matmul(
@@ -161,13 +164,15 @@ def expert_ffn(
             *fp8_rows,
             params[name],
             group_sizes,
-            rhs_fp8=None if fp8_weights is None else fp8_weights[name],
+            rhs_fp8=(fp8_weights or {}).get(name),
             **options,
         )
 
-    return grouped.grouped_matmul(
-        _glu(project("w_gate"), project("w_up")), params["w_down"], group_sizes, **options
-    )
+    hidden = _glu(project("w_gate", rows, fp8_rows), project("w_up", rows, fp8_rows))
+    fp8_hidden = None
+    if fp8_rows is not None and cfg.fp8_down:  # XLA fuses the quantization into the SwiGLU
+        fp8_hidden = tuple(jax.lax.stop_gradient(quantize_fp8(hidden, False)))
+    return project("w_down", hidden, fp8_hidden)
 
 
 def fp8_rows(d, cfg: MoEConfig, fp8_weights=None):
@@ -251,6 +256,13 @@ def grouped_matmul_path(cfg: MoEConfig, num_ranks, tokens_per_rank, dtype=jnp.bf
             )
             + "_fp8"
         )
+        if cfg.fp8_down:
+            paths["down"] = (
+                grouped.resolve_fp8_impl(
+                    cfg.grouped_matmul, (rows, f), (groups, f, h), cfg.expert_alignment
+                )
+                + "_fp8"
+            )
     return paths
 
 
