@@ -89,6 +89,8 @@ ffi::Error run_grouped_gemm(const CudaContext& c, ffi::ScratchAllocator& scratch
     return invalid("grouped matmul: raster must be 0 or 1 and swizzle 1, 2, 4 or 8");
   a.raster = raster;
   a.swizzle = swizzle;
+  if (a.groups < 1 || a.groups > 65535)  // a grid dimension of the setup's kernels
+    return invalid("grouped matmul: 1 to 65535 groups, got " + std::to_string(a.groups));
   if (!cuda::grouped_gemm_available(c.device))
     return invalid("grouped matmul: the CUTLASS kernels run on compute capability 9.0 only");
   // XLA aligns scratch to at most 16 bytes: the kernels' arrays want 256.

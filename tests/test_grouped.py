@@ -172,8 +172,12 @@ def test_which_implementation():
         "tgmm: N=96 is not a positive multiple of 128",
     ):
         assert any(p.startswith(expected) for p in problems), (expected, problems)
-    problems = grouped.cutlass_misfits((200, 100), (4, 100, 96), jnp.float32)
-    for expected in ("dtype float32", "cutlass: K=100 is not a positive multiple of 8"):
+    problems = grouped.cutlass_misfits((200, 100), (0, 100, 96), jnp.float32)
+    for expected in (
+        "dtype float32",
+        "cutlass: K=100 is not a positive multiple of 8",
+        "cutlass: G=0 is not in [1, 65535]",
+    ):
         assert any(p.startswith(expected) for p in problems), (expected, problems)
     assert not any("M=" in p or "N=" in p for p in problems), problems  # any M; N=96 fits
     if jax.devices()[0].platform == "cpu":

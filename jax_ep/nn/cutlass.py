@@ -20,6 +20,7 @@ from jax_ep.fp8 import FP8_BLOCK
 PRODUCT_IDS = {"gmm": 0, "gmm_t": 1, "tgmm": 2}  # kernels/cuda/grouped_gemm.h GroupedProduct
 DTYPES = (jnp.dtype(jnp.bfloat16),)
 ALIGNMENT = 8  # K and N in elements: each group's rows start on a TMA's 16 bytes
+MAX_GROUPS = 65535  # a grid dimension of the per-call kernels (ffi/cuda_handlers.cu checks it)
 
 
 class Order(NamedTuple):
@@ -91,6 +92,11 @@ def gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, out_dtype, order=
         group_sizes,
         **(order or ORDERS["gmm_fp8"]).attributes(),
     )
+
+
+def group_misfits(groups):
+    """Why the kernels cannot take this many groups (empty when they can)."""
+    return [] if 1 <= groups <= MAX_GROUPS else [f"cutlass: G={groups} is not in [1, {MAX_GROUPS}]"]
 
 
 def fp8_shape_misfits(k, n):

@@ -208,11 +208,11 @@ def cutlass_misfits(lhs_shape, rhs_shape, dtype):
         problems.append("this jax_ep was built without CUTLASS's grouped matmuls")
     if jnp.dtype(dtype) not in cutlass.DTYPES:
         problems.append(f"dtype {jnp.dtype(dtype).name} (needs bfloat16)")
-    (_, k), (_, _, n) = lhs_shape, rhs_shape
+    (_, k), (groups, _, n) = lhs_shape, rhs_shape
     for name, size in (("K", k), ("N", n)):
         if size <= 0 or size % cutlass.ALIGNMENT:
             problems.append(f"cutlass: {name}={size} is not a positive multiple of 8")
-    return problems
+    return problems + cutlass.group_misfits(groups)
 
 
 def mosaic_misfits(lhs_shape, rhs_shape, dtype, blocks=MOSAIC_BLOCKS):
@@ -360,7 +360,11 @@ def resolve_fp8_impl(impl, lhs_shape, rhs_shape, group_alignment):
         problems = list(_platform_misfits())
         if not cutlass.built():
             problems.append("this jax_ep was built without CUTLASS's grouped matmuls")
-        return problems + cutlass.fp8_shape_misfits(lhs_shape[1], rhs_shape[2])
+        return (
+            problems
+            + cutlass.fp8_shape_misfits(lhs_shape[1], rhs_shape[2])
+            + cutlass.group_misfits(rhs_shape[0])
+        )
 
     return _resolve(
         "fp8_grouped_matmul",
