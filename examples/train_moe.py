@@ -4,7 +4,7 @@
 
 Runs on the devices JAX sees (8 CPU devices when there is no accelerator), on a mesh
 ("dp", "ep"): sequences are split over both axes, the experts over "ep". On GPUs the MoE layers
-compute in bfloat16 at widths of 128, so that Hopper GPUs take the Mosaic grouped matmuls. The
+compute in bfloat16 at widths of 128, so that Hopper GPUs take their grouped-matmul kernels. The
 task is a fixed random next-token permutation, so the loss falls from log(vocab) towards zero.
 """
 
