@@ -295,19 +295,27 @@ def run_case(case, plan, sweep, counts, results):
     mosaic = not grouped.mosaic_misfits((rows, k), (groups, k, n), jnp.bfloat16, plan)
     use_cutlass = not grouped.cutlass_misfits((rows, k), (groups, k, n), jnp.bfloat16)
     best = {}
+
+    def fp8_forwards(impl, group_alignment, blocks=None):
+        """The FP8 forward as the layer runs it ("<impl>_fp8") and with the weights quantized
+        beforehand ("<impl>_fp8_kernel"); returns its operands."""
+        fp8_args = fp8_operands(lhs, rhs, jnp.asarray(sizes))
+        for prequantized in (True, False):
+            timed(
+                "gmm",
+                impl + "_fp8" + ("_kernel" if prequantized else ""),
+                fp8_step(group_alignment, prequantized, impl),
+                fp8_args,
+                blocks,
+            )
+        return fp8_args
+
     for kind in grouped.PRODUCTS:
         args = product_operands(kind, lhs, rhs, ct) + (jnp.asarray(sizes),)
         if use_cutlass:
             timed(kind, "cutlass", grouped_step(kind, "cutlass", 1), args)
             if kind == "gmm":
-                fp8_args = fp8_operands(lhs, rhs, args[-1])
-                for prequantized in (True, False):
-                    timed(
-                        kind,
-                        "cutlass_fp8" + ("_kernel" if prequantized else ""),
-                        fp8_step(1, prequantized, "cutlass"),
-                        fp8_args,
-                    )
+                fp8_args = fp8_forwards("cutlass", 1)
             for order in ORDER_SWEEP if "cutlass" in sweep else ():
                 step = lambda a, b, sizes, order=order: cutlass.product(
                     kind, a, b, sizes, order=order
@@ -341,15 +349,7 @@ def run_case(case, plan, sweep, counts, results):
         if times:
             best[kind] = min(times)[1]
         if kind == "gmm" and not grouped.fp8_misfits((rows, k), (groups, k, n), alignment):
-            fp8_args = fp8_operands(lhs, rhs, args[-1])
-            for prequantized in (True, False):
-                timed(
-                    kind,
-                    "mosaic_fp8" + ("_kernel" if prequantized else ""),
-                    fp8_step(alignment, prequantized),
-                    fp8_args,
-                    list(grouped.FP8_TILES),
-                )
+            fp8_forwards("mosaic", alignment, list(grouped.FP8_TILES))
         if "mosaic" in sweep:  # jax's kernels, for groups of any size
             blocks = best.get(kind, candidates[0])
             timed(

@@ -8,6 +8,8 @@
 #include "kernels/cuda/rank.h"
 #ifdef JAX_EP_WITH_GROUPED_GEMM
 #include "kernels/cuda/grouped_gemm.h"
+#include "kernels/fp8.h"
+#include "kernels/limits.h"
 #endif
 
 namespace jax_ep {
@@ -89,8 +91,9 @@ ffi::Error run_grouped_gemm(const CudaContext& c, ffi::ScratchAllocator& scratch
     return invalid("grouped matmul: raster must be 0 or 1 and swizzle 1, 2, 4 or 8");
   a.raster = raster;
   a.swizzle = swizzle;
-  if (a.groups < 1 || a.groups > 65535)  // a grid dimension of the setup's kernels
-    return invalid("grouped matmul: 1 to 65535 groups, got " + std::to_string(a.groups));
+  if (a.groups < 1 || a.groups > kMaxGroupedMatmulGroups)
+    return invalid("grouped matmul: 1 to " + std::to_string(kMaxGroupedMatmulGroups) +
+                   " groups, got " + std::to_string(a.groups));
   if (!cuda::grouped_gemm_available(c.device))
     return invalid("grouped matmul: the CUTLASS kernels run on compute capability 9.0 only");
   // XLA aligns scratch to at most 16 bytes: the kernels' arrays want 256.
@@ -136,8 +139,9 @@ ffi::Error grouped_gemm(CudaContext c, ffi::ScratchAllocator scratch, ffi::AnyBu
       return invalid("grouped matmul: unknown product " + std::to_string(product));
   }
   if (!fits) return invalid("grouped matmul: the operands' shapes do not fit the product");
-  if (a.k % 8 || a.n % 8 || a.k <= 0 || a.n <= 0)
-    return invalid("grouped matmul: K and N must be positive multiples of 8");
+  if (a.k % kGroupedMatmulAlignment || a.n % kGroupedMatmulAlignment || a.k <= 0 || a.n <= 0)
+    return invalid("grouped matmul: K and N must be positive multiples of " +
+                   std::to_string(kGroupedMatmulAlignment));
   if (group_stride < 0 ||
       (group_stride && (a.product != cuda::GroupedProduct::kGmm || group_stride * a.groups != a.m)))
     return invalid("grouped matmul: group_stride needs gmm over G x group_stride rows");
@@ -168,7 +172,7 @@ ffi::Error grouped_gemm_fp8(CudaContext c, ffi::ScratchAllocator scratch, ffi::A
   a.product = cuda::GroupedProduct::kGmmFp8;
   a.groups = int32_t(group_sizes.dimensions()[0]);
   a.m = l[0], a.k = l[1], a.n = r[1];
-  constexpr int64_t b = 128;
+  constexpr int64_t b = kFp8Block;
   if (r[0] != a.groups || r[2] != a.k || o[0] != a.m || o[1] != a.n || a.k % b || a.n % b ||
       a.k <= 0 || a.n <= 0 || ls[0] != a.m || ls[1] != a.k / b || rs[0] != a.groups ||
       rs[1] != a.k / b || rs[2] != a.n / b)

@@ -19,4 +19,10 @@ constexpr int kMaxTokensPerRank = (1 << 28) - 1;
 // FP8 scales of one row staged in shared memory by the CUDA dispatch: hidden <= 131072.
 constexpr int kMaxScalesPerRow = 1024;
 
+// The grouped matmuls (kernels/cuda/grouped_gemm.cu): groups of one call (a grid dimension of
+// its per-call kernels), and the multiple K and N must be of (16 bytes of bfloat16: TMA's
+// alignment of each group's rows).
+constexpr int kMaxGroupedMatmulGroups = 65535;
+constexpr int kGroupedMatmulAlignment = 8;
+
 }  // namespace jax_ep

@@ -19,8 +19,6 @@ from jax_ep.fp8 import FP8_BLOCK
 
 PRODUCT_IDS = {"gmm": 0, "gmm_t": 1, "tgmm": 2}  # kernels/cuda/grouped_gemm.h GroupedProduct
 DTYPES = (jnp.dtype(jnp.bfloat16),)
-ALIGNMENT = 8  # K and N in elements: each group's rows start on a TMA's 16 bytes
-MAX_GROUPS = 65535  # a grid dimension of the per-call kernels (ffi/cuda_handlers.cu checks it)
 
 
 class Order(NamedTuple):
@@ -94,15 +92,18 @@ def gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, out_dtype, order=
     )
 
 
-def group_misfits(groups):
-    """Why the kernels cannot take this many groups (empty when they can)."""
-    return [] if 1 <= groups <= MAX_GROUPS else [f"cutlass: G={groups} is not in [1, {MAX_GROUPS}]"]
-
-
-def fp8_shape_misfits(k, n):
-    """Why the FP8 kernel cannot take K and N (empty when it can): whole scale blocks."""
-    return [
-        f"cutlass fp8: {name}={size} is not a positive multiple of {FP8_BLOCK}"
+def shape_misfits(k, n, groups, fp8):
+    """Why the kernels cannot take K, N and this many groups (empty when they can): K and N
+    multiples of the TMA's alignment (FP8: of the scale blocks), groups within the limit
+    (kernels/limits.h; the handlers check both again)."""
+    limits = _native.limits()
+    multiple = FP8_BLOCK if fp8 else limits["grouped_matmul_alignment"]
+    most = limits["max_grouped_matmul_groups"]
+    problems = [
+        f"cutlass: {name}={size} is not a positive multiple of {multiple}"
         for name, size in (("K", k), ("N", n))
-        if size <= 0 or size % FP8_BLOCK
+        if size <= 0 or size % multiple
     ]
+    if not 1 <= groups <= most:
+        problems.append(f"cutlass: G={groups} is not in [1, {most}]")
+    return problems

@@ -200,19 +200,17 @@ def _resolve(name, impl, misfits, order=AUTO_ORDER):
     return next((each for each in order if not misfits[each]()), "xla")
 
 
-def cutlass_misfits(lhs_shape, rhs_shape, dtype):
-    """Why the CUTLASS kernels cannot compute this grouped matmul and both its gradients (empty
-    when they can): K and N multiples of 8, any group sizes."""
+def cutlass_misfits(lhs_shape, rhs_shape, dtype, fp8=False):
+    """Why the CUTLASS kernels cannot compute this grouped matmul and both its gradients (or
+    with fp8, its FP8 forward) (empty when they can): K and N multiples of 8 (FP8: 128), any
+    group sizes."""
     problems = list(_platform_misfits())
     if not cutlass.built():
         problems.append("this jax_ep was built without CUTLASS's grouped matmuls")
-    if jnp.dtype(dtype) not in cutlass.DTYPES:
+    if not fp8 and jnp.dtype(dtype) not in cutlass.DTYPES:
         problems.append(f"dtype {jnp.dtype(dtype).name} (needs bfloat16)")
     (_, k), (groups, _, n) = lhs_shape, rhs_shape
-    for name, size in (("K", k), ("N", n)):
-        if size <= 0 or size % cutlass.ALIGNMENT:
-            problems.append(f"cutlass: {name}={size} is not a positive multiple of 8")
-    return problems + cutlass.group_misfits(groups)
+    return problems + cutlass.shape_misfits(k, n, groups, fp8)
 
 
 def mosaic_misfits(lhs_shape, rhs_shape, dtype, blocks=MOSAIC_BLOCKS):
@@ -356,21 +354,11 @@ def resolve_fp8_impl(impl, lhs_shape, rhs_shape, group_alignment):
     """The implementation fp8_grouped_matmul takes for these operands: "xla", "cutlass" or
     "mosaic"."""
 
-    def cutlass_fp8_misfits():
-        problems = list(_platform_misfits())
-        if not cutlass.built():
-            problems.append("this jax_ep was built without CUTLASS's grouped matmuls")
-        return (
-            problems
-            + cutlass.fp8_shape_misfits(lhs_shape[1], rhs_shape[2])
-            + cutlass.group_misfits(rhs_shape[0])
-        )
-
     return _resolve(
         "fp8_grouped_matmul",
         impl,
         {
-            "cutlass": cutlass_fp8_misfits,
+            "cutlass": lambda: cutlass_misfits(lhs_shape, rhs_shape, None, fp8=True),
             "mosaic": lambda: fp8_misfits(lhs_shape, rhs_shape, group_alignment),
         },
     )

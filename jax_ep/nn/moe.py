@@ -169,10 +169,8 @@ def expert_ffn(
         )
 
     hidden = _glu(project("w_gate", rows, fp8_rows), project("w_up", rows, fp8_rows))
-    fp8_hidden = None
-    if fp8_rows is not None and cfg.fp8_down:  # XLA fuses the quantization into the SwiGLU
-        fp8_hidden = tuple(jax.lax.stop_gradient(quantize_fp8(hidden, False)))
-    return project("w_down", hidden, fp8_hidden)
+    down_fp8 = quantize_fp8(hidden, False) if fp8_rows is not None and cfg.fp8_down else None
+    return project("w_down", hidden, down_fp8)
 
 
 def fp8_rows(d, cfg: MoEConfig, fp8_weights=None):

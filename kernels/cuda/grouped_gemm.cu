@@ -9,7 +9,7 @@
 // and CUTLASS's tile scheduler reads them there. No host synchronisation.
 #include <cub/block/block_scan.cuh>
 
-#include <algorithm>
+#include <atomic>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -22,6 +22,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 #include "kernels/cuda/grouped_gemm.h"
+#include "kernels/fp8.h"
 
 namespace jax_ep::cuda {
 namespace {
@@ -34,7 +35,6 @@ using Bf16 = cutlass::bfloat16_t;
 using E4m3 = cutlass::float_e4m3_t;
 using RowMajor = cutlass::layout::RowMajor;
 using ColumnMajor = cutlass::layout::ColumnMajor;
-constexpr int kFp8Block = 128;
 
 // The scale factors' layouts of a block-scaled kernel (none: int, a placeholder).
 template <class ScaleConfig>
@@ -205,12 +205,25 @@ __global__ void zero_unwritten_kernel(GroupedGemmArgs a, const int32_t* rows,
     out[i] = make_uint4(0, 0, 0, 0);
 }
 
-int sm_count(int device) {
-  static int counts[64] = {};
-  if (device < 0 || device >= 64) return 0;
-  if (!counts[device])
-    cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device);
-  return counts[device];
+// A device's SM count and whether it is compute capability 9.0 (the kernels are built for
+// sm_90a only), asked once per device: XLA calls each device's handler on its own thread.
+struct DeviceInfo {
+  int sms;
+  bool sm90;
+};
+DeviceInfo device_info(int device) {
+  static std::atomic<int> known[64];  // 0: not asked yet, else SMs * 2 + sm90
+  if (device < 0 || device >= 64) return {0, false};
+  int info = known[device].load(std::memory_order_relaxed);
+  if (!info) {
+    int sms = 0, major = 0, minor = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    info = sms * 2 + (major == 9 && minor == 0);
+    known[device].store(info, std::memory_order_relaxed);
+  }
+  return {info / 2, info % 2 == 1};
 }
 
 // The scratch of one call: the per-group arrays, then CUTLASS's workspace.
@@ -246,7 +259,7 @@ typename K::Gemm::Arguments arguments(const GroupedGemmArgs& a, int device,
                                       const typename K::Groups& g) {
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
-  hw.sm_count = sm_count(device);
+  hw.sm_count = device_info(device).sms;
   typename K::Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {a.groups, g.shapes, nullptr};  // the shapes are on the device only
@@ -301,7 +314,7 @@ std::string run(const GroupedGemmArgs& a, int device, void* workspace, cudaStrea
     if (cudaPeekAtLastError() != cudaSuccess) return cuda_error("scales");
   }
 
-  const int threads = 256, sms = sm_count(device);
+  const int threads = 256, sms = device_info(device).sms;
   dim3 zero_grid(P == GroupedProduct::kTgmm ? 8 : 2 * sms,
                  P == GroupedProduct::kTgmm ? a.groups : 1);
   zero_unwritten_kernel<<<zero_grid, threads, 0, stream>>>(a, s.groups.rows, s.groups.total);
@@ -317,13 +330,7 @@ std::string run(const GroupedGemmArgs& a, int device, void* workspace, cudaStrea
 
 }  // namespace
 
-bool grouped_gemm_available(int device) {
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
-    return false;
-  return major == 9 && minor == 0;  // the kernels are built for sm_90a only
-}
+bool grouped_gemm_available(int device) { return device_info(device).sm90; }
 
 size_t grouped_gemm_workspace_bytes(const GroupedGemmArgs& a, int device) {
   switch (a.product) {
