@@ -7,8 +7,8 @@
 //
 // A backend B supplies Context (decoded from the execution context), Rank, State (CallState of
 // its rank type), Result (ffi::Error, or ffi::Future when it completes asynchronously), traits
-// (XLA's traits of its execute handlers), error(), dispatch(), combine(), expert_layout() and
-// place_rows().
+// (XLA's traits of its execute handlers), error(), dispatch(), combine(), expert_layout(),
+// expert_padded() and place_rows().
 #pragma once
 #include <memory>
 #include <string>
@@ -284,7 +284,27 @@ struct Calls {
   }
   static auto bind_expert_layout() { return ffi::Ffi::BindTo(expert_layout, B::traits); }
 
-  // ---- rows placed in the expert_padded layout (local to the rank, no Buffer)
+  // ---- a fresh dispatch's rows in the expert_padded layout (local to the rank, no Buffer)
+
+  static ffi::Error expert_padded(
+      Ctx ctx, ffi::Buffer<ffi::S32, 2> topk_rows, ffi::Buffer<ffi::F32, 2> weight_rows,
+      ffi::AnyBuffer x_rows, ffi::AnyBuffer scale_rows, ffi::Result<ffi::AnyBuffer> x_out,
+      ffi::Result<ffi::AnyBuffer> scales_out, ffi::ResultBuffer<ffi::F32, 1> weights_out,
+      ffi::ResultBuffer<ffi::S32, 1> expert_src, ffi::ResultBuffer<ffi::S32, 2> expert_rows,
+      ffi::ResultBuffer<ffi::S32, 1> expert_of_row,
+      ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert,
+      ffi::ResultBuffer<ffi::S32, 1> expert_counts, ffi::ResultBuffer<ffi::S32, 2> chunk_counts) {
+    ExpertPaddedArgs a;
+    if (auto err = decode_expert_padded(
+            topk_rows, weight_rows, x_rows, scale_rows, x_out, scales_out, weights_out, expert_src,
+            expert_rows, expert_of_row, tokens_per_expert, expert_counts, chunk_counts, &a);
+        err.failure())
+      return err;
+    return to_error(B::expert_padded(ctx, a));
+  }
+  static auto bind_expert_padded() { return ffi::Ffi::BindTo(expert_padded, B::traits); }
+
+  // ---- rows placed in the expert_padded layout by a cached dispatch (local, no Buffer)
 
   static ffi::Error place_rows(Ctx ctx, ffi::AnyBuffer src, ffi::Buffer<ffi::S32, 2> expert_rows,
                                ffi::Result<ffi::AnyBuffer> out) {
@@ -343,6 +363,7 @@ Targets targets() {
       {"combine_recv", {buffer, handler<C::bind_combine_recv>}},
       {"dispatch_adjoint", {buffer, handler<C::bind_dispatch_adjoint>}},
       {"expert_layout", {nullptr, handler<C::bind_expert_layout>}},
+      {"expert_padded", {nullptr, handler<C::bind_expert_padded>}},
       {"place_rows", {nullptr, handler<C::bind_place_rows>}},
   };
 }

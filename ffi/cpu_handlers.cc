@@ -110,6 +110,10 @@ struct CpuBackend {
     return {};
   }
 
+  static std::string expert_padded(Context, const ExpertPaddedArgs& a) {
+    return cpu::expert_padded(a);
+  }
+
   static std::string place_rows(Context, const PlaceRowsArgs& a) { return cpu::place_rows(a); }
 };
 

@@ -75,6 +75,10 @@ struct CudaBackend {
     return cuda::expert_layout(c.stream, a);
   }
 
+  static std::string expert_padded(const Context& c, const ExpertPaddedArgs& a) {
+    return cuda::expert_padded(c.stream, a);
+  }
+
   static std::string place_rows(const Context& c, const PlaceRowsArgs& a) {
     return cuda::place_rows(c.stream, a);
   }

@@ -36,7 +36,7 @@ struct CallAttrs {
 
 // The attributes of an expert layout (jax_ep/ffi_path.py, expert_layout).
 struct ExpertLayoutAttrs {
-  int32_t alignment, block_rows;
+  int32_t alignment;
 };
 
 // The results of a fresh dispatch's recv half (jax_ep/ffi_path.py, _received_shapes): its rows,
@@ -286,7 +286,6 @@ inline ffi::Error decode_expert_layout(
   a->num_topk = int(topk_rows.dimensions()[1]);
   a->experts_per_rank = int(tokens_per_expert->dimensions()[0]);
   a->alignment = attrs.alignment;
-  a->block_rows = attrs.block_rows;
   a->capacity = int(expert_src->dimensions()[0]);
   if (expert_rows->dimensions()[0] != a->rows || expert_rows->dimensions()[1] != a->max_per_row())
     return invalid("expert layout: expert_rows has the wrong shape");
@@ -300,7 +299,58 @@ inline ffi::Error decode_expert_layout(
   return ffi::Error::Success();
 }
 
-// ---- rows placed in the expert_padded layout
+// ---- a fresh dispatch's rows in the expert_padded layout
+
+inline ffi::Error decode_expert_padded(
+    ffi::Buffer<ffi::S32, 2> topk_rows, ffi::Buffer<ffi::F32, 2> weight_rows, ffi::AnyBuffer x_rows,
+    ffi::AnyBuffer scale_rows, ffi::Result<ffi::AnyBuffer> x_out,
+    ffi::Result<ffi::AnyBuffer> scales_out, ffi::ResultBuffer<ffi::F32, 1> weights_out,
+    ffi::ResultBuffer<ffi::S32, 1> expert_src, ffi::ResultBuffer<ffi::S32, 2> expert_rows,
+    ffi::ResultBuffer<ffi::S32, 1> expert_of_row, ffi::ResultBuffer<ffi::S32, 1> tokens_per_expert,
+    ffi::ResultBuffer<ffi::S32, 1> expert_counts, ffi::ResultBuffer<ffi::S32, 2> chunk_counts,
+    ExpertPaddedArgs* a) {
+  *a = ExpertPaddedArgs{};
+  a->rows = int(topk_rows.dimensions()[0]);
+  a->num_topk = int(topk_rows.dimensions()[1]);
+  a->experts_per_rank = int(tokens_per_expert->dimensions()[0]);
+  const int64_t out_rows = expert_src->dimensions()[0];
+  a->capacity = a->experts_per_rank ? int(out_rows / a->experts_per_rank) : 0;
+  const auto rows_of = [](auto& buffer) {
+    return buffer.dimensions().size() ? buffer.dimensions()[0] : -1;
+  };
+  if (a->rows == 0 || int64_t(a->capacity) * a->experts_per_rank != out_rows ||
+      weight_rows.dimensions()[0] != a->rows || weight_rows.dimensions()[1] != a->num_topk ||
+      rows_of(x_rows) != a->rows || rows_of(scale_rows) != a->rows || rows_of(*x_out) != out_rows ||
+      rows_of(*scales_out) != out_rows || weights_out->dimensions()[0] != out_rows ||
+      expert_of_row->dimensions()[0] != out_rows ||
+      expert_counts->dimensions()[0] != a->experts_per_rank ||
+      expert_rows->dimensions()[0] != a->rows || expert_rows->dimensions()[1] != a->max_per_row() ||
+      chunk_counts->dimensions()[0] != a->chunks() ||
+      chunk_counts->dimensions()[1] != a->experts_per_rank ||
+      x_rows.element_type() != x_out->element_type() ||
+      scale_rows.element_type() != scales_out->element_type() ||
+      x_rows.size_bytes() * out_rows != x_out->size_bytes() * a->rows ||
+      scale_rows.size_bytes() * out_rows != scales_out->size_bytes() * a->rows)
+    return invalid("expert_padded: the rows, their experts and the outputs do not match");
+  a->x_row_bytes = int64_t(x_rows.size_bytes() / a->rows);
+  a->scale_row_bytes = int64_t(scale_rows.size_bytes() / a->rows);
+  a->topk_rows = topk_rows.typed_data();
+  a->weight_rows = weight_rows.typed_data();
+  a->x_rows = static_cast<const uint8_t*>(x_rows.untyped_data());
+  a->scale_rows = static_cast<const uint8_t*>(scale_rows.untyped_data());
+  a->x_out = static_cast<uint8_t*>(x_out->untyped_data());
+  a->scales_out = static_cast<uint8_t*>(scales_out->untyped_data());
+  a->weights_out = weights_out->typed_data();
+  a->expert_src = expert_src->typed_data();
+  a->expert_rows = expert_rows->typed_data();
+  a->expert_of_row = expert_of_row->typed_data();
+  a->tokens_per_expert = tokens_per_expert->typed_data();
+  a->expert_counts = expert_counts->typed_data();
+  a->chunk_counts = chunk_counts->typed_data();
+  return ffi::Error::Success();
+}
+
+// ---- rows placed in the expert_padded layout by a cached dispatch
 
 inline ffi::Error decode_place_rows(ffi::AnyBuffer src, ffi::Buffer<ffi::S32, 2> expert_rows,
                                     ffi::Result<ffi::AnyBuffer> out, PlaceRowsArgs* a) {
@@ -332,8 +382,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::CallAttrs,
                                       ::xla::ffi::StructMember<bool>("low_latency"),
                                       ::xla::ffi::StructMember<jax_ep::Dtype>("rows_dtype"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::ExpertLayoutAttrs,
-                                      ::xla::ffi::StructMember<int32_t>("alignment"),
-                                      ::xla::ffi::StructMember<int32_t>("block_rows"));
+                                      ::xla::ffi::StructMember<int32_t>("alignment"));
 
 // The call state as a handler's parameter (XLA's auto-binding: `CallState<Rank>*` is ffi::State).
 namespace xla::ffi {

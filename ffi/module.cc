@@ -60,6 +60,7 @@ NB_MODULE(_native, m) {
     d["max_in_block_tokens"] = kMaxInBlockTokens;
     d["max_tokens_per_rank"] = kMaxTokensPerRank;
     d["max_scales_per_row"] = kMaxScalesPerRow;
+    d["expert_chunk_rows"] = kExpertChunkRows;
     d["max_grouped_matmul_groups"] = kMaxGroupedMatmulGroups;
     d["grouped_matmul_alignment"] = kGroupedMatmulAlignment;
     return d;

@@ -578,24 +578,33 @@ class Buffer:
         arrays, moved = self._send_tokens(spec, staging)
         padded = layout_name == "expert_padded"
         rows_out = capacity * self.num_local_experts if padded else capacity
+        ops = self._ops_for(staging)
 
         def finish(arrays):
             rows, routing = self._checked(*moved(arrays))
-            maps = self._ops_for(staging).expert_layout(
-                rows.topk_idx,
-                experts_per_rank=self.num_local_experts,
-                alignment=alignment,
-                capacity=rows_out,
-                block_rows=capacity if padded else 0,
-            )
-            group_sizes = layouts.align_up(maps.tokens_per_expert, alignment)
-            weights = (
-                layouts.expert_weights(
+            if padded:  # one call: the maps, the weights and the rows in their places
+                maps, weights, (x, scales) = layouts.padded_rows(
+                    ops.expert_padded,
+                    self.num_local_experts,
+                    capacity,
+                    rows.topk_idx,
+                    rows.topk_weights,
+                    (rows.x, rows.scales),
+                )
+                x, scales = self._blocks(layout_name, x), self._blocks(layout_name, scales)
+            else:
+                maps = ops.expert_layout(
+                    rows.topk_idx,
+                    experts_per_rank=self.num_local_experts,
+                    alignment=alignment,
+                    capacity=rows_out,
+                )
+                weights = layouts.expert_weights(
                     rows.topk_weights, rows.topk_idx, maps.expert_src, maps.expert_of_row
                 )
-                if spec.has_weights
-                else None
-            )
+            if not spec.has_weights:
+                weights = None
+            group_sizes = layouts.align_up(maps.tokens_per_expert, alignment)
             result = (
                 self._blocks(layout_name, maps.expert_of_row),
                 self._blocks(layout_name, weights),
@@ -617,7 +626,9 @@ class Buffer:
                 capacity=rows_out,
                 buffer=self._serial,
             )
-            return DispatchResult(*self._expand(rows.x, rows.scales, handle), *result, handle)
+            if not padded:
+                x, scales = self._expand(rows.x, rows.scales, handle)
+            return DispatchResult(x, scales, *result, handle)
 
         return arrays, finish
 

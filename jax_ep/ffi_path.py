@@ -387,7 +387,7 @@ class Ffi:
 
         return sent, finish
 
-    def expert_layout(self, topk_rows, *, experts_per_rank, alignment, capacity, block_rows=0):
+    def expert_layout(self, topk_rows, *, experts_per_rank, alignment, capacity):
         rows, k = topk_rows.shape
         i32 = jnp.int32
         shapes = (
@@ -401,10 +401,38 @@ class Ffi:
         topk_rows = jax.lax.stop_gradient(topk_rows)  # integers: nothing to differentiate
         call = jax.ffi.ffi_call("jax_ep_expert_layout", shapes, vmap_method="sequential")
         out = varying_like(
-            call(topk_rows, alignment=np.int32(alignment), block_rows=np.int32(block_rows)),
+            call(topk_rows, alignment=np.int32(alignment)),
             topk_rows,
         )
         return layout.ExpertMaps(*out[:5])
+
+    def expert_padded(self, topk_rows, weight_rows, rows, *, experts_per_rank, capacity):
+        x_rows, scale_rows = rows
+        num_rows, k = topk_rows.shape
+        out_rows = experts_per_rank * capacity
+        if scale_rows is None:  # an empty array in its place: one call signature
+            scale_rows = varying_like(jnp.zeros((num_rows, 0), jnp.float32), x_rows)
+        i32 = jnp.int32
+        chunks = -(-num_rows // _native.limits()["expert_chunk_rows"])
+        shapes = (
+            jax.ShapeDtypeStruct((out_rows,) + x_rows.shape[1:], x_rows.dtype),
+            jax.ShapeDtypeStruct((out_rows,) + scale_rows.shape[1:], scale_rows.dtype),
+            jax.ShapeDtypeStruct((out_rows,), jnp.float32),
+            jax.ShapeDtypeStruct((out_rows,), i32),
+            jax.ShapeDtypeStruct((num_rows, layout.max_experts_per_row(k, experts_per_rank)), i32),
+            jax.ShapeDtypeStruct((out_rows,), i32),
+            jax.ShapeDtypeStruct((experts_per_rank,), i32),
+            jax.ShapeDtypeStruct((experts_per_rank,), i32),  # before the capacity
+            jax.ShapeDtypeStruct((chunks, experts_per_rank), i32),  # scratch
+        )
+        call = jax.ffi.ffi_call("jax_ep_expert_padded", shapes, vmap_method="sequential")
+        x, scales, weights, src, expert_rows, expert_of_row, present, counts, _ = varying_like(
+            call(topk_rows, weight_rows, x_rows, scale_rows), topk_rows, weight_rows, x_rows
+        )
+        maps = layout.ExpertMaps(
+            src, expert_rows, expert_of_row, present, (counts - present).sum(dtype=i32)
+        )
+        return maps, weights, (x, None if rows[1] is None else scales)
 
     def place_rows(self, rank_rows, expert_rows, capacity):
         shape = jax.ShapeDtypeStruct((capacity,) + rank_rows.shape[1:], rank_rows.dtype)

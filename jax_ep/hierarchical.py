@@ -285,6 +285,9 @@ class Hierarchical:
     def expert_layout(self, topk_rows, **kwargs):
         return self.inner.expert_layout(topk_rows, **kwargs)
 
+    def expert_padded(self, topk_rows, weight_rows, rows, **kwargs):
+        return self.inner.expert_padded(topk_rows, weight_rows, rows, **kwargs)
+
     def place_rows(self, rank_rows, expert_rows, capacity):
         return self.inner.place_rows(rank_rows, expert_rows, capacity)
 

@@ -121,6 +121,55 @@ def expert_layout(topk_rows, experts_per_rank, alignment, capacity, block_rows=0
     )
 
 
+def expert_padded(topk_rows, weight_rows, rows, experts_per_rank, capacity):
+    """A fresh dispatch's rank-level rows in the expert_padded layout, as one backend call does
+    it: the maps (expert_layout with a block of `capacity` rows per expert), each expert row's
+    weight [E_l * C], and each array of `rows` ([S, ...], or None) placed ([E_l * C, ...])."""
+    out_rows = experts_per_rank * capacity
+    maps = expert_layout(topk_rows, experts_per_rank, 1, out_rows, block_rows=capacity)
+    weights = expert_weights(weight_rows, topk_rows, maps.expert_src, maps.expert_of_row)
+    placed = tuple(None if r is None else place_rows(r, maps.expert_rows, out_rows) for r in rows)
+    return maps, weights, placed
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def padded_rows(make, experts_per_rank, capacity, topk_rows, weight_rows, rows):
+    """A backend's expert_padded(topk_rows, weight_rows, rows, experts_per_rank=, capacity=),
+    differentiable: each placed row's gradient goes back to its rank-level row (the sum over its
+    expert rows), each weight's to the slots that named its expert."""
+    return make(topk_rows, weight_rows, rows, experts_per_rank=experts_per_rank, capacity=capacity)
+
+
+def _padded_rows_fwd(make, experts_per_rank, capacity, *args):
+    topk_rows, weight_rows, rows = jax.custom_derivatives.custom_vjp_primal_tree_values(args)
+    maps, weights, placed = make(
+        topk_rows, weight_rows, rows, experts_per_rank=experts_per_rank, capacity=capacity
+    )
+    res = (topk_rows, weight_rows, maps.expert_src, maps.expert_rows, maps.expert_of_row)
+    return (maps, weights, placed), res
+
+
+def _padded_rows_bwd(make, experts_per_rank, capacity, res, ct):
+    topk_rows, weight_rows, expert_src, expert_rows, expert_of_row = res
+    _, ct_weights, ct_placed = ct
+    zero = jax.custom_derivatives.SymbolicZero
+    ct_weight_rows = None
+    if not isinstance(ct_weights, zero):
+        (ct_weight_rows,) = jax.linear_transpose(
+            lambda w: expert_weights(w, topk_rows, expert_src, expert_of_row), weight_rows
+        )(ct_weights)
+    ct_rows = tuple(
+        None
+        if c is None or isinstance(c, zero)
+        else reduce_expert_rows(c, None, expert_src, expert_rows).astype(c.dtype)
+        for c in ct_placed
+    )
+    return None, ct_weight_rows, ct_rows
+
+
+padded_rows.defvjp(_padded_rows_fwd, _padded_rows_bwd, symbolic_zeros=True)
+
+
 def expert_weights(weight_rows, topk_rows, expert_src, expert_of_row):
     """[C]: weight of each expert row, the sum over the slots of its token naming that expert."""
     match = (_take(topk_rows, expert_src) == expert_of_row[:, None]) & (expert_src >= 0)[:, None]

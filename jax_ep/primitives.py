@@ -6,8 +6,11 @@ Rank level (crosses ranks):
   combine(rows, send_pos, ..., bias)    -> [T, W]              bias + sum over ranks, float32
 Receiver-local:
   expert_layout(topk_rows)              -> layout.ExpertMaps   rank-level rows -> expert rows
+  expert_padded(topk_rows, w_rows, rows) -> maps, weights, rows a fresh dispatch's rows in the
+                                                               expert_padded layout, in one step
   place_rows(rows, expert_rows, C)      -> [C, W]              rows into the expert_padded
-                                                               layout (the others unspecified)
+                                                               layout (a cached dispatch)
+Neither writes the rows of the expert_padded layout past an expert's count (unspecified).
 
 The three cross-rank primitives also come split, as X_send(...) -> (arrays, finish) with
 finish(arrays) -> the result of X: the send half returns once the data is on its way, finish

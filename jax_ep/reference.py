@@ -136,8 +136,11 @@ class Reference(Unsplit):
             acc = jnp.where(sent[:, None], acc + value, acc)
         return acc.astype(out_dtype)
 
-    def expert_layout(self, topk_rows, *, experts_per_rank, alignment, capacity, block_rows=0):
-        return layout.expert_layout(topk_rows, experts_per_rank, alignment, capacity, block_rows)
+    def expert_layout(self, topk_rows, *, experts_per_rank, alignment, capacity):
+        return layout.expert_layout(topk_rows, experts_per_rank, alignment, capacity)
+
+    def expert_padded(self, topk_rows, weight_rows, rows, *, experts_per_rank, capacity):
+        return layout.expert_padded(topk_rows, weight_rows, rows, experts_per_rank, capacity)
 
     def place_rows(self, rank_rows, expert_rows, capacity):
         return layout.place_rows(rank_rows, expert_rows, capacity)

@@ -16,6 +16,10 @@ constexpr int kMaxInBlockTokens = 1024;
 // Rows per source in one slot of a window: counts travel in 28 bits of a tagged word.
 constexpr int kMaxTokensPerRank = (1 << 28) - 1;
 
+// Rank-level rows per block of the GPUs' expert_padded placement: a row's place among its
+// expert's rows is counted within its chunk, plus the counts of the chunks before it.
+constexpr int kExpertChunkRows = 1024;
+
 // FP8 scales of one row staged in shared memory by the CUDA dispatch: hidden <= 131072.
 constexpr int kMaxScalesPerRow = 1024;
 

@@ -5,6 +5,7 @@
 #pragma once
 #include "kernels/dtype.h"
 #include "kernels/layout.h"
+#include "kernels/limits.h"
 #include "kernels/signature.h"
 
 namespace jax_ep {
@@ -81,7 +82,8 @@ struct CombineRecv {
 // Receiver-local: rank-layout rows -> expert-layout positions (by local expert, then row).
 struct ExpertLayoutArgs {
   int rows, num_topk, experts_per_rank, alignment, capacity;
-  int block_rows;              // > 0: expert e's rows are [e * block_rows, (e + 1) * block_rows)
+  int block_rows;  // > 0 (the CPU backend's expert_padded): expert e's rows are [e * B, (e + 1) *
+                   // B)
   const int32_t* topk_rows;    // [rows, K] local expert ids or -1
   int32_t* expert_src;         // [capacity] rank-layout row of each expert row, -1 on padding
   int32_t* expert_rows;        // [rows, M] expert rows of each rank-layout row by expert, -1
@@ -92,8 +94,34 @@ struct ExpertLayoutArgs {
   JAX_EP_HD int max_per_row() const { return max_experts_per_row(num_topk, experts_per_rank); }
 };
 
-// Receiver-local: each rank-layout row copied to its expert rows (the expert_padded layout).
-// Rows of `out` that no row names are left as they were: a padded tensor costs the rows received.
+// Receiver-local, the expert_padded layout of a fresh dispatch in one step: expert e owns rows
+// [e * C, (e + 1) * C) of every output and holds its rows there in rank-layout order (those past
+// C drop); each rank-level row is copied to its experts' rows, with the token's weight for each
+// expert (the sum over its slots naming it). Rows of x and scales past an expert's count are not
+// written: a padded tensor costs the rows received. (The maps are expert_layout's with
+// block_rows = C.)
+struct ExpertPaddedArgs {
+  int rows, num_topk, experts_per_rank, capacity;  // capacity C: rows per expert
+  int64_t x_row_bytes, scale_row_bytes;            // scale_row_bytes 0: no scales
+  const int32_t* topk_rows;                        // [rows, K] local expert ids or -1
+  const float* weight_rows;                        // [rows, K]
+  const uint8_t* x_rows;                           // [rows, x_row_bytes]
+  const uint8_t* scale_rows;                       // [rows, scale_row_bytes]
+  uint8_t* x_out;                                  // [E_l * C, x_row_bytes]
+  uint8_t* scales_out;                             // [E_l * C, scale_row_bytes]
+  float* weights_out;                              // [E_l * C], 0 on padding
+  int32_t* expert_src;         // [E_l * C] rank-level row of each expert row, -1 on padding
+  int32_t* expert_rows;        // [rows, M] expert rows of each rank-level row by expert, -1
+  int32_t* expert_of_row;      // [E_l * C] local expert of each expert row, -1 on padding
+  int32_t* tokens_per_expert;  // [E_l] rows present per expert
+  int32_t* expert_counts;      // [E_l] rows per expert before the capacity
+  int32_t* chunk_counts;       // [chunks, E_l] rows per expert of each kExpertChunkRows rows (GPUs)
+  JAX_EP_HD int max_per_row() const { return max_experts_per_row(num_topk, experts_per_rank); }
+  JAX_EP_HD int chunks() const { return (rows + kExpertChunkRows - 1) / kExpertChunkRows; }
+};
+
+// Receiver-local: each rank-layout row copied to its expert rows (a cached dispatch in the
+// expert_padded layout). Rows of `out` that no row names are left as they were.
 struct PlaceRowsArgs {
   int rows, per_row;            // S rank-layout rows, M expert rows at most per row
   int64_t row_bytes, out_rows;  // bytes of a row, rows of out

@@ -7,10 +7,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracle
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from jax_ep import ffi_path
 
 
 def make_mesh(num_ranks, dp=1, devices=None):
@@ -442,3 +444,42 @@ def assert_matches_oracle(
                 partial.append(acc)
         want_y = oracle.combine(partial, want["send_pos"], biases[g], ranks_per_node)
         assert calc_diff(y[g].astype(np.float32), want_y.astype(x.dtype).astype(np.float32)) < 5e-6
+
+
+@functools.cache
+def _padded_call(capacity, experts_per_rank):
+    ffi_path.register_targets()
+    ops = ffi_path.Ffi(0, 1, experts_per_rank)
+    return jax.jit(
+        lambda topk, w, x, scales: ops.expert_padded(
+            topk, w, (x, scales), experts_per_rank=experts_per_rank, capacity=capacity
+        )
+    )
+
+
+def check_expert_padded_call(rng, kind, rows, capacity, num_local=6, k=4):
+    """The expert_padded custom call alone, on the default device, against the oracle: maps,
+    weights, counts, drops, and the rows and scales placed; the rows past an expert's count are
+    unspecified, not compared."""
+    topk = routing(kind, rng, rows, num_local, k, 1)
+    w = rng.random((rows, k)).astype(np.float32)
+    x = rng.standard_normal((rows, 8)).astype(np.float32)
+    scales = rng.standard_normal((rows, 2)).astype(np.float32)
+    maps, weights, (x_out, scales_out) = _padded_call(capacity, num_local)(topk, w, x, scales)
+    src, expert, weight, present, dropped = oracle.expert_layout(
+        topk, w, num_local, 1, num_local * capacity, block_rows=capacity
+    )
+    np.testing.assert_array_equal(maps.expert_src, src)
+    np.testing.assert_array_equal(maps.expert_of_row, expert)
+    np.testing.assert_allclose(weights, weight, rtol=1e-6)
+    np.testing.assert_array_equal(maps.tokens_per_expert, present)
+    assert int(maps.num_dropped) == dropped
+    valid = src >= 0
+    np.testing.assert_array_equal(np.asarray(x_out)[valid], x[src[valid]])
+    np.testing.assert_array_equal(np.asarray(scales_out)[valid], scales[src[valid]])
+    # expert_rows: column m of a row is the place of its m-th distinct expert, -1 if dropped
+    expected = np.full((rows, min(k, num_local)), -1, np.int32)
+    for r in range(rows):
+        for m, e in enumerate(sorted(set(topk[r][topk[r] >= 0]))):
+            expected[r, m] = next(iter(np.flatnonzero((src == r) & (expert == e))), -1)
+    np.testing.assert_array_equal(maps.expert_rows, expected)

@@ -13,6 +13,7 @@ from helpers import (
     assert_matches_reference,
     assert_same_ops,
     buffers,
+    check_expert_padded_call,
     make_mesh,
     out_of_order,
     pipeline,
@@ -249,3 +250,15 @@ def test_vmap_runs_one_op_per_batch_element():
             idx,
             w,
         )
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    kind=st.sampled_from(ROUTINGS),
+    capacity=st.sampled_from([40, 3]),
+)
+def test_expert_padded_call_matches_oracle(seed, kind, capacity):
+    """The expert_padded call alone (maps, weights, rows and scales placed in one step) against
+    the oracle, drops included."""
+    check_expert_padded_call(np.random.default_rng(seed), kind, 40, capacity)

@@ -18,6 +18,7 @@ from helpers import (
     assert_matches_reference,
     buffers,
     calc_diff,
+    check_expert_padded_call,
     layer_gradients,
     make_mesh,
     pipeline,
@@ -66,6 +67,8 @@ CASES = [  # tokens, hidden, layout, fp8, alignment, capacity: the throughput ke
     (4096, 7168, "rank", True, 1, None),
     (4096, 7168, "rank", False, 1, None),
     (4096, 2048, "expert", True, 64, None),
+    (1536, 2048, "expert_padded", False, 1, None),  # rows in two chunks of the GPUs' placement
+    (2048, 2048, "expert_padded", True, 1, 300),  # and drops past C
 ]
 
 
@@ -654,3 +657,11 @@ def test_cuda_check_invalid_is_refused_between_halves_and_raises_after_them():
     out = _subprocess(code, {}, 300)
     print(out.stdout[-3000:], out.stderr[-3000:])
     assert "OK" in out.stdout.split() and "NO ERROR" not in out.stdout, f"exit {out.returncode}"
+
+
+@pytest.mark.parametrize("capacity", [2500, 300])
+@pytest.mark.parametrize("kind", ["random", "duplicates", "one_expert"])
+def test_cuda_expert_padded_call_over_chunks(kind, capacity):
+    """The expert_padded call alone over 2500 rank-level rows: three chunks of the kernel's
+    count, so a row's place adds the counts of the chunks before it; C=300 drops."""
+    check_expert_padded_call(np.random.default_rng(capacity), kind, 2500, capacity)

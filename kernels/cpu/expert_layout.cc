@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "kernels/cpu/rank.h"
@@ -39,6 +40,43 @@ void expert_layout(const ExpertLayoutArgs& a) {
     }
   }
   *a.num_dropped = dropped;
+}
+
+// The packed layout's maps with a block of C rows per expert, then the rows placed and weighed.
+std::string expert_padded(const ExpertPaddedArgs& a) {
+  const int El = a.experts_per_rank, K = a.num_topk;
+  const int64_t out_rows = int64_t(El) * a.capacity;
+  int32_t dropped;
+  ExpertLayoutArgs layout{};
+  layout.rows = a.rows;
+  layout.num_topk = K;
+  layout.experts_per_rank = El;
+  layout.alignment = 1;
+  layout.capacity = int(out_rows);
+  layout.block_rows = a.capacity;
+  layout.topk_rows = a.topk_rows;
+  layout.expert_src = a.expert_src;
+  layout.expert_rows = a.expert_rows;
+  layout.expert_of_row = a.expert_of_row;
+  layout.tokens_per_expert = a.tokens_per_expert;
+  layout.num_dropped = &dropped;
+  layout.expert_counts = a.expert_counts;
+  expert_layout(layout);
+  for (int64_t pos = 0; pos < out_rows; ++pos) {
+    const int32_t r = a.expert_src[pos], e = a.expert_of_row[pos];
+    float weight = 0.f;
+    for (int k = 0; r >= 0 && k < K; ++k)
+      if (a.topk_rows[int64_t(r) * K + k] == e) weight += a.weight_rows[int64_t(r) * K + k];
+    a.weights_out[pos] = weight;
+  }
+  const int M = a.max_per_row();
+  for (auto [src, out, bytes] : {std::tuple{a.x_rows, a.x_out, a.x_row_bytes},
+                                 std::tuple{a.scale_rows, a.scales_out, a.scale_row_bytes}}) {
+    if (bytes == 0) continue;
+    if (auto err = place_rows({a.rows, M, bytes, out_rows, src, a.expert_rows, out}); !err.empty())
+      return err;
+  }
+  return {};
 }
 
 std::string place_rows(const PlaceRowsArgs& a) {

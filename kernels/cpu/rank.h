@@ -130,6 +130,7 @@ std::string dispatch_recv(Rank& r, uint64_t op, const DispatchRecv& a);
 std::string combine_send(Rank& r, uint64_t op, const CombineSend& a);
 std::string combine_recv(Rank& r, uint64_t op, const CombineRecv& a);
 void expert_layout(const ExpertLayoutArgs& a);
+std::string expert_padded(const ExpertPaddedArgs& a);
 std::string place_rows(const PlaceRowsArgs& a);
 
 }  // namespace jax_ep::cpu

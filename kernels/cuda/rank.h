@@ -91,6 +91,7 @@ std::string dispatch(const Rank& r, cudaStream_t stream, Part part, const Dispat
 std::string combine(const Rank& r, cudaStream_t stream, Part part, const CombineSend* send,
                     const CombineRecv* recv, const int32_t* ticket, int32_t* token_out);
 std::string expert_layout(cudaStream_t stream, const ExpertLayoutArgs& args);
+std::string expert_padded(cudaStream_t stream, const ExpertPaddedArgs& args);
 std::string place_rows(cudaStream_t stream, const PlaceRowsArgs& args);
 
 }  // namespace jax_ep::cuda
