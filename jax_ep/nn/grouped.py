@@ -353,7 +353,6 @@ def fp8_misfits(lhs_shape, rhs_shape, group_alignment):
 def resolve_fp8_impl(impl, lhs_shape, rhs_shape, group_alignment):
     """The implementation fp8_grouped_matmul takes for these operands: "xla", "cutlass" or
     "mosaic"."""
-
     return _resolve(
         "fp8_grouped_matmul",
         impl,
