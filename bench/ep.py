@@ -147,12 +147,20 @@ def harness_seconds(mesh, x, idx, steps):
     return Timer(mesh, lambda x, i: (x, i, ()), repeat(lambda v, i: (v[:1],)), *steps)((x, idx))
 
 
-def buffer_ops(buf, fp8, mode="auto", lay="rank"):
+def buffer_ops(buf, fp8, mode="auto", lay="rank", capacity=None):
     """A Buffer's ops as the timers take them: dispatch(x, idx) -> (result, its arrays),
-    combine(rows, result) and expert_rows(result) (the rows combine gets: dequantized FP8)."""
+    combine(rows, result) and expert_rows(result) (the rows combine gets: dequantized FP8).
+    capacity: the expert_padded layout's rows per expert (None: the worst case)."""
 
     def dispatch(x, idx):
-        d = buf.dispatch(x, idx, fp8=fp8, mode=mode, layout=lay)
+        d = buf.dispatch(
+            x,
+            idx,
+            fp8=fp8,
+            mode=mode,
+            layout=lay,
+            capacity=capacity if lay == "expert_padded" else None,
+        )
         return d, (d.x, d.scales) if fp8 else (d.x,)
 
     def combine(rows, d):
@@ -205,7 +213,9 @@ def row_bytes(hidden, fp8):
     return hidden + hidden // 128 * 4 if fp8 else 2 * hidden
 
 
-def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12), trace=False):
+def bench_size(
+    mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12), trace=False, capacity=None
+):
     num_ranks = mesh.size
     hidden, num_experts, num_topk = cfg["hidden"], cfg["num_experts"], cfg["num_topk"]
     sharding = NamedSharding(mesh, P("ep"))
@@ -233,7 +243,7 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
                 max_tokens_per_rank=tokens,
                 num_sms=num_sms,
             )
-            dispatch, combine, expert_rows = buffer_ops(buf, fp8, mode, lay)
+            dispatch, combine, expert_rows = buffer_ops(buf, fp8, mode, lay, capacity)
         else:
             base = (AllToAll if impl == "lax_all_to_all" else RaggedAllToAll)(
                 "ep", num_ranks, num_experts
@@ -297,16 +307,17 @@ def bench_size(mesh, cfg, tokens, impls, num_sms, fp8, rng, check, steps=(2, 12)
                     **({"kernels": timers[op].kernels} if trace else {}),
                 )
             )
-    if check:  # every implementation routed the same way: same round trip
-        ref = np.asarray(outputs[impls[0]], np.float32)
+    if check and outputs:  # every implementation routed the same way: same round trip
+        first = next(iter(outputs))
+        ref = np.asarray(outputs[first], np.float32)
         for r in results:
             if r["impl"] in outputs:
-                r["max_abs_diff_vs_" + impls[0]] = float(
+                r["max_abs_diff_vs_" + first] = float(
                     np.abs(np.asarray(outputs[r["impl"]], np.float32) - ref).max()
                 )
         for impl in outputs:
             diff = float(np.abs(np.asarray(outputs[impl], np.float32) - ref).max())
-            print(f"  check {impl}: max |round trip - {impls[0]}| = {diff:.3g}", flush=True)
+            print(f"  check {impl}: max |round trip - {first}| = {diff:.3g}", flush=True)
     return results
 
 
@@ -599,6 +610,13 @@ def main(argv=None):
         help="also time split ops around a matmul (the config's token count)",
     )
     parser.add_argument(
+        "--capacity",
+        type=int,
+        default=None,
+        help="rows per expert of jax_ep_padded's expert_padded layout (default: the worst "
+        "case, tokens x ranks)",
+    )
+    parser.add_argument(
         "--trace",
         action="store_true",
         help="also record each op's kernel times on the devices (profiler)",
@@ -644,7 +662,15 @@ def main(argv=None):
             results += bench_nodes(mesh, cfg, tokens, args.num_sms, not args.bf16, rng, **timing)
         else:
             results += bench_size(
-                mesh, cfg, tokens, impls, args.num_sms, not args.bf16, rng, **timing
+                mesh,
+                cfg,
+                tokens,
+                impls,
+                args.num_sms,
+                not args.bf16,
+                rng,
+                capacity=args.capacity,
+                **timing,
             )
     print(table(results))
     overlap = (
@@ -679,13 +705,15 @@ def main(argv=None):
         command_buffers=args.graphs,
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         overlap=overlap,
+        expert_padded_capacity=args.capacity,
     )
     stem = save_record(
         record,
         args.out,
         args.config,
         ("-concurrent" if args.concurrent else "-graphs" if args.graphs else "")
-        + (f"-nodes{args.nodes}" if args.nodes else ""),
+        + (f"-nodes{args.nodes}" if args.nodes else "")
+        + (f"-capacity{args.capacity}" if args.capacity else ""),
     )
     if not args.no_plot:
         from bench.plot import plot

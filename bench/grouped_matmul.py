@@ -12,7 +12,8 @@ gmm_t, d rhs tgmm) is timed with bench.harness.loop_seconds; TFLOP/s count 2 * r
 matmul of uniform groups known in advance); "xla" jax.lax.ragged_dot's product (the forward
 only, and skipped where its dense operand [M, G*K] would exceed 20 GB); "cutlass" CUTLASS's
 grouped GEMMs (nn/cutlass.py; "cutlass_fp8" and "cutlass_fp8_kernel" its FP8 forward, as the
-Mosaic ones below, with the same block scales); "mosaic" the kernels of
+Mosaic ones below, with the same block scales, and "cutlass_fp8_dgrad_kernel" its FP8 d lhs as
+fp8_dgrad runs it, the operands quantized and transposed beforehand); "mosaic" the kernels of
 jax_ep.nn.grouped (its kernels for aligned groups), and "mosaic_unaligned" the products with
 group_alignment=1 (jax's ragged_dot_mgpu and transposed_ragged_dot_mgpu); "mosaic_fp8" the FP8
 forward of the MoE layer (grouped.fp8_grouped_matmul: rows quantized 1 x 128 beforehand, as
@@ -41,6 +42,7 @@ import numpy as np
 
 import jax_ep
 from bench.harness import common_arguments, loop_seconds, new_record, save_record
+from jax_ep.fp8 import transpose_weights_fp8
 from jax_ep.nn import cutlass, grouped
 from jax_ep.nn.grouped import Blocks
 
@@ -130,6 +132,19 @@ def fp8_order_step(order):
 def fp8_operands(lhs, rhs, sizes):
     lhs_q, scales = jax.jit(lambda a: jax_ep.quantize_fp8(a, False))(lhs)
     return (scales, lhs_q, rhs) + jax.jit(grouped.quantize_weights_fp8)(rhs) + (sizes,)
+
+
+def fp8_dgrad_operands(ct, rhs, sizes):
+    """The FP8 d lhs's operands as fp8_grouped_matmul(fp8_dgrad=True) makes them: the output's
+    gradient quantized 1 x 128 and the forward's FP8 weights transposed ([G, K, N])."""
+    ct_q, ct_scales = jax.jit(lambda a: jax_ep.quantize_fp8(a, False))(ct)
+    weights = jax.jit(lambda w: transpose_weights_fp8(*grouped.quantize_weights_fp8(w)))(rhs)
+    return (ct_scales, ct_q) + weights + (sizes,)
+
+
+def fp8_dgrad_step(scales, ct_q, rhs_q, rhs_scales, sizes):
+    """The CUTLASS FP8 kernel as the FP8 d lhs (its operands made beforehand)."""
+    return cutlass.gmm_fp8(ct_q, scales, rhs_q, rhs_scales, sizes, jnp.bfloat16)
 
 
 def dense_step(kind, groups):
@@ -316,6 +331,9 @@ def run_case(case, plan, sweep, counts, results):
             timed(kind, "cutlass", grouped_step(kind, "cutlass", 1), args)
             if kind == "gmm":
                 fp8_args = fp8_forwards("cutlass", 1)
+            if kind == "gmm_t":
+                dgrad_args = fp8_dgrad_operands(ct, rhs, jnp.asarray(sizes))
+                timed(kind, "cutlass_fp8_dgrad_kernel", fp8_dgrad_step, dgrad_args)
             for order in ORDER_SWEEP if "cutlass" in sweep else ():
                 step = lambda a, b, sizes, order=order: cutlass.product(
                     kind, a, b, sizes, order=order

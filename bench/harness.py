@@ -27,6 +27,23 @@ def loop_seconds(step, args, counts=(1, 4), repeats=5, mesh=None, in_specs=None,
     the extra calls cancels launch, prologue and sync costs. With a mesh, the program is a
     shard_map over it (in_specs per argument, step per rank) and every output leaf is split
     over the mesh's axes."""
+    run = loop_program(step, mesh, in_specs, prologue)
+
+    def best(n):
+        jax.block_until_ready(run(n, *args))  # compile (once) and warm up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(run(n, *args))
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    low, high = counts
+    return (best(high) - best(low)) / (high - low)
+
+
+def loop_program(step, mesh=None, in_specs=None, prologue=None):
+    """loop_seconds's program, jitted: run(n, *args) calls step n times."""
 
     def program(n, *args):
         inputs = tuple(prologue(*args)) if prologue else args
@@ -40,28 +57,15 @@ def loop_seconds(step, args, counts=(1, 4), repeats=5, mesh=None, in_specs=None,
         return jax.tree.map(lambda a: a.reshape((1,) + a.shape) if a.ndim == 0 else a, out)
 
     if mesh is None:
-        run = jax.jit(program)
-    else:
-        run = jax.jit(
-            lambda n, *args: jax.shard_map(
-                functools.partial(program, n),
-                mesh=mesh,
-                in_specs=tuple(in_specs),
-                out_specs=P(tuple(mesh.axis_names)),
-            )(*args)
-        )
-
-    def best(n):
-        jax.block_until_ready(run(n, *args))  # compile (once) and warm up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(run(n, *args))
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    low, high = counts
-    return (best(high) - best(low)) / (high - low)
+        return jax.jit(program)
+    return jax.jit(
+        lambda n, *args: jax.shard_map(
+            functools.partial(program, n),
+            mesh=mesh,
+            in_specs=tuple(in_specs),
+            out_specs=P(tuple(mesh.axis_names)),
+        )(*args)
+    )
 
 
 def _perturbed(inputs, value):

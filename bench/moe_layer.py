@@ -30,8 +30,11 @@ x, of the layer and of each part. tokens/s counts the tokens of every rank. Also
 matmul's forward rate at the layer's expert shape (balanced groups) against the dense batched
 matmul of the same FLOPs, and with --fp8 --fp8-experts call|once on Hopper the FP8 forward's
 rate ("fp8_tflops", the weights quantized as the layer does).
---fp8-down multiplies the down projection in FP8 too (MoEConfig.fp8_down).
-Writes bench/results/moe-layer-<machine>-<date>[-fp8-<fp8 experts>[-down]].json and a PNG.
+--fp8-down multiplies the down projection in FP8 too (MoEConfig.fp8_down), --fp8-dgrad the FP8
+projections' row gradients (MoEConfig.fp8_dgrad). --trace adds each phase's kernel times on the
+devices (the whole layer's program, bench.trace).
+Writes bench/results/moe-layer-<machine>-<date>[-fp8-<fp8 experts>[-down][-dgrad]].json and a
+PNG.
 """
 
 from __future__ import annotations
@@ -50,7 +53,14 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from bench.baselines import exclusive_cumsum
 from bench.grouped_matmul import forward_rates, fp8_forward_rate
-from bench.harness import common_arguments, loop_seconds, new_record, save_record
+from bench.harness import (
+    common_arguments,
+    loop_program,
+    loop_seconds,
+    new_record,
+    save_record,
+)
+from bench.trace import device_kernels, kernel_summary, print_summary
 from jax_ep.nn import moe
 
 IMPLS = ("jax_ep", "maxtext", "lax_all_to_all")
@@ -347,7 +357,10 @@ def layer_specs(params):
     return P(AXIS), specs
 
 
-def bench_layer(impl, layer, mesh, x, params, counts, repeats, phases):
+TRACE_STEPS = 3
+
+
+def bench_layer(impl, layer, mesh, x, params, counts, repeats, phases, trace=False):
     specs = layer_specs(params)
     args = (x, params)
     tokens = x.shape[0]
@@ -384,6 +397,13 @@ def bench_layer(impl, layer, mesh, x, params, counts, repeats, phases):
             + "  ".join(f"{name} {ms:8.3f}" for name, ms in parts.items()),
             flush=True,
         )
+        if trace:  # the whole layer's program once more, under the profiler
+            step = trained(total(layer)) if phase == "train" else total(layer)
+            run = functools.partial(loop_program(step, mesh, specs), TRACE_STEPS)
+            jax.block_until_ready(run(*args))
+            results[-1]["kernels"] = kernel_summary(device_kernels(run, args), TRACE_STEPS, 24)
+            print(f"  {impl} {phase}: device kernels per step", flush=True)
+            print_summary(results[-1]["kernels"], top=24)
     return results
 
 
@@ -472,11 +492,22 @@ def main(argv=None):
         action="store_true",
         help="with --fp8-experts: the down projection multiplies FP8 too (MoEConfig.fp8_down)",
     )
+    parser.add_argument(
+        "--fp8-dgrad",
+        action="store_true",
+        help="with --fp8-experts: the FP8 projections' row gradients are FP8 products too "
+        "(MoEConfig.fp8_dgrad)",
+    )
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--phases", default="forward,train")
     parser.add_argument("--buffer-impl", default="auto", help="jax_ep.Buffer impl")
     parser.add_argument("--counts", default="1,3", help="loop lengths timed (low,high)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="also record the whole layer's kernel times on the devices (profiler)",
+    )
     common_arguments(parser)
     args = parser.parse_args(argv)
     counts = tuple(int(c) for c in args.counts.split(","))
@@ -493,12 +524,15 @@ def main(argv=None):
         fp8=args.fp8,
         fp8_experts=args.fp8_experts == "call",
         fp8_down=args.fp8_down,
+        fp8_dgrad=args.fp8_dgrad,
         combine_partial_dtype=jnp.bfloat16,
     )
     params = moe.init_params(jax.random.key(0), cfg, jnp.bfloat16, mesh=mesh, expert_axis=AXIS)
     jax_ep_params = params
     if args.fp8 and args.fp8_experts == "once":
-        quantize = functools.partial(moe.quantize_expert_weights, down=args.fp8_down)
+        quantize = functools.partial(
+            moe.quantize_expert_weights, down=args.fp8_down, dgrad=args.fp8_dgrad
+        )
         jax_ep_params = dict(params, **{FP8_WEIGHTS: jax.jit(quantize)(params)})
     x = jax.device_put(
         jax.random.normal(jax.random.key(1), (num_ranks * args.tokens, args.hidden), jnp.bfloat16),
@@ -534,7 +568,15 @@ def main(argv=None):
                 flush=True,
             )
             results += bench_layer(
-                impl, layer, mesh, x, layer_params, counts, args.repeats, args.phases.split(",")
+                impl,
+                layer,
+                mesh,
+                x,
+                layer_params,
+                counts,
+                args.repeats,
+                args.phases.split(","),
+                args.trace,
             )
         except Exception as e:  # noqa: BLE001  (one layer failing leaves the others' numbers)
             skipped[impl] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
@@ -545,14 +587,14 @@ def main(argv=None):
     balanced = np.full(local, -(-per_group // args.alignment) * args.alignment, np.int32)
     rows = int(balanced.sum())
     rate, dense_rate = forward_rates(rows, args.hidden, args.ffn, balanced, "auto", args.alignment)
-    bf16 = dataclasses.replace(cfg, fp8=False, fp8_down=False)
+    bf16 = dataclasses.replace(cfg, fp8=False, fp8_down=False, fp8_dgrad=False)
     bf16_impl = moe.grouped_matmul_path(bf16, num_ranks, args.tokens)
     matmul = dict(impl=bf16_impl["gate_up"], tflops=rate, dense_tflops=dense_rate)
     print(
         f"grouped matmul ({bf16_impl['gate_up']}, {local} groups of {balanced[0]} rows, "
         f"{args.hidden} x {args.ffn}): {rate:.1f} TFLOP/s, dense batched {dense_rate:.1f}"
     )
-    if paths["gate_up"].endswith("_fp8"):
+    if "_fp8" in paths["gate_up"]:
         once = args.fp8_experts == "once"
         matmul["fp8_tflops"] = fp8_forward_rate(
             rows,
@@ -561,7 +603,7 @@ def main(argv=None):
             balanced,
             args.alignment,
             prequantized=once,
-            impl=paths["gate_up"].removesuffix("_fp8"),
+            impl=paths["gate_up"].split("_fp8")[0],
         )
         print(
             f"  FP8 forward (weights quantized {'beforehand' if once else 'in the call'}): "
@@ -585,6 +627,7 @@ def main(argv=None):
         fp8=args.fp8,
         fp8_experts=args.fp8_experts if args.fp8 else None,
         fp8_down=args.fp8_down,
+        fp8_dgrad=args.fp8_dgrad,
         capacity_factor=args.capacity_factor,
         buffer_impl=args.buffer_impl,
         combine_partial_dtype=jnp.dtype(cfg.combine_partial_dtype).name,
@@ -597,7 +640,13 @@ def main(argv=None):
         record,
         args.out,
         "moe-layer",
-        (f"-fp8-{args.fp8_experts}" + ("-down" if args.fp8_down else "")) if args.fp8 else "",
+        (
+            f"-fp8-{args.fp8_experts}"
+            + ("-down" if args.fp8_down else "")
+            + ("-dgrad" if args.fp8_dgrad else "")
+        )
+        if args.fp8
+        else "",
     )
     if not args.no_plot and results:
         try:

@@ -106,6 +106,13 @@ def quantize_weights_fp8(w):
     return jnp.swapaxes(q.reshape(g, k, n), 1, 2), jnp.swapaxes(scales[:, :, 0, :, 0], 1, 2)
 
 
+def transpose_weights_fp8(q, scales):
+    """quantize_weights_fp8's (q [G, N, K], scales [G, N/128, K/128]) -> the same blocks as
+    [G, K, N] and [G, K/128, N/128]: N innermost, as the FP8 product of a row gradient (d lhs,
+    a sum over N) reads them."""
+    return jnp.swapaxes(q, 1, 2), jnp.swapaxes(scales, 1, 2)
+
+
 def quantize_fp8(x, round_scale):
     """[T, H] -> (e4m3fn [T, H], float32 scales [T, H/128]): a dispatch's FP8 rows (1 x 128
     blocks), as the backends make them; straight-through for gradients."""

@@ -153,11 +153,11 @@ def test_zipf_group_sizes():
 @pytest.mark.parametrize("down", [False, True])
 def test_moe_layer_benchmark_fp8_weights_once(tmp_path, down):
     """--fp8 --fp8-experts once: jax_ep's layer multiplies FP8 rows by FP8 weights made before
-    the timed loops (with --fp8-down its down projection too); y stays within FP8's error of
-    the bf16 padded layer's."""
+    the timed loops (with --fp8-down its down projection too, and --fp8-dgrad their row
+    gradients); y stays within FP8's error of the bf16 padded layer's."""
     moe_layer.main(
         TINY_LAYER
-        + ["--fp8-down"] * down
+        + ["--fp8-down", "--fp8-dgrad"] * down
         + [
             "--fp8",
             "--fp8-experts",
@@ -171,9 +171,10 @@ def test_moe_layer_benchmark_fp8_weights_once(tmp_path, down):
         ]
     )
     (path,) = tmp_path.glob("*.json")
-    assert path.name.endswith("-fp8-once" + "-down" * down + ".json")
+    assert path.name.endswith("-fp8-once" + "-down-dgrad" * down + ".json")
     record = read_record(tmp_path)
-    assert record["fp8"] and record["fp8_experts"] == "once" and record["fp8_down"] == down
+    assert record["fp8"] and record["fp8_experts"] == "once"
+    assert record["fp8_down"] == record["fp8_dgrad"] == down
     assert {(r["impl"], r["phase"]) for r in record["results"]} == {
         (impl, phase) for impl in ("jax_ep", "lax_all_to_all") for phase in ("forward", "train")
     }

@@ -6,6 +6,7 @@ jax.checkpoint and command buffers; the masked forward over expert_padded rows; 
 kernels against the XLA path on the same FP8 values, their bf16 backward, and the FP8 MoE layer
 on them. Skipped where JAX sees no GPU."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -235,10 +236,19 @@ def fp8_inputs(m, k, n, groups, seed=3):
     return dequantize_fp8(lhs_q, scales).astype(jnp.bfloat16), lhs_q, scales, rhs, ct
 
 
-def fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, impl, alignment=128):
+def fp8_forward_and_gradients(
+    lhs, lhs_q, scales, rhs, ct, sizes, impl, alignment=128, fp8_dgrad=False
+):
     def objective(lhs, rhs):
         out = grouped.fp8_grouped_matmul(
-            lhs, lhs_q, scales, rhs, sizes, impl=impl, group_alignment=alignment
+            lhs,
+            lhs_q,
+            scales,
+            rhs,
+            sizes,
+            fp8_dgrad=fp8_dgrad,
+            impl=impl,
+            group_alignment=alignment,
         )
         return jnp.vdot(out.astype(jnp.float32), ct.astype(jnp.float32)), out
 
@@ -280,6 +290,42 @@ def test_fp8_matches_xla(name, impl):
 @pytest.mark.parametrize("k,n", [(7168, 2048), (2048, 7168)])
 def test_fp8_v3_expert_shapes(k, n, impl):
     assert_fp8_like_xla(4096, k, n, zipf_sizes(4096, 32, 128 if impl == "mosaic" else 1), impl)
+
+
+def assert_fp8_dgrad_like_xla(m, k, n, sizes, impl):
+    """fp8_dgrad on the kernels: lhs's gradient as the XLA path's FP8 product of the same
+    quantized cotangent and weights, within FP8's error of bf16's; rhs's the bf16 kernel's."""
+    alignment = 128 if impl == "mosaic" else 1
+    lhs, lhs_q, scales, rhs, ct = fp8_inputs(m, k, n, len(sizes))
+    sizes = jnp.asarray(sizes, jnp.int32)
+    run = functools.partial(fp8_forward_and_gradients, lhs, lhs_q, scales, rhs, ct, sizes)
+    got = run(impl, alignment, fp8_dgrad=True)
+    want = run("xla", alignment, fp8_dgrad=True)
+    bf16 = forward_and_gradients(lhs, rhs, ct, sizes, group_alignment=alignment)
+    past = int(np.sum(sizes))
+    assert got[1].dtype == lhs.dtype and not np.asarray(got[1])[past:].any()
+    if past:
+        assert relative_error(got[1], want[1]) < TOLERANCE, relative_error(got[1], want[1])
+        assert relative_error(got[1], bf16[1]) < 0.08
+    np.testing.assert_array_equal(np.asarray(got[2], np.float32), np.asarray(bf16[2], np.float32))
+
+
+@pytest.mark.parametrize(
+    "name,impl",
+    [
+        (name, impl)
+        for name in ["uniform", "skewed", "empty_first_and_padding_rows", "no_rows", "unaligned"]
+        for impl in KERNELS
+        if impl == "cutlass" or name != "unaligned"
+    ],
+)
+def test_fp8_dgrad_matches_xla(name, impl):
+    assert_fp8_dgrad_like_xla(1024, 256, 384, SIZES[name], impl)
+
+
+@pytest.mark.parametrize("k,n", [(7168, 2048), (2048, 7168)])
+def test_fp8_dgrad_v3_expert_shapes(k, n):
+    assert_fp8_dgrad_like_xla(4096, k, n, zipf_sizes(4096, 32, 1), "cutlass")
 
 
 def test_fp8_layer_on_the_kernels():

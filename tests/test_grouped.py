@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_ep
-from jax_ep.fp8 import dequantize_fp8, quantize_weights_fp8
+from jax_ep.fp8 import dequantize_fp8, quantize_weights_fp8, transpose_weights_fp8
 from jax_ep.nn import grouped
 
 M, K, N = 24, 16, 12
@@ -285,6 +285,57 @@ def test_fp8_gradients_are_the_bf16_ones():
     assert not np.asarray(d_q, np.float32).any() and not np.asarray(d_scales).any()
 
 
+@pytest.mark.parametrize("sizes", [[128, 64, 0], [0, 0, 0]])
+def test_fp8_dgrad_is_the_fp8_product_of_the_cotangent(sizes):
+    """fp8_dgrad: lhs's gradient = the float32 grouped product of the cotangent quantized 1 x 128
+    and the forward's FP8 weights (their dequantized values, transposed), rows past the groups
+    zero, within FP8's error of bf16's; rhs's gradient is still the bf16 one, exactly."""
+    lhs, lhs_q, scales, rhs, ct = fp8_operands(10)
+    sizes = jnp.asarray(sizes, jnp.int32)
+
+    def grads(matmul):
+        def objective(a, b):
+            return jnp.vdot(matmul(a, b).astype(jnp.float32), ct.astype(jnp.float32))
+
+        return jax.jit(jax.grad(objective, argnums=(0, 1)))(lhs, rhs)
+
+    d_lhs, d_rhs = grads(
+        lambda a, b: grouped.fp8_grouped_matmul(
+            a, lhs_q, scales, b, sizes, fp8_dgrad=True, impl="xla"
+        )
+    )
+    made_once = quantize_weights_fp8(rhs)
+    made_once += transpose_weights_fp8(*made_once)
+    for weights in (made_once, made_once[:2]):  # the transposes made once, or in the backward
+        same = grads(
+            lambda a, b, w=weights: grouped.fp8_grouped_matmul(
+                a, lhs_q, scales, b, sizes, rhs_fp8=w, fp8_dgrad=True, impl="xla"
+            )
+        )
+        for got, want in zip(same, (d_lhs, d_rhs)):
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    bf16_lhs, bf16_rhs = grads(lambda a, b: grouped.grouped_matmul(a, b, sizes, impl="xla"))
+    np.testing.assert_array_equal(np.asarray(d_rhs, np.float32), np.asarray(bf16_rhs, np.float32))
+    assert d_lhs.dtype == lhs.dtype
+    ct_q, ct_scales = jax_ep.quantize_fp8(ct, False)
+    rhs_q, rhs_scales = quantize_weights_fp8(rhs)  # [G, N, K]
+    weights = (
+        np.asarray(rhs_q, np.float32).reshape(3, 1, 128, 2, 128)
+        * np.asarray(rhs_scales)[:, :, None, :, None]
+    ).reshape(3, 128, 256)
+    want = loop_products(
+        np.zeros(lhs.shape),
+        weights.transpose(0, 2, 1),
+        np.asarray(dequantize_fp8(ct_q, ct_scales)),
+        np.asarray(sizes),
+    )[1]
+    np.testing.assert_allclose(np.asarray(d_lhs, np.float32), want, rtol=1e-2, atol=1e-2)
+    past = int(sizes.sum())
+    assert not np.asarray(d_lhs, np.float32)[past:].any()
+    if past:  # e4m3 cotangent and weights against bf16 ones
+        assert 0 < relative_error(d_lhs, bf16_lhs) < 0.08
+
+
 def test_fp8_which_implementation_and_errors():
     lhs, lhs_q, scales, rhs, _ = fp8_operands(9)
     sizes = jnp.asarray([128, 64, 64], jnp.int32)
@@ -300,6 +351,8 @@ def test_fp8_which_implementation_and_errors():
             grouped.fp8_grouped_matmul(
                 lhs, lhs_q, scales, rhs, sizes, impl="mosaic", group_alignment=64
             )
+    with pytest.raises(ValueError, match=r"rhs_fp8 is \(q, scales\) or"):
+        grouped.fp8_grouped_matmul(lhs, lhs_q, scales, rhs, sizes, rhs_fp8=(rhs,))
     with pytest.raises(ValueError, match="lhs_q must be e4m3fn like lhs"):
         grouped.fp8_grouped_matmul(lhs, lhs, scales, rhs, sizes)
     with pytest.raises(ValueError, match="lhs_q must be e4m3fn like lhs"):

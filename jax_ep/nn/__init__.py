@@ -3,7 +3,7 @@
 mosaic.py), a dense reference (reference.py) and thin adapters for Flax NNX (jax_ep.nn.flax_nnx,
 extra "flax") and Equinox (jax_ep.nn.eqx, extra "equinox")."""
 
-from jax_ep.fp8 import quantize_weights_fp8
+from jax_ep.fp8 import quantize_weights_fp8, transpose_weights_fp8
 from jax_ep.nn.config import MoEConfig
 from jax_ep.nn.grouped import fp8_grouped_matmul, grouped_matmul, masked_matmul
 from jax_ep.nn.moe import (
@@ -39,6 +39,7 @@ __all__ = [
     "moe_block",
     "quantize_expert_weights",
     "quantize_weights_fp8",
+    "transpose_weights_fp8",
     "route",
     "shared_expert",
     "update_routing_bias",

@@ -41,7 +41,11 @@ class MoEConfig:
             fp8_weights): the down projection multiplies FP8 too, its input (the SwiGLU's
             output) quantized per row in 1 x 128 blocks as it is made, its weights 128 x 128
             (fp8_weights["w_down"], from quantize_expert_weights(params, down=True), or
-            quantized in the call). The backward stays bf16.
+            quantized in the call).
+        fp8_dgrad: the FP8 projections' row gradients (d lhs) are FP8 products too
+            (DeepSeek-V3's recipe): the output's gradient quantized per row in 1 x 128 blocks,
+            times the forward's FP8 weights transposed. The weight gradients stay in the
+            compute dtype. Without it the whole backward is bf16.
         capacity_factor: rows each rank receives, as a multiple of the balanced count (T * K
             per rank, split evenly over its experts, each block aligned); None: room for every
             row (nothing is dropped). Rows past it drop in the expert layout's row order (the
@@ -68,6 +72,7 @@ class MoEConfig:
     fp8: bool = False
     fp8_experts: bool = False
     fp8_down: bool = False
+    fp8_dgrad: bool = False
     capacity_factor: float | None = None
     routing_bias: bool = False
     combine_partial_dtype: Any = jnp.float32
@@ -105,6 +110,11 @@ class MoEConfig:
             raise ValueError(
                 f"jax_ep.nn: fp8_down needs fp8=True and ffn_hidden a multiple of {FP8_BLOCK} "
                 f"(its FP8 blocks), got fp8={self.fp8}, ffn_hidden={self.ffn_hidden}"
+            )
+        if self.fp8_dgrad and not self.fp8:
+            raise ValueError(
+                "jax_ep.nn: fp8_dgrad makes the FP8 projections' row gradients FP8; it needs "
+                "fp8=True"
             )
         if self.grouped_matmul not in grouped.IMPLS:
             raise ValueError(

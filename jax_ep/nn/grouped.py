@@ -47,7 +47,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ep.fp8 import FP8_BLOCK, dequantize_fp8, quantize_weights_fp8
+from jax_ep.fp8 import (
+    FP8_BLOCK,
+    dequantize_fp8,
+    quantize_fp8,
+    quantize_weights_fp8,
+    transpose_weights_fp8,
+)
 from jax_ep.nn import cutlass, mosaic
 from jax_ep.primitives import all_varying, varying_like
 
@@ -325,7 +331,7 @@ def _zero_past_groups(out, group_sizes):
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
 
 
-# ---------------------------------------------------------------- FP8 (block-scaled) forward
+# ---------------------------------------------------------------- FP8 (block-scaled) products
 
 FP8_TILES = Blocks(64, 128, FP8_BLOCK, 4, 8)
 """The FP8 kernel's tiling: block_k is the FP8 block (one scale per row and per weight block
@@ -371,6 +377,7 @@ def fp8_grouped_matmul(
     group_sizes,
     *,
     rhs_fp8=None,
+    fp8_dgrad=False,
     impl="auto",
     group_alignment=1,
     blocks=MOSAIC_BLOCKS,
@@ -382,10 +389,15 @@ def fp8_grouped_matmul(
     once per optimizer step for several micro-batches; default: quantized here). Each 128 of K
     is one FP8 product, scaled by its row's and its weight block's scales and summed in float32;
     the result is in lhs.dtype. The backward is grouped_matmul's, in lhs.dtype, from lhs and rhs
-    (no gradient reaches the FP8 values or their scales). impl: "auto" (the first of AUTO_ORDER
-    that fits: "cutlass" on Hopper for K and N multiples of 128, any groups; "mosaic" when the
-    shapes fit FP8_TILES and group_alignment is a multiple of its 64 rows), "xla" (dequantized,
-    float32 ragged_dot), "cutlass" or "mosaic"."""
+    (no gradient reaches the FP8 values or their scales); with fp8_dgrad lhs's gradient is an
+    FP8 product too (DeepSeek-V3's recipe): the output's gradient quantized in 1 x 128 blocks
+    times the forward's FP8 weights transposed (the same 128 x 128 blocks and scales), summed in
+    float32; rhs's gradient stays in lhs.dtype. rhs_fp8 may then also hold those weights
+    transposed, (q, scales) + transpose_weights_fp8(q, scales), made once with them (else the
+    backward transposes them, a pass over the FP8 weights per call). impl: "auto" (the first of
+    AUTO_ORDER that fits: "cutlass" on Hopper for K and N multiples of 128, any groups;
+    "mosaic" when the shapes fit FP8_TILES and group_alignment is a multiple of its 64 rows),
+    "xla" (dequantized, float32 ragged_dot), "cutlass" or "mosaic"."""
     if (
         lhs_q.dtype != jnp.float8_e4m3fn
         or lhs_q.shape != lhs.shape
@@ -399,20 +411,31 @@ def fp8_grouped_matmul(
             f"{lhs_scales.shape}"
         )
     fp8_impl = resolve_fp8_impl(impl, lhs.shape, rhs.shape, group_alignment)
+    (m, k), (g, _, n) = lhs.shape, rhs.shape
+    dgrad_impl = resolve_fp8_impl(impl, (m, n), (g, n, k), group_alignment) if fp8_dgrad else None
     backward = _Plan(
         resolve_impl(impl if impl == "xla" else "auto", lhs.shape, rhs.shape, lhs.dtype, blocks),
         group_alignment,
         blocks,
     )
     lhs, rhs, group_sizes = all_varying(lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32))
-    fp8 = (lhs_q, lhs_scales) + tuple(quantize_weights_fp8(rhs) if rhs_fp8 is None else rhs_fp8)
+    weights = tuple(quantize_weights_fp8(rhs) if rhs_fp8 is None else rhs_fp8)
+    if len(weights) not in (2, 4):
+        raise ValueError(
+            "jax_ep.nn.fp8_grouped_matmul: rhs_fp8 is (q, scales) or (q, scales, q_t, "
+            f"scales_t), got {len(weights)} arrays"
+        )
+    if fp8_dgrad and len(weights) == 2:
+        weights += transpose_weights_fp8(*weights)
+    fp8 = (lhs_q, lhs_scales) + weights[: 4 if fp8_dgrad else 2]
     fp8 = [jax.lax.stop_gradient(a) for a in varying_like(fp8, lhs, rhs)]
-    return _fp8_gmm(fp8_impl, backward, lhs, rhs, group_sizes, *fp8)
+    return _fp8_gmm(fp8_impl, backward, dgrad_impl, lhs, rhs, group_sizes, *fp8)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fp8_gmm(fp8_impl, backward, lhs, rhs, group_sizes, lhs_q, lhs_scales, rhs_q, rhs_scales):
-    if fp8_impl == "xla":
+def _fp8_product(impl, lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, like):
+    """gmm of FP8 operands (rhs_q [G, N, K]) in like's dtype, varying like it, rows past the
+    groups zero."""
+    if impl == "xla":
         b = FP8_BLOCK
         g, n, k = rhs_q.shape
         weights = (
@@ -426,26 +449,39 @@ def _fp8_gmm(fp8_impl, backward, lhs, rhs, group_sizes, lhs_q, lhs_scales, rhs_q
             jax.lax.RaggedDotDimensionNumbers(_XLA_DIMENSIONS["gmm_t"][0], [0], [0]),
             precision=jax.lax.Precision.HIGHEST,
         )
-    elif fp8_impl == "cutlass":  # complete: zeros past the groups
+    elif impl == "cutlass":  # complete: zeros past the groups
         out = cutlass.gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, jnp.bfloat16)
-        return varying_like(out.astype(lhs.dtype), lhs)
+        return varying_like(out.astype(like.dtype), like)
     else:
         out = varying_like(
             mosaic.aligned_gmm_fp8(
-                lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, FP8_TILES, lhs.dtype
+                lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, FP8_TILES, like.dtype
             ),
-            lhs,
+            like,
         )
-    return _zero_past_groups(out.astype(lhs.dtype), group_sizes)
+    return _zero_past_groups(out.astype(like.dtype), group_sizes)
 
 
-def _fp8_gmm_fwd(fp8_impl, backward, lhs, rhs, group_sizes, *fp8):
-    return _fp8_gmm(fp8_impl, backward, lhs, rhs, group_sizes, *fp8), (lhs, rhs, group_sizes, fp8)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8_gmm(fp8_impl, backward, dgrad_impl, lhs, rhs, group_sizes, *fp8):
+    """fp8: lhs_q, lhs_scales, rhs_q, rhs_scales (and with dgrad_impl rhs_q, rhs_scales
+    transposed)."""
+    return _fp8_product(fp8_impl, *fp8[:4], group_sizes, lhs)
 
 
-def _fp8_gmm_bwd(fp8_impl, backward, residuals, ct):
+def _fp8_gmm_fwd(fp8_impl, backward, dgrad_impl, lhs, rhs, group_sizes, *fp8):
+    out = _fp8_gmm(fp8_impl, backward, dgrad_impl, lhs, rhs, group_sizes, *fp8)
+    return out, (lhs, rhs, group_sizes, fp8)
+
+
+def _fp8_gmm_bwd(fp8_impl, backward, dgrad_impl, residuals, ct):
     lhs, rhs, group_sizes, fp8 = residuals
-    d_lhs, d_rhs, _ = _product_bwd("gmm", backward, (lhs, rhs, group_sizes), ct)
+    if dgrad_impl is None:
+        d_lhs, d_rhs, _ = _product_bwd("gmm", backward, (lhs, rhs, group_sizes), ct)
+    else:  # the forward's weight blocks, [G, K, N]: N, this product's sum, innermost
+        ct_q, ct_scales = quantize_fp8(ct, False)
+        d_lhs = _fp8_product(dgrad_impl, ct_q, ct_scales, *fp8[4:], group_sizes, lhs)
+        d_rhs = _product("tgmm", backward, lhs, ct, group_sizes)
     return (d_lhs, d_rhs, None) + tuple(jnp.zeros_like(a) for a in fp8)
 
 

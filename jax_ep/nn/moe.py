@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ep import layout
 from jax_ep.buffer import Buffer
-from jax_ep.fp8 import quantize_fp8, quantize_weights_fp8
+from jax_ep.fp8 import quantize_fp8, quantize_weights_fp8, transpose_weights_fp8
 from jax_ep.nn import grouped
 from jax_ep.nn.config import MoEConfig
 from jax_ep.nn.routing import (
@@ -132,14 +132,18 @@ def shared_expert(params, x):
 FP8_WEIGHTS = ("w_gate", "w_up")  # the projections that can read the dispatch's FP8 rows
 
 
-def quantize_expert_weights(params, down=False):
+def quantize_expert_weights(params, down=False, dgrad=False):
     """{name: quantize_weights_fp8(params[name])} for the gate and up projections (and with
     down=True the down projection, which a layer with cfg.fp8_down reads): the FP8 weights of
     an fp8 layer, for its fp8_weights argument. Made once (e.g. per optimizer step, under jit,
     outside the gradient: they are sharded like the experts), they serve every call until the
-    weights change, such as a step's micro-batches."""
+    weights change, such as a step's micro-batches. dgrad=True (for cfg.fp8_dgrad): each also
+    holds its transpose (transpose_weights_fp8; a second FP8 copy, which the backward reads)."""
     names = FP8_WEIGHTS + (("w_down",) if down else ())
-    return {name: quantize_weights_fp8(params[name]) for name in names}
+    made = {name: quantize_weights_fp8(params[name]) for name in names}
+    if dgrad:
+        made = {name: pair + transpose_weights_fp8(*pair) for name, pair in made.items()}
+    return made
 
 
 def expert_ffn(
@@ -150,7 +154,8 @@ def expert_ffn(
     cfg.expert_alignment). fp8_rows: (e4m3fn [M, H], scales [M, H/128]) whose value rows is:
     the gate and up projections then multiply them (grouped.fp8_grouped_matmul), with
     fp8_weights (quantize_expert_weights) or weights quantized here; with cfg.fp8_down the
-    down projection too, from the SwiGLU's output quantized per row (jax_ep.fp8's rule)."""
+    down projection too, from the SwiGLU's output quantized per row (jax_ep.fp8's rule); with
+    cfg.fp8_dgrad the FP8 projections' row gradients are FP8 products as well."""
     options = dict(
         impl=cfg.grouped_matmul,
         group_alignment=(cfg.expert_alignment if group_alignment is None else group_alignment),
@@ -165,6 +170,7 @@ def expert_ffn(
             params[name],
             group_sizes,
             rhs_fp8=(fp8_weights or {}).get(name),
+            fp8_dgrad=cfg.fp8_dgrad,
             **options,
         )
 
@@ -232,8 +238,9 @@ def moe_block(
 
 def grouped_matmul_path(cfg: MoEConfig, num_ranks, tokens_per_rank, dtype=jnp.bfloat16):
     """The grouped-matmul implementations moe_block's experts take ("cutlass", "mosaic" or
-    "xla", with "_fp8" where the FP8 rows are multiplied as they come, for the gate/up and the
-    down projection) with tokens_per_rank tokens of `dtype` per rank."""
+    "xla", with "_fp8" where the FP8 rows are multiplied as they come and "_fp8_dgrad" where
+    their row gradients are FP8 products too, for the gate/up and the down projection) with
+    tokens_per_rank tokens of `dtype` per rank."""
     rows = expert_capacity(cfg, tokens_per_rank, num_ranks) or layout.default_capacity(
         "expert",
         num_ranks,
@@ -247,19 +254,16 @@ def grouped_matmul_path(cfg: MoEConfig, num_ranks, tokens_per_rank, dtype=jnp.bf
         name: grouped.resolve_impl(cfg.grouped_matmul, (rows, k), (groups, k, n), dtype)
         for name, (k, n) in (("gate_up", (h, f)), ("down", (f, h)))
     }
-    if cfg.fp8 and cfg.fp8_experts:
-        paths["gate_up"] = (
-            grouped.resolve_fp8_impl(
-                cfg.grouped_matmul, (rows, h), (groups, h, f), cfg.expert_alignment
-            )
-            + "_fp8"
-        )
-        if cfg.fp8_down:
-            paths["down"] = (
+    fp8 = {"gate_up": cfg.fp8 and cfg.fp8_experts}
+    fp8["down"] = fp8["gate_up"] and cfg.fp8_down
+    for name, (k, n) in (("gate_up", (h, f)), ("down", (f, h))):
+        if fp8[name]:
+            paths[name] = (
                 grouped.resolve_fp8_impl(
-                    cfg.grouped_matmul, (rows, f), (groups, f, h), cfg.expert_alignment
+                    cfg.grouped_matmul, (rows, k), (groups, k, n), cfg.expert_alignment
                 )
                 + "_fp8"
+                + ("_dgrad" if cfg.fp8_dgrad else "")
             )
     return paths
 
