@@ -8,7 +8,7 @@
 // A backend B supplies Context (decoded from the execution context), Rank, State (CallState of
 // its rank type), Result (ffi::Error, or ffi::Future when it completes asynchronously), traits
 // (XLA's traits of its execute handlers), error(), dispatch(), combine(), expert_layout(),
-// expert_padded() and place_rows().
+// expert_padded(), place_rows(), quantize_rows() and quantize_weights().
 #pragma once
 #include <memory>
 #include <string>
@@ -314,6 +314,27 @@ struct Calls {
   }
   static auto bind_place_rows() { return ffi::Ffi::BindTo(place_rows, B::traits); }
 
+  // ---- FP8 quantization of a grouped matmul's operands (local, no Buffer)
+
+  static ffi::Error quantize_rows(Ctx ctx, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
+                                  ffi::ResultBuffer<ffi::F32, 2> scales, QuantizeRowsAttrs attrs) {
+    QuantizeRowsArgs a;
+    if (auto err = decode_quantize_rows(x, q, scales, attrs, &a); err.failure()) return err;
+    return to_error(B::quantize_rows(ctx, a));
+  }
+  static auto bind_quantize_rows() { return ffi::Ffi::BindTo(quantize_rows, B::traits); }
+
+  static ffi::Error quantize_weights(Ctx ctx, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> q,
+                                     ffi::ResultBuffer<ffi::F32, 3> scales,
+                                     ffi::Result<ffi::AnyBuffer> q_t,
+                                     ffi::ResultBuffer<ffi::F32, 3> scales_t) {
+    QuantizeWeightsArgs a;
+    if (auto err = decode_quantize_weights(w, q, scales, q_t, scales_t, &a); err.failure())
+      return err;
+    return to_error(B::quantize_weights(ctx, a));
+  }
+  static auto bind_quantize_weights() { return ffi::Ffi::BindTo(quantize_weights, B::traits); }
+
  private:
   // What every execute handler of a Buffer's calls takes first.
   static auto call() {
@@ -365,6 +386,8 @@ Targets targets() {
       {"expert_layout", {nullptr, handler<C::bind_expert_layout>}},
       {"expert_padded", {nullptr, handler<C::bind_expert_padded>}},
       {"place_rows", {nullptr, handler<C::bind_place_rows>}},
+      {"quantize_rows", {nullptr, handler<C::bind_quantize_rows>}},
+      {"quantize_weights", {nullptr, handler<C::bind_quantize_weights>}},
   };
 }
 

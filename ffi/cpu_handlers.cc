@@ -115,6 +115,16 @@ struct CpuBackend {
   }
 
   static std::string place_rows(Context, const PlaceRowsArgs& a) { return cpu::place_rows(a); }
+
+  static std::string quantize_rows(Context, const QuantizeRowsArgs& a) {
+    cpu::quantize_rows(a);
+    return {};
+  }
+
+  static std::string quantize_weights(Context, const QuantizeWeightsArgs& a) {
+    cpu::quantize_weights(a);
+    return {};
+  }
 };
 
 }  // namespace

@@ -82,6 +82,14 @@ struct CudaBackend {
   static std::string place_rows(const Context& c, const PlaceRowsArgs& a) {
     return cuda::place_rows(c.stream, a);
   }
+
+  static std::string quantize_rows(const Context& c, const QuantizeRowsArgs& a) {
+    return cuda::quantize_rows(c.stream, a);
+  }
+
+  static std::string quantize_weights(const Context& c, const QuantizeWeightsArgs& a) {
+    return cuda::quantize_weights(c.stream, a);
+  }
 };
 
 #ifdef JAX_EP_WITH_GROUPED_GEMM

@@ -39,6 +39,11 @@ struct ExpertLayoutAttrs {
   int32_t alignment;
 };
 
+// The attributes of an FP8 row quantization (jax_ep/ffi_path.py, quantize_rows).
+struct QuantizeRowsAttrs {
+  bool round_scale;
+};
+
 // The results of a fresh dispatch's recv half (jax_ep/ffi_path.py, _received_shapes): its rows,
 // then their routing. bind() lists them for XLA, in the same order.
 struct FreshReceived {
@@ -371,6 +376,65 @@ inline ffi::Error decode_place_rows(ffi::AnyBuffer src, ffi::Buffer<ffi::S32, 2>
   return ffi::Error::Success();
 }
 
+// ---- FP8 quantization of a grouped matmul's operands (local, no Buffer)
+
+inline ffi::Error decode_quantize_rows(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
+                                       ffi::ResultBuffer<ffi::F32, 2> scales,
+                                       QuantizeRowsAttrs attrs, QuantizeRowsArgs* a) {
+  *a = QuantizeRowsArgs{};
+  const auto dims = x.dimensions();
+  if (dims.size() != 2 || !to_dtype(x.element_type(), &a->dtype))
+    return invalid("quantize rows: x must be [rows, hidden] float32 or bfloat16");
+  a->rows = dims[0];
+  a->hidden = int(dims[1]);
+  if (a->hidden % kFp8Block || q->element_type() != ffi::DataType::F8E4M3FN ||
+      q->dimensions().size() != 2 || q->dimensions()[0] != a->rows ||
+      q->dimensions()[1] != a->hidden || scales->dimensions()[0] != a->rows ||
+      scales->dimensions()[1] != a->hidden / kFp8Block)
+    return invalid(
+        "quantize rows: hidden must be a multiple of 128, q e4m3 like x and scales "
+        "[rows, hidden / 128]");
+  a->round_scale = attrs.round_scale;
+  a->x = x.untyped_data();
+  a->q = static_cast<uint8_t*>(q->untyped_data());
+  a->scales = scales->typed_data();
+  return ffi::Error::Success();
+}
+
+// q_t and scales_t with no elements: the transposed copy is not asked for.
+inline ffi::Error decode_quantize_weights(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> q,
+                                          ffi::ResultBuffer<ffi::F32, 3> scales,
+                                          ffi::Result<ffi::AnyBuffer> q_t,
+                                          ffi::ResultBuffer<ffi::F32, 3> scales_t,
+                                          QuantizeWeightsArgs* a) {
+  *a = QuantizeWeightsArgs{};
+  const auto dims = w.dimensions();
+  if (dims.size() != 3 || !to_dtype(w.element_type(), &a->dtype))
+    return invalid("quantize weights: w must be [G, K, N] float32 or bfloat16");
+  a->groups = int(dims[0]);
+  a->k = int(dims[1]);
+  a->n = int(dims[2]);
+  const int64_t kb = a->k / kFp8Block, nb = a->n / kFp8Block;
+  const bool transposed = q_t->element_count() > 0;
+  auto is = [](auto d, int64_t x, int64_t y, int64_t z) {
+    return d.size() == 3 && d[0] == x && d[1] == y && d[2] == z;
+  };
+  if (a->k % kFp8Block || a->n % kFp8Block || q->element_type() != ffi::DataType::F8E4M3FN ||
+      !is(q->dimensions(), a->groups, a->n, a->k) || !is(scales->dimensions(), a->groups, nb, kb) ||
+      (transposed && (q_t->element_type() != ffi::DataType::F8E4M3FN ||
+                      !is(q_t->dimensions(), a->groups, a->k, a->n) ||
+                      !is(scales_t->dimensions(), a->groups, kb, nb))))
+    return invalid(
+        "quantize weights: K and N must be multiples of 128, q e4m3 [G, N, K] with "
+        "scales [G, N / 128, K / 128] (q_t [G, K, N], scales_t [G, K / 128, N / 128])");
+  a->w = w.untyped_data();
+  a->q = static_cast<uint8_t*>(q->untyped_data());
+  a->scales = scales->typed_data();
+  a->q_t = transposed ? static_cast<uint8_t*>(q_t->untyped_data()) : nullptr;
+  a->scales_t = transposed ? scales_t->typed_data() : nullptr;
+  return ffi::Error::Success();
+}
+
 }  // namespace jax_ep
 
 // How XLA decodes the attributes (by name; XLA checks their number and types).
@@ -383,6 +447,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::CallAttrs,
                                       ::xla::ffi::StructMember<jax_ep::Dtype>("rows_dtype"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::ExpertLayoutAttrs,
                                       ::xla::ffi::StructMember<int32_t>("alignment"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::QuantizeRowsAttrs,
+                                      ::xla::ffi::StructMember<bool>("round_scale"));
 
 // The call state as a handler's parameter (XLA's auto-binding: `CallState<Rank>*` is ffi::State).
 namespace xla::ffi {

@@ -2,7 +2,8 @@
 (kernels/cpu, kernels/cuda), one target per operation and half, every call carrying the Buffer's
 ordered effect (jax_ep/_jax.py: JAX threads one XLA token through them in program order), made
 differentiable with custom_vjp: the backward of dispatch is one combine of the rows' and the
-weights' cotangents, the backward of combine is a cached dispatch."""
+weights' cotangents, the backward of combine is a cached dispatch. Also the local calls: the
+expert layouts of received rows, and the FP8 quantization of jax_ep.nn's matmul operands."""
 
 from __future__ import annotations
 
@@ -35,6 +36,42 @@ def register_targets():
         jax.ffi.register_ffi_type("jax_ep_call_state", state, platform=platform)
         for name, handler in targets.items():
             jax.ffi.register_ffi_target(f"jax_ep_{name}", handler, platform=platform)
+
+
+def quantize_rows(x, round_scale=False):
+    """jax_ep.fp8's rule on rows [T, H] (float32 or bfloat16, H a multiple of 128) in one pass
+    of the backend's kernel: (e4m3 [T, H], float32 scales [T, H/128]), the bytes of
+    quantize_fp8's. No gradient flows through them (stop_gradient)."""
+    register_targets()
+    x = jax.lax.stop_gradient(x)
+    t, h = x.shape
+    shapes = (
+        jax.ShapeDtypeStruct((t, h), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((t, h // FP8_BLOCK), jnp.float32),
+    )
+    call = jax.ffi.ffi_call("jax_ep_quantize_rows", shapes, vmap_method="sequential")
+    return tuple(varying_like(call(x, round_scale=bool(round_scale)), x))
+
+
+def quantize_weights(w, transposed=False):
+    """jax_ep.fp8's rule on expert weights [G, K, N] (float32 or bfloat16, K and N multiples of
+    128) in one pass of the backend's kernel: quantize_weights_fp8's (q [G, N, K], scales
+    [G, N/128, K/128]), and with transposed also transpose_weights_fp8's of them. No gradient
+    flows through them (stop_gradient)."""
+    register_targets()
+    w = jax.lax.stop_gradient(w)
+    g, k, n = w.shape
+    b = FP8_BLOCK
+    t = 1 if transposed else 0  # no elements: not asked for
+    shapes = (
+        jax.ShapeDtypeStruct((g, n, k), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((g, n // b, k // b), jnp.float32),
+        jax.ShapeDtypeStruct((g * t, k, n), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((g * t, k // b, n // b), jnp.float32),
+    )
+    call = jax.ffi.ffi_call("jax_ep_quantize_weights", shapes, vmap_method="sequential")
+    out = tuple(varying_like(call(w), w))
+    return out if transposed else out[:2]
 
 
 class _Config(NamedTuple):

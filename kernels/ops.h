@@ -130,6 +130,31 @@ struct PlaceRowsArgs {
   uint8_t* out;                 // [out_rows, row_bytes]
 };
 
+// Local (no Buffer): rows quantized by the FP8 rule (kernels/fp8.h), one scale per 1 x 128
+// block, as a dispatch sends them.
+struct QuantizeRowsArgs {
+  int64_t rows;
+  int hidden;  // a multiple of kFp8Block
+  bool round_scale;
+  Dtype dtype;    // of x: kF32 or kBF16
+  const void* x;  // [rows, hidden]
+  uint8_t* q;     // [rows, hidden] e4m3
+  float* scales;  // [rows, hidden / kFp8Block]
+};
+
+// Local: expert weights [G, K, N] quantized by the FP8 rule, one scale per 128 x 128 block,
+// stored K innermost ([G, N, K], as the FP8 forward reads them) and, when q_t is set, also N
+// innermost ([G, K, N], as the FP8 row gradient reads them).
+struct QuantizeWeightsArgs {
+  int groups, k, n;  // K and N multiples of kFp8Block
+  Dtype dtype;       // of w: kF32 or kBF16
+  const void* w;     // [G, K, N]
+  uint8_t* q;        // [G, N, K] e4m3
+  float* scales;     // [G, N / 128, K / 128]
+  uint8_t* q_t;      // [G, K, N] e4m3, or null
+  float* scales_t;   // [G, K / 128, N / 128], or null
+};
+
 // The signatures both backends send with an op's counts (kernels/signature.h).
 JAX_EP_HD Signature signature(const DispatchSend& a) {
   Signature s{};

@@ -483,3 +483,36 @@ def check_expert_padded_call(rng, kind, rows, capacity, num_local=6, k=4):
         for m, e in enumerate(sorted(set(topk[r][topk[r] >= 0]))):
             expected[r, m] = next(iter(np.flatnonzero((src == r) & (expert == e))), -1)
     np.testing.assert_array_equal(maps.expert_rows, expected)
+
+
+def fp8_edge_values(rng, shape):
+    """float32 values [..., R, C] (R, C multiples of 128) for the FP8 rule's edge cases: a
+    block of zeros (amax clamped to 1e-4), a block 10^4 larger, one 10^-6 smaller (e4m3's
+    subnormals and zeros), the rest normal."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    corner = (0,) * (len(shape) - 2)
+    x[corner + (slice(0, 128), slice(0, 128))] = 0
+    x[corner + (slice(-128, None), slice(-128, None))] *= 1e4
+    x[corner + (slice(0, 128), slice(-128, None))] *= 1e-6
+    return x
+
+
+def check_fp8_quantize_calls(rows_shape, weights_shape, seed=0):
+    """The FP8 quantization calls (ffi_path.quantize_rows, quantize_weights) on the default
+    device: the bytes of jax_ep.fp8's rule (quantize_fp8; quantize_weights_fp8 and its
+    transpose_weights_fp8), for float32 and bfloat16 values with its edge cases."""
+    from jax_ep.fp8 import quantize_weights_fp8, transpose_weights_fp8
+
+    rng = np.random.default_rng(seed)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jnp.asarray(fp8_edge_values(rng, rows_shape), dtype)
+        for round_scale in (False, True):
+            got = jax.jit(functools.partial(ffi_path.quantize_rows, round_scale=round_scale))(x)
+            want = jax.jit(lambda a, r=round_scale: jax_ep.quantize_fp8(a, r))(x)
+            assert_bitwise_equal(got, want, f"rows {jnp.dtype(dtype).name} {round_scale}")
+        w = jnp.asarray(fp8_edge_values(rng, weights_shape), dtype)
+        q, scales = jax.jit(quantize_weights_fp8)(w)
+        want = (q, scales) + transpose_weights_fp8(q, scales)
+        for transposed in (False, True):
+            got = jax.jit(lambda a, t=transposed: ffi_path.quantize_weights(a, t))(w)
+            assert_bitwise_equal(got, want[: 4 if transposed else 2], f"weights {transposed}")

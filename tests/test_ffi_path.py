@@ -14,6 +14,7 @@ from helpers import (
     assert_same_ops,
     buffers,
     check_expert_padded_call,
+    check_fp8_quantize_calls,
     make_mesh,
     out_of_order,
     pipeline,
@@ -26,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jax_ep
+from jax_ep import ffi_path
 
 T, H, E, K = 16, 256, 16, 4
 
@@ -262,3 +264,24 @@ def test_expert_padded_call_matches_oracle(seed, kind, capacity):
     """The expert_padded call alone (maps, weights, rows and scales placed in one step) against
     the oracle, drops included."""
     check_expert_padded_call(np.random.default_rng(seed), kind, 40, capacity)
+
+
+def test_fp8_quantize_calls_are_the_fp8_rule():
+    """The CPU backend's FP8 quantization calls: jax_ep.fp8's bytes (rows and weights); under a
+    gradient they are constants (as the FP8 matmul's forward reads them)."""
+    check_fp8_quantize_calls((48, 384), (2, 256, 384))
+    w = jnp.ones((2, 128, 256), jnp.bfloat16)
+    grads = jax.grad(
+        lambda w: (
+            sum(a.astype(jnp.float32).sum() for a in ffi_path.quantize_weights(w, True))
+            + sum(a.astype(jnp.float32).sum() for a in ffi_path.quantize_rows(w[0]))
+        )
+    )(w)
+    assert not np.asarray(grads, np.float32).any()
+
+
+def test_fp8_quantize_calls_refuse_partial_blocks():
+    with pytest.raises(Exception, match="hidden must be a multiple of 128"):
+        jax.block_until_ready(ffi_path.quantize_rows(jnp.ones((4, 200), jnp.float32)))
+    with pytest.raises(Exception, match="K and N must be multiples of 128"):
+        jax.block_until_ready(ffi_path.quantize_weights(jnp.ones((1, 128, 200), jnp.float32)))

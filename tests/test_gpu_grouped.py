@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import make_mesh, relative_error
+from helpers import check_fp8_quantize_calls, make_mesh, relative_error
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
@@ -326,6 +326,14 @@ def test_fp8_dgrad_matches_xla(name, impl):
 @pytest.mark.parametrize("k,n", [(7168, 2048), (2048, 7168)])
 def test_fp8_dgrad_v3_expert_shapes(k, n):
     assert_fp8_dgrad_like_xla(4096, k, n, zipf_sizes(4096, 32, 1), "cutlass")
+
+
+@pytest.mark.parametrize(
+    "rows_shape,weights_shape",
+    [((4096, 7168), (4, 7168, 2048)), ((33, 384), (3, 256, 384))],  # V3's; partial warp steps
+)
+def test_fp8_quantize_kernels_are_the_fp8_rule(rows_shape, weights_shape):
+    check_fp8_quantize_calls(rows_shape, weights_shape)
 
 
 def test_fp8_layer_on_the_kernels():

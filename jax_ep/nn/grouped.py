@@ -47,6 +47,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_ep import _native, ffi_path
 from jax_ep.fp8 import (
     FP8_BLOCK,
     dequantize_fp8,
@@ -419,7 +420,7 @@ def fp8_grouped_matmul(
         blocks,
     )
     lhs, rhs, group_sizes = all_varying(lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32))
-    weights = tuple(quantize_weights_fp8(rhs) if rhs_fp8 is None else rhs_fp8)
+    weights = tuple(quantize_weights(rhs, fp8_dgrad) if rhs_fp8 is None else rhs_fp8)
     if len(weights) not in (2, 4):
         raise ValueError(
             "jax_ep.nn.fp8_grouped_matmul: rhs_fp8 is (q, scales) or (q, scales, q_t, "
@@ -430,6 +431,32 @@ def fp8_grouped_matmul(
     fp8 = (lhs_q, lhs_scales) + weights[: 4 if fp8_dgrad else 2]
     fp8 = [jax.lax.stop_gradient(a) for a in varying_like(fp8, lhs, rhs)]
     return _fp8_gmm(fp8_impl, backward, dgrad_impl, lhs, rhs, group_sizes, *fp8)
+
+
+def _quantize_kernels_run(x):
+    """Whether jax_ep's FP8 quantization kernels take x here: a GPU and jax_ep's CUDA backend,
+    float32 or bfloat16 values (the same bytes as jax_ep.fp8's rule, in one pass over x)."""
+    return (
+        _native.has_cuda
+        and jax.devices()[0].platform == "gpu"
+        and jnp.dtype(x.dtype) in ffi_path.ROWS_DTYPES
+    )
+
+
+def quantize_weights(rhs, transposed=False):
+    """quantize_weights_fp8(rhs), and with transposed (for fp8_dgrad) transpose_weights_fp8 of
+    it appended: by jax_ep's kernel where it runs (one pass over rhs), else in XLA."""
+    if _quantize_kernels_run(rhs):
+        return ffi_path.quantize_weights(rhs, transposed)
+    weights = quantize_weights_fp8(rhs)
+    return weights + transpose_weights_fp8(*weights) if transposed else weights
+
+
+def _quantize_rows(x):
+    """quantize_fp8(x, False)'s values and scales (no gradient: a backward's cotangent)."""
+    if _quantize_kernels_run(x):
+        return ffi_path.quantize_rows(x)
+    return quantize_fp8(x, False)
 
 
 def _fp8_product(impl, lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, like):
@@ -479,7 +506,7 @@ def _fp8_gmm_bwd(fp8_impl, backward, dgrad_impl, residuals, ct):
     if dgrad_impl is None:
         d_lhs, d_rhs, _ = _product_bwd("gmm", backward, (lhs, rhs, group_sizes), ct)
     else:  # the forward's weight blocks, [G, K, N]: N, this product's sum, innermost
-        ct_q, ct_scales = quantize_fp8(ct, False)
+        ct_q, ct_scales = _quantize_rows(ct)
         d_lhs = _fp8_product(dgrad_impl, ct_q, ct_scales, *fp8[4:], group_sizes, lhs)
         d_rhs = _product("tgmm", backward, lhs, ct, group_sizes)
     return (d_lhs, d_rhs, None) + tuple(jnp.zeros_like(a) for a in fp8)

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ep import layout
 from jax_ep.buffer import Buffer
-from jax_ep.fp8 import quantize_fp8, quantize_weights_fp8, transpose_weights_fp8
+from jax_ep.fp8 import quantize_fp8
 from jax_ep.nn import grouped
 from jax_ep.nn.config import MoEConfig
 from jax_ep.nn.routing import (
@@ -138,12 +138,10 @@ def quantize_expert_weights(params, down=False, dgrad=False):
     an fp8 layer, for its fp8_weights argument. Made once (e.g. per optimizer step, under jit,
     outside the gradient: they are sharded like the experts), they serve every call until the
     weights change, such as a step's micro-batches. dgrad=True (for cfg.fp8_dgrad): each also
-    holds its transpose (transpose_weights_fp8; a second FP8 copy, which the backward reads)."""
+    holds its transpose (transpose_weights_fp8; a second FP8 copy, which the backward reads).
+    On GPUs jax_ep's kernel makes both in one pass over the weights (grouped.quantize_weights)."""
     names = FP8_WEIGHTS + (("w_down",) if down else ())
-    made = {name: quantize_weights_fp8(params[name]) for name in names}
-    if dgrad:
-        made = {name: pair + transpose_weights_fp8(*pair) for name, pair in made.items()}
-    return made
+    return {name: grouped.quantize_weights(params[name], dgrad) for name in names}
 
 
 def expert_ffn(

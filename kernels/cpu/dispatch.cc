@@ -20,15 +20,7 @@ void encode_row(const DispatchSend& a, int t, uint8_t* payload, float* scales) {
     std::memcpy(payload, src, in_row);
     return;
   }
-  for (int g = 0; g < a.hidden / kFp8Block; ++g) {
-    float max_abs = 0.f;
-    for (int c = g * kFp8Block; c < (g + 1) * kFp8Block; ++c)
-      max_abs = std::max(max_abs, std::fabs(load_float(src, c, a.x_dtype)));
-    const Fp8Block block = Fp8Block::make(max_abs, a.round_scale);
-    scales[g] = block.scale;
-    for (int c = g * kFp8Block; c < (g + 1) * kFp8Block; ++c)
-      payload[c] = float_to_e4m3(block.scaled(load_float(src, c, a.x_dtype)));
-  }
+  quantize_row(src, a.hidden, a.x_dtype, a.round_scale, payload, scales);
 }
 
 }  // namespace

@@ -132,5 +132,10 @@ std::string combine_recv(Rank& r, uint64_t op, const CombineRecv& a);
 void expert_layout(const ExpertLayoutArgs& a);
 std::string expert_padded(const ExpertPaddedArgs& a);
 std::string place_rows(const PlaceRowsArgs& a);
+void quantize_rows(const QuantizeRowsArgs& a);
+void quantize_weights(const QuantizeWeightsArgs& a);
+// One row of `hidden` elements of `dtype` in e4m3 bytes q and one scale per 128 (the FP8 rule).
+void quantize_row(const void* x, int hidden, Dtype dtype, bool round_scale, uint8_t* q,
+                  float* scales);
 
 }  // namespace jax_ep::cpu

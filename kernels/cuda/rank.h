@@ -93,5 +93,7 @@ std::string combine(const Rank& r, cudaStream_t stream, Part part, const Combine
 std::string expert_layout(cudaStream_t stream, const ExpertLayoutArgs& args);
 std::string expert_padded(cudaStream_t stream, const ExpertPaddedArgs& args);
 std::string place_rows(cudaStream_t stream, const PlaceRowsArgs& args);
+std::string quantize_rows(cudaStream_t stream, const QuantizeRowsArgs& args);
+std::string quantize_weights(cudaStream_t stream, const QuantizeWeightsArgs& args);
 
 }  // namespace jax_ep::cuda
