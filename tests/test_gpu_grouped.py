@@ -230,6 +230,14 @@ def test_under_command_buffers(impl):
 # ---------------------------------------------------------------- the FP8 forward
 
 
+FP8_CASES = [  # group sizes and kernels (unaligned groups: CUTLASS's alone)
+    (name, impl)
+    for name in ["uniform", "skewed", "empty_first_and_padding_rows", "no_rows", "unaligned"]
+    for impl in KERNELS
+    if impl == "cutlass" or name != "unaligned"
+]
+
+
 def fp8_inputs(m, k, n, groups, seed=3):
     lhs, rhs, ct = operands(m, k, n, groups, seed)
     lhs_q, scales = jax.jit(lambda a: jax_ep.quantize_fp8(a, False))(lhs)
@@ -273,15 +281,7 @@ def assert_fp8_like_xla(m, k, n, sizes, impl):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(b, np.float32))
 
 
-@pytest.mark.parametrize(
-    "name,impl",
-    [
-        (name, impl)
-        for name in ["uniform", "skewed", "empty_first_and_padding_rows", "no_rows", "unaligned"]
-        for impl in KERNELS
-        if impl == "cutlass" or name != "unaligned"
-    ],
-)
+@pytest.mark.parametrize("name,impl", FP8_CASES)
 def test_fp8_matches_xla(name, impl):
     assert_fp8_like_xla(1024, 256, 384, SIZES[name], impl)
 
@@ -310,15 +310,7 @@ def assert_fp8_dgrad_like_xla(m, k, n, sizes, impl):
     np.testing.assert_array_equal(np.asarray(got[2], np.float32), np.asarray(bf16[2], np.float32))
 
 
-@pytest.mark.parametrize(
-    "name,impl",
-    [
-        (name, impl)
-        for name in ["uniform", "skewed", "empty_first_and_padding_rows", "no_rows", "unaligned"]
-        for impl in KERNELS
-        if impl == "cutlass" or name != "unaligned"
-    ],
-)
+@pytest.mark.parametrize("name,impl", FP8_CASES)
 def test_fp8_dgrad_matches_xla(name, impl):
     assert_fp8_dgrad_like_xla(1024, 256, 384, SIZES[name], impl)
 
