@@ -457,13 +457,13 @@ def _padded_call(capacity, experts_per_rank):
     )
 
 
-def check_expert_padded_call(rng, kind, rows, capacity, num_local=6, k=4):
+def check_expert_padded_call(rng, kind, rows, capacity, num_local=6, k=4, hidden=8):
     """The expert_padded custom call alone, on the default device, against the oracle: maps,
-    weights, counts, drops, and the rows and scales placed; the rows past an expert's count are
-    unspecified, not compared."""
+    weights, counts, drops, and the rows ([rows, hidden] float32) and scales placed; the rows
+    past an expert's count are unspecified, not compared."""
     topk = routing(kind, rng, rows, num_local, k, 1)
     w = rng.random((rows, k)).astype(np.float32)
-    x = rng.standard_normal((rows, 8)).astype(np.float32)
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
     scales = rng.standard_normal((rows, 2)).astype(np.float32)
     maps, weights, (x_out, scales_out) = _padded_call(capacity, num_local)(topk, w, x, scales)
     src, expert, weight, present, dropped = oracle.expert_layout(

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from bench import ep, harness, probe
+from bench import ep, expert_padded, harness, probe
 from bench.ep import JAX_EP, bench_size, table
 from bench.trace import device_kernels, kernel_summary
 
@@ -115,3 +115,32 @@ def test_grouped_matmul_bench_records_every_case(tmp_path):
         assert {(projection, "dense"), (projection, "xla"), (projection, "batched_einsum")} <= timed
     decode = [r for r in results if r["distribution"] == "decode"]
     assert len(decode) == 6 and all(r["capacity"] == 16 for r in decode)
+
+
+def test_expert_padded_bench_records_every_row_count(tmp_path):
+    """bench.expert_padded runs the call at each row count (on CPUs: no kernel times)."""
+    expert_padded.main(
+        [
+            "--rows",
+            "16,40",
+            "--hidden",
+            "256",
+            "--experts-per-rank",
+            "8",
+            "--topk",
+            "4",
+            "--capacity",
+            "8",
+            "--steps",
+            "2",
+            "--machine",
+            "test",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    (path,) = tmp_path.glob("expert-padded-test-*.json")
+    record = json.loads(path.read_text())
+    assert [r["rows"] for r in record["results"]] == [16, 40]
+    assert [r["expert_rows"] for r in record["results"]] == [64, 160]
+    assert record["command"].startswith("python -m bench.expert_padded --rows 16,40")

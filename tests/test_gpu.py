@@ -665,3 +665,19 @@ def test_cuda_expert_padded_call_over_chunks(kind, capacity):
     """The expert_padded call alone over 2500 rank-level rows: three chunks of the kernel's
     count, so a row's place adds the counts of the chunks before it; C=300 drops."""
     check_expert_padded_call(np.random.default_rng(capacity), kind, 2500, capacity)
+
+
+@pytest.mark.parametrize(
+    "num_local,k,hidden",
+    [
+        (48, 40, 8),  # more than 32 slots a row: the slots in two groups
+        (6, 4, 5000),  # rows of 20000 bytes: staged in two pieces
+        (6, 4, 4099),  # rows not a multiple of 16 bytes: copied byte by byte
+    ],
+)
+def test_cuda_expert_padded_call_shapes(num_local, k, hidden):
+    """The expert_padded call alone, with duplicate experts and drops, for slot counts and row
+    sizes that take the kernel's other paths."""
+    check_expert_padded_call(
+        np.random.default_rng(k), "duplicates", 1500, 300, num_local, k, hidden
+    )

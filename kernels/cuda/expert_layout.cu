@@ -112,42 +112,50 @@ __global__ void __launch_bounds__(kThreads) count_chunks_kernel(ExpertPaddedArgs
     args.chunk_counts[int64_t(blockIdx.x) * El + e] = chunk_count[e];
 }
 
-// 16-byte words of a row, held by a block's threads a stage at a time (thread t: words
-// first + t + i * kThreads): a row is loaded once and stored to each of its experts' rows, the
-// first stage loaded while the block finds those rows.
-constexpr int kStageWords = 4;  // per thread: 16 KB rows in one stage
+// The padded placement's blocks: small, so that a wave holds every row's block and each
+// expert's (a block's time is mostly the latency of its loads).
+constexpr int kPaddedThreads = 128;
+constexpr int kPaddedWarps = kPaddedThreads / 32;
+
+// 16-byte words of a row, held by a block's threads kWords at a time (thread t: words
+// first + t + i * kPaddedThreads): a row is loaded once and stored to each of its experts' rows,
+// the first stage loaded while the block finds those rows.
+template <int kWords>
 struct RowStage {
-  int4 word[kStageWords];
+  static constexpr int64_t kStageWords = int64_t(kWords) * kPaddedThreads;
+  int4 word[kWords];
 
   __device__ void load(const uint8_t* row, int64_t words, int64_t first) {
 #pragma unroll
-    for (int i = 0; i < kStageWords; ++i) {
-      const int64_t w = first + threadIdx.x + i * kThreads;
+    for (int i = 0; i < kWords; ++i) {
+      const int64_t w = first + threadIdx.x + i * kPaddedThreads;
       if (w < words) word[i] = reinterpret_cast<const int4*>(row)[w];
     }
   }
   __device__ void store(uint8_t* row, int64_t words, int64_t first) const {
 #pragma unroll
-    for (int i = 0; i < kStageWords; ++i) {
-      const int64_t w = first + threadIdx.x + i * kThreads;
+    for (int i = 0; i < kWords; ++i) {
+      const int64_t w = first + threadIdx.x + i * kPaddedThreads;
       if (w < words) reinterpret_cast<int4*>(row)[w] = word[i];
     }
   }
 };
-constexpr int64_t kStageBytes = int64_t(16) * kStageWords * kThreads;
+using XStage = RowStage<8>;      // 16 KB of a row per stage
+using ScaleStage = RowStage<1>;  // 512 scales per stage
 
 // Copies `bytes` of src to each row `dst_rows[i] * bytes` of dst (i < n, those >= 0); `staged`:
 // the first stage, already loaded when the row is 16-byte aligned (else bytes one by one).
+template <int kWords>
 __device__ void copy_to_rows(uint8_t* dst, const uint8_t* src, int64_t bytes, bool aligned,
-                             const RowStage& staged, const int64_t* dst_rows, int n) {
+                             const RowStage<kWords>& staged, const int64_t* dst_rows, int n) {
   if (!aligned) {
-    for (int i = threadIdx.x / 32; i < n; i += kThreads / 32)
+    for (int i = threadIdx.x / 32; i < n; i += kPaddedWarps)
       if (dst_rows[i] >= 0) copy_bytes(dst + dst_rows[i] * bytes, src, 0, bytes);
     return;
   }
   const int64_t words = bytes / 16;
-  for (int64_t first = 0; first < words; first += kStageBytes / 16) {
-    RowStage stage = staged;
+  for (int64_t first = 0; first < words; first += RowStage<kWords>::kStageWords) {
+    RowStage<kWords> stage = staged;
     if (first > 0) stage.load(src, words, first);
     for (int i = 0; i < n; ++i)
       if (dst_rows[i] >= 0) stage.store(dst + dst_rows[i] * bytes, words, first);
@@ -159,68 +167,90 @@ __device__ bool aligned16(const void* a, const void* b, int64_t bytes) {
          0;
 }
 
-// Rank-level row r to the rows of its experts. Slots are taken 32 at a time: every thread tests
-// rows of r's chunk before r against the slots' experts, warps count the hits per slot and warp
-// w finds the rows of slots w, w + kWarps, ...; then the block stores the row (and its scales)
-// there.
+// Slot k0 + lane of a row of K ids, as every warp holds it (lane = the slot): its expert if the
+// slot names it first (else -1), that expert's weight (the sum over the row's slots naming it)
+// and column in expert_rows (the row's distinct experts below it). Within a group of 32 slots
+// the lanes compare by shuffles; only rows of more than 32 slots read the other groups' ids.
+struct PaddedSlot {
+  int32_t expert;
+  float weight;
+  int column;
+};
+__device__ PaddedSlot padded_slot(const int32_t* ids, const float* weights, int K, int k0, int El) {
+  const int lane = threadIdx.x % 32, k = k0 + lane;
+  const int32_t id = k < K ? ids[k] : -1;
+  const float w = k < K ? weights[k] : 0.f;
+  const bool first = __ffs(__match_any_sync(~0u, id)) - 1 == lane;
+  PaddedSlot slot{id >= 0 && id < El && first && !row_has_expert(ids, k0, id) ? id : -1, 0.f, 0};
+  for (int j = 0; j < 32; ++j) {  // this group
+    const int32_t other = __shfl_sync(~0u, id, j);
+    const float other_w = __shfl_sync(~0u, w, j);
+    const bool other_first = __shfl_sync(~0u, first, j) && !row_has_expert(ids, k0, other);
+    slot.weight += other == slot.expert ? other_w : 0.f;
+    slot.column += other >= 0 && other < slot.expert && other_first;
+  }
+  for (int j = 0; j < K; ++j) {  // the other groups (none when K <= 32)
+    if (j == k0) j += 32;
+    if (j >= K) break;
+    const int32_t other = ids[j];
+    slot.weight += other == slot.expert ? weights[j] : 0.f;
+    slot.column += other >= 0 && other < slot.expert && !row_has_expert(ids, j, other);
+  }
+  return slot;
+}
+
+// Rank-level row r to the rows of its experts, 32 slots at a time: every thread tests rows of
+// r's chunk before r against the slots' experts and warps count the hits per slot; lane i of
+// warp 0 adds the counts for slot i, writes its maps and weight; then the block stores the row
+// (and its scales) there.
 __device__ void place_padded_row(const ExpertPaddedArgs& args, int r) {
-  constexpr int kWarps = kThreads / 32;
-  __shared__ int32_t slot_expert[32], rows_before[32];
+  __shared__ int32_t slot_expert[kPaddedWarps][32], warp_hits[kPaddedWarps][32];
   __shared__ int64_t slot_row[32];  // the slot's expert row, or -1
-  extern __shared__ int32_t own[];  // [K] the row's ids, then [K] its weights
   const int El = args.experts_per_rank, K = args.num_topk, C = args.capacity;
   const int M = args.max_per_row(), lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  float* own_weights = reinterpret_cast<float*>(own + K);
-  for (int k = threadIdx.x; k < K; k += kThreads) {
-    own[k] = args.topk_rows[int64_t(r) * K + k];
-    own_weights[k] = args.weight_rows[int64_t(r) * K + k];
-  }
+  const int32_t* ids = args.topk_rows + int64_t(r) * K;
+  const float* weights = args.weight_rows + int64_t(r) * K;
   const uint8_t* x = args.x_rows + r * args.x_row_bytes;
   const uint8_t* scales = args.scale_rows + r * args.scale_row_bytes;
   const bool x_aligned = aligned16(x, args.x_out, args.x_row_bytes);
   const bool scales_aligned = aligned16(scales, args.scales_out, args.scale_row_bytes);
-  RowStage x_stage, scale_stage;  // loaded while the block finds the rows
+  XStage x_stage;  // loaded while the block finds the rows
+  ScaleStage scale_stage;
   if (x_aligned) x_stage.load(x, args.x_row_bytes / 16, 0);
   if (scales_aligned) scale_stage.load(scales, args.scale_row_bytes / 16, 0);
   const int chunk = r / kExpertChunkRows;
   int distinct = 0;
-  __syncthreads();  // own
   for (int k0 = 0; k0 < K; k0 += 32) {
     const int n = min(32, K - k0);
-    if (threadIdx.x < n) {
-      slot_expert[threadIdx.x] = distinct_expert(own, k0 + threadIdx.x, El);
-      rows_before[threadIdx.x] = 0;
-    }
-    __syncthreads();
-    for (int base = chunk * kExpertChunkRows; base < r; base += kThreads) {
+    const PaddedSlot slot = padded_slot(ids, weights, K, k0, El);
+    distinct += __popc(__ballot_sync(~0u, slot.expert >= 0));
+    slot_expert[warp][lane] = slot.expert;  // each warp its own copy: no block barrier
+    __syncwarp();
+    int hits = 0;  // lane i: this warp's rows holding slot i's expert
+    for (int base = chunk * kExpertChunkRows; base < r; base += kPaddedThreads) {
       const int q = base + threadIdx.x;
-      uint32_t holds = 0;  // bit i: row q holds slot k0 + i's expert
-      if (q < r) holds = holds_experts(args.topk_rows + int64_t(q) * K, K, slot_expert, n);
+      uint32_t holds = 0;  // bit i: row q holds slot i's expert
+      if (q < r) holds = holds_experts(args.topk_rows + int64_t(q) * K, K, slot_expert[warp], n);
       for (int i = 0; i < n; ++i) {
-        const int hits = __popc(__ballot_sync(~0u, holds >> i & 1u));
-        if (lane == 0 && hits) atomicAdd(&rows_before[i], hits);
+        const int found = __popc(__ballot_sync(~0u, holds >> i & 1u));
+        if (lane == i) hits += found;
       }
     }
+    warp_hits[warp][lane] = hits;
     __syncthreads();
-    for (int i = 0; i < n; ++i) distinct += slot_expert[i] >= 0;
-    for (int i = warp; i < n; i += kWarps) {
-      const int32_t e = slot_expert[i];
-      int earlier = 0;  // rows of the chunks before r's holding e
-      for (int c = lane; e >= 0 && c < chunk; c += 32)
-        earlier += args.chunk_counts[int64_t(c) * El + e];
-      const int pos = warp_sum(earlier) + rows_before[i];
+    if (warp == 0) {
+      const int32_t e = slot.expert;
+      int pos = 0;  // rows before r holding e: this chunk's, then the earlier chunks'
+      for (int w = 0; w < kPaddedWarps; ++w) pos += warp_hits[w][lane];
+      for (int c = 0; e >= 0 && c < chunk; ++c) pos += args.chunk_counts[int64_t(c) * El + e];
       const int64_t at = e >= 0 && pos < C ? int64_t(e) * C + pos : -1;  // -1: none, or dropped
-      if (lane != 0) continue;
-      slot_row[i] = at;
-      if (e < 0) continue;
-      args.expert_rows[int64_t(r) * M + distinct_experts_below(own, K, e)] = int32_t(at);
-      if (at < 0) continue;
-      args.expert_src[at] = r;
-      args.expert_of_row[at] = e;
-      float weight = 0.f;
-      for (int k = 0; k < K; ++k)
-        if (own[k] == e) weight += own_weights[k];
-      args.weights_out[at] = weight;
+      slot_row[lane] = at;
+      if (e >= 0) args.expert_rows[int64_t(r) * M + slot.column] = int32_t(at);
+      if (at >= 0) {
+        args.expert_src[at] = r;
+        args.expert_of_row[at] = e;
+        args.weights_out[at] = slot.weight;
+      }
     }
     __syncthreads();
     copy_to_rows(args.x_out, x, args.x_row_bytes, x_aligned, x_stage, slot_row, n);
@@ -228,7 +258,7 @@ __device__ void place_padded_row(const ExpertPaddedArgs& args, int r) {
                  slot_row, n);
     __syncthreads();  // the slots' arrays are taken again
   }
-  for (int m = distinct + threadIdx.x; m < M; m += kThreads)
+  for (int m = distinct + threadIdx.x; m < M; m += kPaddedThreads)
     args.expert_rows[int64_t(r) * M + m] = -1;
 }
 
@@ -240,9 +270,9 @@ __device__ void finish_padded_expert(const ExpertPaddedArgs& args, int e) {
   __syncthreads();
   const int last = args.chunks() - 1, K = args.num_topk;
   int count = 0;
-  for (int c = threadIdx.x; c < last; c += kThreads)
+  for (int c = threadIdx.x; c < last; c += kPaddedThreads)
     count += args.chunk_counts[int64_t(c) * args.experts_per_rank + e];
-  for (int q = last * kExpertChunkRows + threadIdx.x; q < args.rows; q += kThreads)
+  for (int q = last * kExpertChunkRows + threadIdx.x; q < args.rows; q += kPaddedThreads)
     count += holds_experts(args.topk_rows + int64_t(q) * K, K, &e, 1);
   if (count) atomicAdd(&total, count);
   __syncthreads();
@@ -251,7 +281,7 @@ __device__ void finish_padded_expert(const ExpertPaddedArgs& args, int e) {
     args.tokens_per_expert[e] = kept;
     args.expert_counts[e] = total;
   }
-  for (int pos = kept + threadIdx.x; pos < args.capacity; pos += kThreads) {
+  for (int pos = kept + threadIdx.x; pos < args.capacity; pos += kPaddedThreads) {
     const int64_t at = int64_t(e) * args.capacity + pos;
     args.expert_src[at] = args.expert_of_row[at] = -1;
     args.weights_out[at] = 0.f;
@@ -259,7 +289,7 @@ __device__ void finish_padded_expert(const ExpertPaddedArgs& args, int e) {
 }
 
 // Blocks [0, rows): a rank-level row each; blocks [rows, rows + E_l): an expert each.
-__global__ void __launch_bounds__(kThreads) padded_kernel(ExpertPaddedArgs args) {
+__global__ void __launch_bounds__(kPaddedThreads) padded_kernel(ExpertPaddedArgs args) {
   if (int(blockIdx.x) < args.rows)
     place_padded_row(args, blockIdx.x);
   else
@@ -317,8 +347,7 @@ std::string expert_padded(cudaStream_t stream, const ExpertPaddedArgs& args) {
       return "jax_ep: the expert_padded layout on GPUs takes at most 12288 local experts";
     count_chunks_kernel<<<args.chunks() - 1, kThreads, chunk_smem, stream>>>(args);
   }
-  const size_t row_smem = 2 * sizeof(int32_t) * args.num_topk;  // a row's ids and weights
-  padded_kernel<<<args.rows + El, kThreads, row_smem, stream>>>(args);
+  padded_kernel<<<args.rows + El, kPaddedThreads, 0, stream>>>(args);
   JAX_EP_CUDA_TRY(cudaGetLastError());
   return {};
 }
