@@ -41,9 +41,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=200, help="calls in the traced program")
     common_arguments(parser)
     args = parser.parse_args(argv)
-    jax.devices()
+    jax.devices()  # the backends exist before their targets are registered
     ffi_path.register_targets()
-    ffi = ffi_path.Ffi.__new__(ffi_path.Ffi)  # expert_padded uses no Buffer
+    ffi = ffi_path.Ffi(0, 1, args.experts_per_rank)  # expert_padded reads no Buffer
 
     def step(topk_rows, weights, x, scales):
         return ffi.expert_padded(

@@ -119,26 +119,8 @@ def test_grouped_matmul_bench_records_every_case(tmp_path):
 
 def test_expert_padded_bench_records_every_row_count(tmp_path):
     """bench.expert_padded runs the call at each row count (on CPUs: no kernel times)."""
-    expert_padded.main(
-        [
-            "--rows",
-            "16,40",
-            "--hidden",
-            "256",
-            "--experts-per-rank",
-            "8",
-            "--topk",
-            "4",
-            "--capacity",
-            "8",
-            "--steps",
-            "2",
-            "--machine",
-            "test",
-            "--out",
-            str(tmp_path),
-        ]
-    )
+    argv = "--rows 16,40 --hidden 256 --experts-per-rank 8 --topk 4 --capacity 8 --steps 2"
+    expert_padded.main(argv.split() + ["--machine", "test", "--out", str(tmp_path)])
     (path,) = tmp_path.glob("expert-padded-test-*.json")
     record = json.loads(path.read_text())
     assert [r["rows"] for r in record["results"]] == [16, 40]
