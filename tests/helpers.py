@@ -77,6 +77,8 @@ def routing(kind, rng, num_tokens, num_experts, num_topk, num_ranks):
         idx = np.where(idx >= num_experts - experts_per_rank, -1, idx) if num_ranks > 1 else idx
     elif kind == "duplicates":  # the same expert twice in a token's top-k
         idx[:, -1] = idx[:, 0]
+    elif kind == "late_duplicates":  # ... in its last two slots (past 32: both in the 2nd group)
+        idx[:, -1] = idx[:, -2]
     elif kind == "empty":  # no token goes anywhere
         idx[:] = -1
     return idx.astype(np.int32)

@@ -266,9 +266,11 @@ def test_expert_padded_call_matches_oracle(seed, kind, capacity):
     check_expert_padded_call(np.random.default_rng(seed), kind, 40, capacity)
 
 
-def test_expert_padded_call_many_slots():
-    """More than 32 slots a row (the GPUs' kernel takes them in groups of 32), with duplicates."""
-    check_expert_padded_call(np.random.default_rng(0), "duplicates", 60, 20, num_local=48, k=40)
+@pytest.mark.parametrize("kind", ["duplicates", "late_duplicates"])
+def test_expert_padded_call_many_slots(kind):
+    """More than 32 slots a row (the GPUs' kernel takes them in groups of 32), with an expert
+    named twice: first in the first group and again in the second, or twice in the second."""
+    check_expert_padded_call(np.random.default_rng(0), kind, 60, 20, num_local=48, k=40)
 
 
 def test_fp8_quantize_calls_are_the_fp8_rule():

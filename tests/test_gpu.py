@@ -668,16 +668,15 @@ def test_cuda_expert_padded_call_over_chunks(kind, capacity):
 
 
 @pytest.mark.parametrize(
-    "num_local,k,hidden",
+    "kind,num_local,k,hidden",
     [
-        (48, 40, 8),  # more than 32 slots a row: the slots in two groups
-        (6, 4, 5000),  # rows of 20000 bytes: staged in two pieces
-        (6, 4, 4099),  # rows not a multiple of 16 bytes: copied byte by byte
+        ("duplicates", 48, 40, 8),  # more than 32 slots a row: the slots in two groups
+        ("late_duplicates", 48, 40, 8),  # an expert named twice, both in the second group
+        ("duplicates", 6, 4, 5000),  # rows of 20000 bytes: staged in two pieces
+        ("duplicates", 6, 4, 4099),  # rows not a multiple of 16 bytes: copied byte by byte
     ],
 )
-def test_cuda_expert_padded_call_shapes(num_local, k, hidden):
+def test_cuda_expert_padded_call_shapes(kind, num_local, k, hidden):
     """The expert_padded call alone, with duplicate experts and drops, for slot counts and row
     sizes that take the kernel's other paths."""
-    check_expert_padded_call(
-        np.random.default_rng(k), "duplicates", 1500, 300, num_local, k, hidden
-    )
+    check_expert_padded_call(np.random.default_rng(k), kind, 1500, 300, num_local, k, hidden)

@@ -80,36 +80,49 @@ __device__ void load_ids(const int32_t* ids, int K, int k0, int32_t (&v)[kIdsAtO
   for (int i = 0; i < kIdsAtOnce; ++i) v[i] = k0 + i < K ? ids[k0 + i] : -1;
 }
 
-// Bit i of the result: a row of K ids holds experts[i] (i < n; the experts >= 0).
-__device__ uint32_t holds_experts(const int32_t* ids, int K, const int32_t* experts, int n) {
+// Bit i of the result: ids v (kIdsAtOnce of them) hold experts[i] (i < n; the experts >= 0).
+__device__ uint32_t holds_experts(const int32_t (&v)[kIdsAtOnce], const int32_t* experts, int n) {
   uint32_t holds = 0;
-  for (int k0 = 0; k0 < K; k0 += kIdsAtOnce) {
-    int32_t v[kIdsAtOnce];
-    load_ids(ids, K, k0, v);
-    for (int i = 0; i < n; ++i) {
-      bool hit = false;
+  for (int i = 0; i < n; ++i) {
+    bool hit = false;
 #pragma unroll
-      for (int j = 0; j < kIdsAtOnce; ++j) hit |= v[j] == experts[i];
-      holds |= uint32_t(hit && experts[i] >= 0) << i;
-    }
+    for (int j = 0; j < kIdsAtOnce; ++j) hit |= v[j] == experts[i];
+    holds |= uint32_t(hit && experts[i] >= 0) << i;
   }
   return holds;
 }
 
-// Block c (every chunk but the last): the rows of chunk c holding each local expert.
-__global__ void __launch_bounds__(kThreads) count_chunks_kernel(ExpertPaddedArgs args) {
-  extern __shared__ int32_t chunk_count[];  // [E_l]
+// The same for a row of K ids, from its id k_begin on.
+__device__ uint32_t holds_experts(const int32_t* ids, int K, const int32_t* experts, int n,
+                                  int k_begin = 0) {
+  uint32_t holds = 0;
+  for (int k0 = k_begin; k0 < K; k0 += kIdsAtOnce) {
+    int32_t v[kIdsAtOnce];
+    load_ids(ids, K, k0, v);
+    holds |= holds_experts(v, experts, n);
+  }
+  return holds;
+}
+
+// The rows of every chunk but the last holding each local expert, added into chunk_counts
+// (zeroed before): a thread per row, a block per kCountRows rows of a chunk, so that even a few
+// chunks spread over many SMs.
+constexpr int kCountRows = 128;
+static_assert(kExpertChunkRows % kCountRows == 0, "a chunk is whole count blocks");
+__global__ void __launch_bounds__(kCountRows) count_chunks_kernel(ExpertPaddedArgs args) {
+  extern __shared__ int32_t block_count[];  // [E_l]
   const int El = args.experts_per_rank, K = args.num_topk;
-  for (int e = threadIdx.x; e < El; e += kThreads) chunk_count[e] = 0;
+  const int chunk = blockIdx.x / (kExpertChunkRows / kCountRows);
+  for (int e = threadIdx.x; e < El; e += kCountRows) block_count[e] = 0;
   __syncthreads();
-  const int64_t begin = int64_t(blockIdx.x) * kExpertChunkRows * K;
-  for (int64_t i = begin + threadIdx.x; i < begin + int64_t(kExpertChunkRows) * K; i += kThreads) {
-    const int32_t e = distinct_expert(args.topk_rows + i / K * K, int(i % K), El);
-    if (e >= 0) atomicAdd(&chunk_count[e], 1);
+  const int64_t row = int64_t(blockIdx.x) * kCountRows + threadIdx.x;
+  for (int k = 0; k < K; ++k) {
+    const int32_t e = distinct_expert(args.topk_rows + row * K, k, El);
+    if (e >= 0) atomicAdd(&block_count[e], 1);
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < El; e += kThreads)
-    args.chunk_counts[int64_t(blockIdx.x) * El + e] = chunk_count[e];
+  for (int e = threadIdx.x; e < El; e += kCountRows)
+    if (block_count[e]) atomicAdd(&args.chunk_counts[int64_t(chunk) * El + e], block_count[e]);
 }
 
 // The padded placement's blocks: small, so that a wave holds every row's block and each
@@ -143,22 +156,27 @@ struct RowStage {
 using XStage = RowStage<8>;      // 16 KB of a row per stage
 using ScaleStage = RowStage<1>;  // 512 scales per stage
 
-// Copies `bytes` of src to each row `dst_rows[i] * bytes` of dst (i < n, those >= 0); `staged`:
-// the first stage, already loaded when the row is 16-byte aligned (else bytes one by one).
+// Copies `bytes` of src to each row `lane_row * bytes` of dst that lanes i < n of the warp hold
+// (those >= 0); `staged`: the first stage, already loaded when the row is 16-byte aligned (else
+// bytes one by one).
 template <int kWords>
 __device__ void copy_to_rows(uint8_t* dst, const uint8_t* src, int64_t bytes, bool aligned,
-                             const RowStage<kWords>& staged, const int64_t* dst_rows, int n) {
+                             const RowStage<kWords>& staged, int64_t lane_row, int n) {
   if (!aligned) {
-    for (int i = threadIdx.x / 32; i < n; i += kPaddedWarps)
-      if (dst_rows[i] >= 0) copy_bytes(dst + dst_rows[i] * bytes, src, 0, bytes);
+    for (int i = threadIdx.x / 32; i < n; i += kPaddedWarps) {
+      const int64_t row = __shfl_sync(~0u, lane_row, i);
+      if (row >= 0) copy_bytes(dst + row * bytes, src, 0, bytes);
+    }
     return;
   }
   const int64_t words = bytes / 16;
   for (int64_t first = 0; first < words; first += RowStage<kWords>::kStageWords) {
     RowStage<kWords> stage = staged;
     if (first > 0) stage.load(src, words, first);
-    for (int i = 0; i < n; ++i)
-      if (dst_rows[i] >= 0) stage.store(dst + dst_rows[i] * bytes, words, first);
+    for (int i = 0; i < n; ++i) {
+      const int64_t row = __shfl_sync(~0u, lane_row, i);
+      if (row >= 0) stage.store(dst + row * bytes, words, first);
+    }
   }
 }
 
@@ -177,17 +195,18 @@ struct PaddedSlot {
   int column;
 };
 __device__ PaddedSlot padded_slot(const int32_t* ids, const float* weights, int K, int k0, int El) {
-  const int lane = threadIdx.x % 32, k = k0 + lane;
+  const int lane = threadIdx.x % 32, k = k0 + lane, n = min(32, K - k0);
   const int32_t id = k < K ? ids[k] : -1;
   const float w = k < K ? weights[k] : 0.f;
-  const bool first = __ffs(__match_any_sync(~0u, id)) - 1 == lane;
-  PaddedSlot slot{id >= 0 && id < El && first && !row_has_expert(ids, k0, id) ? id : -1, 0.f, 0};
-  for (int j = 0; j < 32; ++j) {  // this group
+  // The slot names its id first in the whole row: first in this group, in no group before.
+  const bool leads = __ffs(__match_any_sync(~0u, id)) - 1 == lane && !row_has_expert(ids, k0, id);
+  PaddedSlot slot{id >= 0 && id < El && leads ? id : -1, 0.f, 0};
+  for (int j = 0; j < n; ++j) {  // this group
     const int32_t other = __shfl_sync(~0u, id, j);
     const float other_w = __shfl_sync(~0u, w, j);
-    const bool other_first = __shfl_sync(~0u, first, j) && !row_has_expert(ids, k0, other);
+    const bool other_leads = __shfl_sync(~0u, leads, j);
     slot.weight += other == slot.expert ? other_w : 0.f;
-    slot.column += other >= 0 && other < slot.expert && other_first;
+    slot.column += other >= 0 && other < slot.expert && other_leads;
   }
   for (int j = 0; j < K; ++j) {  // the other groups (none when K <= 32)
     if (j == k0) j += 32;
@@ -200,12 +219,12 @@ __device__ PaddedSlot padded_slot(const int32_t* ids, const float* weights, int 
 }
 
 // Rank-level row r to the rows of its experts, 32 slots at a time: every thread tests rows of
-// r's chunk before r against the slots' experts and warps count the hits per slot; lane i of
-// warp 0 adds the counts for slot i, writes its maps and weight; then the block stores the row
-// (and its scales) there.
+// r's chunk before r against the slots' experts and warps count the hits per slot; then lane i
+// of every warp adds the counts for slot i (warp 0 writes the maps and weight) and the block
+// stores the row (and its scales) there. The loads that need nothing else (the row's first
+// stage, its ids, the ids of the scan's first pass) are issued first, together.
 __device__ void place_padded_row(const ExpertPaddedArgs& args, int r) {
   __shared__ int32_t slot_expert[kPaddedWarps][32], warp_hits[kPaddedWarps][32];
-  __shared__ int64_t slot_row[32];  // the slot's expert row, or -1
   const int El = args.experts_per_rank, K = args.num_topk, C = args.capacity;
   const int M = args.max_per_row(), lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int32_t* ids = args.topk_rows + int64_t(r) * K;
@@ -214,11 +233,14 @@ __device__ void place_padded_row(const ExpertPaddedArgs& args, int r) {
   const uint8_t* scales = args.scale_rows + r * args.scale_row_bytes;
   const bool x_aligned = aligned16(x, args.x_out, args.x_row_bytes);
   const bool scales_aligned = aligned16(scales, args.scales_out, args.scale_row_bytes);
-  XStage x_stage;  // loaded while the block finds the rows
+  XStage x_stage;
   ScaleStage scale_stage;
   if (x_aligned) x_stage.load(x, args.x_row_bytes / 16, 0);
   if (scales_aligned) scale_stage.load(scales, args.scale_row_bytes / 16, 0);
-  const int chunk = r / kExpertChunkRows;
+  const int chunk_begin = r / kExpertChunkRows * kExpertChunkRows;
+  const int q0 = chunk_begin + threadIdx.x;  // this thread's row in the scan's first pass
+  int32_t q0_ids[kIdsAtOnce];
+  load_ids(args.topk_rows + int64_t(q0) * K, q0 < r ? K : 0, 0, q0_ids);
   int distinct = 0;
   for (int k0 = 0; k0 < K; k0 += 32) {
     const int n = min(32, K - k0);
@@ -226,11 +248,17 @@ __device__ void place_padded_row(const ExpertPaddedArgs& args, int r) {
     distinct += __popc(__ballot_sync(~0u, slot.expert >= 0));
     slot_expert[warp][lane] = slot.expert;  // each warp its own copy: no block barrier
     __syncwarp();
+    const int32_t* experts = slot_expert[warp];
     int hits = 0;  // lane i: this warp's rows holding slot i's expert
-    for (int base = chunk * kExpertChunkRows; base < r; base += kPaddedThreads) {
+    for (int base = chunk_begin; base < r; base += kPaddedThreads) {
       const int q = base + threadIdx.x;
       uint32_t holds = 0;  // bit i: row q holds slot i's expert
-      if (q < r) holds = holds_experts(args.topk_rows + int64_t(q) * K, K, slot_expert[warp], n);
+      if (q < r) {
+        const int32_t* q_ids = args.topk_rows + int64_t(q) * K;
+        holds = base == chunk_begin ? holds_experts(q0_ids, experts, n) |
+                                          holds_experts(q_ids, K, experts, n, kIdsAtOnce)
+                                    : holds_experts(q_ids, K, experts, n);
+      }
       for (int i = 0; i < n; ++i) {
         const int found = __popc(__ballot_sync(~0u, holds >> i & 1u));
         if (lane == i) hits += found;
@@ -238,13 +266,13 @@ __device__ void place_padded_row(const ExpertPaddedArgs& args, int r) {
     }
     warp_hits[warp][lane] = hits;
     __syncthreads();
+    const int32_t e = slot.expert;
+    int pos = 0;  // rows before r holding e: this chunk's, then the earlier chunks'
+    for (int w = 0; w < kPaddedWarps; ++w) pos += warp_hits[w][lane];
+    for (int c = 0; e >= 0 && c < r / kExpertChunkRows; ++c)
+      pos += args.chunk_counts[int64_t(c) * El + e];
+    const int64_t at = e >= 0 && pos < C ? int64_t(e) * C + pos : -1;  // -1: none, or dropped
     if (warp == 0) {
-      const int32_t e = slot.expert;
-      int pos = 0;  // rows before r holding e: this chunk's, then the earlier chunks'
-      for (int w = 0; w < kPaddedWarps; ++w) pos += warp_hits[w][lane];
-      for (int c = 0; e >= 0 && c < chunk; ++c) pos += args.chunk_counts[int64_t(c) * El + e];
-      const int64_t at = e >= 0 && pos < C ? int64_t(e) * C + pos : -1;  // -1: none, or dropped
-      slot_row[lane] = at;
       if (e >= 0) args.expert_rows[int64_t(r) * M + slot.column] = int32_t(at);
       if (at >= 0) {
         args.expert_src[at] = r;
@@ -252,11 +280,9 @@ __device__ void place_padded_row(const ExpertPaddedArgs& args, int r) {
         args.weights_out[at] = slot.weight;
       }
     }
-    __syncthreads();
-    copy_to_rows(args.x_out, x, args.x_row_bytes, x_aligned, x_stage, slot_row, n);
-    copy_to_rows(args.scales_out, scales, args.scale_row_bytes, scales_aligned, scale_stage,
-                 slot_row, n);
-    __syncthreads();  // the slots' arrays are taken again
+    copy_to_rows(args.x_out, x, args.x_row_bytes, x_aligned, x_stage, at, n);
+    copy_to_rows(args.scales_out, scales, args.scale_row_bytes, scales_aligned, scale_stage, at, n);
+    if (k0 + 32 < K) __syncthreads();  // warp_hits is written again
   }
   for (int m = distinct + threadIdx.x; m < M; m += kPaddedThreads)
     args.expert_rows[int64_t(r) * M + m] = -1;
@@ -345,7 +371,11 @@ std::string expert_padded(cudaStream_t stream, const ExpertPaddedArgs& args) {
   if (args.chunks() > 1) {
     if (chunk_smem > 48 * 1024)
       return "jax_ep: the expert_padded layout on GPUs takes at most 12288 local experts";
-    count_chunks_kernel<<<args.chunks() - 1, kThreads, chunk_smem, stream>>>(args);
+    const int full_chunks = args.chunks() - 1;
+    const int count_blocks = full_chunks * (kExpertChunkRows / kCountRows);
+    JAX_EP_CUDA_TRY(
+        cudaMemsetAsync(args.chunk_counts, 0, sizeof(int32_t) * int64_t(full_chunks) * El, stream));
+    count_chunks_kernel<<<count_blocks, kCountRows, chunk_smem, stream>>>(args);
   }
   padded_kernel<<<args.rows + El, kPaddedThreads, 0, stream>>>(args);
   JAX_EP_CUDA_TRY(cudaGetLastError());
