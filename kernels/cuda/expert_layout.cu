@@ -4,7 +4,7 @@
 // Padded (expert_padded): a block per rank-level row finds each of its experts' row (the rows
 // before it in its chunk of kExpertChunkRows holding that expert, plus the counts of the earlier
 // chunks, which a first kernel counts when there are several) and copies the row there; a block
-// per expert counts its rows and marks its padding in the maps.
+// per kExpertsPerBlock experts counts their rows and marks their padding in the maps.
 #include "kernels/cuda/rows.cuh"
 #include "kernels/cuda/sync.cuh"
 #include "kernels/cuda/warp.cuh"
@@ -288,38 +288,54 @@ __device__ void place_padded_row(const ExpertPaddedArgs& args, int r) {
     args.expert_rows[int64_t(r) * M + m] = -1;
 }
 
-// Expert e: its rows before the capacity (the earlier chunks' counts plus the last chunk's rows
-// holding it), those kept, and -1 / 0 in the maps past them.
-__device__ void finish_padded_expert(const ExpertPaddedArgs& args, int e) {
-  __shared__ int32_t total;
-  if (threadIdx.x == 0) total = 0;
+// Experts [e0, e0 + kExpertsPerBlock): their rows (the earlier chunks' counts plus the last
+// chunk's rows holding them, a thread per row reading its ids once), those kept before the
+// capacity, and -1 / 0 in the maps past them. A block takes several experts so that the last
+// chunk's ids are read a few times, not once per expert.
+constexpr int kExpertsPerBlock = 8;
+static_assert(kExpertsPerBlock <= kPaddedThreads, "a thread per expert's total");
+__device__ void finish_padded_experts(const ExpertPaddedArgs& args, int e0) {
+  __shared__ int32_t total[kExpertsPerBlock];
+  const int K = args.num_topk, C = args.capacity, last = args.chunks() - 1;
+  const int n = min(kExpertsPerBlock, args.experts_per_rank - e0);
+  if (threadIdx.x < n) total[threadIdx.x] = 0;
   __syncthreads();
-  const int last = args.chunks() - 1, K = args.num_topk;
-  int count = 0;
-  for (int c = threadIdx.x; c < last; c += kPaddedThreads)
-    count += args.chunk_counts[int64_t(c) * args.experts_per_rank + e];
-  for (int q = last * kExpertChunkRows + threadIdx.x; q < args.rows; q += kPaddedThreads)
-    count += holds_experts(args.topk_rows + int64_t(q) * K, K, &e, 1);
-  if (count) atomicAdd(&total, count);
-  __syncthreads();
-  const int kept = min(total, args.capacity);
-  if (threadIdx.x == 0) {
-    args.tokens_per_expert[e] = kept;
-    args.expert_counts[e] = total;
+  for (int i = threadIdx.x; i < n * last; i += kPaddedThreads)
+    atomicAdd(&total[i % n],
+              args.chunk_counts[int64_t(i / n) * args.experts_per_rank + e0 + i % n]);
+  for (int q = last * kExpertChunkRows + threadIdx.x; q < args.rows; q += kPaddedThreads) {
+    const int32_t* ids = args.topk_rows + int64_t(q) * K;
+    for (int k0 = 0; k0 < K; k0 += kIdsAtOnce) {
+      int32_t v[kIdsAtOnce];
+      load_ids(ids, K, k0, v);
+#pragma unroll
+      for (int i = 0; i < kIdsAtOnce; ++i) {
+        bool first = v[i] >= e0 && v[i] < e0 + n;
+#pragma unroll
+        for (int j = 0; j < i; ++j) first &= v[j] != v[i];
+        if (first && !row_has_expert(ids, k0, v[i])) atomicAdd(&total[v[i] - e0], 1);
+      }
+    }
   }
-  for (int pos = kept + threadIdx.x; pos < args.capacity; pos += kPaddedThreads) {
-    const int64_t at = int64_t(e) * args.capacity + pos;
+  __syncthreads();
+  if (threadIdx.x < n) {
+    args.tokens_per_expert[e0 + threadIdx.x] = min(total[threadIdx.x], C);
+    args.expert_counts[e0 + threadIdx.x] = total[threadIdx.x];
+  }
+  for (int i = threadIdx.x; i < n * C; i += kPaddedThreads) {
+    if (i % C < total[i / C]) continue;
+    const int64_t at = int64_t(e0) * C + i;
     args.expert_src[at] = args.expert_of_row[at] = -1;
     args.weights_out[at] = 0.f;
   }
 }
 
-// Blocks [0, rows): a rank-level row each; blocks [rows, rows + E_l): an expert each.
+// Blocks [0, rows): a rank-level row each; the blocks after: kExpertsPerBlock experts each.
 __global__ void __launch_bounds__(kPaddedThreads) padded_kernel(ExpertPaddedArgs args) {
   if (int(blockIdx.x) < args.rows)
     place_padded_row(args, blockIdx.x);
   else
-    finish_padded_expert(args, blockIdx.x - args.rows);
+    finish_padded_experts(args, (blockIdx.x - args.rows) * kExpertsPerBlock);
 }
 
 // Block r copies rank-layout row r to each of its expert rows, 16 bytes a thread where the rows
@@ -377,7 +393,8 @@ std::string expert_padded(cudaStream_t stream, const ExpertPaddedArgs& args) {
         cudaMemsetAsync(args.chunk_counts, 0, sizeof(int32_t) * int64_t(full_chunks) * El, stream));
     count_chunks_kernel<<<count_blocks, kCountRows, chunk_smem, stream>>>(args);
   }
-  padded_kernel<<<args.rows + El, kPaddedThreads, 0, stream>>>(args);
+  const int expert_blocks = (El + kExpertsPerBlock - 1) / kExpertsPerBlock;
+  padded_kernel<<<args.rows + expert_blocks, kPaddedThreads, 0, stream>>>(args);
   JAX_EP_CUDA_TRY(cudaGetLastError());
   return {};
 }
