@@ -25,9 +25,7 @@ twice bf16's). Where torch is importable with a GPU, its forwards run too, in a 
 (torch._scaled_grouped_mm, FP8 with one scale per row of lhs and per column of each weight,
 coarser than jax_ep's 1 x 128 / 128 x 128 blocks). The first case of each projection sweeps a
 few Mosaic block sizes per product (the other cases use the best) and CUTLASS's tile orders
-("cutlass_order", "cutlass_fp8_order": cutlass.ORDERS takes the best), and in every case the
-FP8 kernel's tile shapes ("cutlass_fp8_tile": cutlass.FP8_TILE_BY_SHAPE takes the best). Prints
-a table; writes
+("cutlass_order", "cutlass_fp8_order": cutlass.ORDERS takes the best). Prints a table; writes
 bench/results/grouped-matmul-<machine>-<date>.json.
 """
 
@@ -242,8 +240,7 @@ def torch_forwards(rows, k, n, sizes):
 def run_case(case, plan, sweep, counts, results):
     """Times the implementations of the three products of one case. plan: the Mosaic blocks;
     sweep: what to sweep ("mosaic": also SWEEP's blocks, jax's unaligned forward kernels, and
-    return the best blocks per product; "cutlass": also ORDER_SWEEP's tile orders; "tiles": the
-    FP8 kernel's tile shapes)."""
+    return the best blocks per product; "cutlass": also ORDER_SWEEP's tile orders)."""
     ranks, groups, rows, projection, k, n, distribution, alignment = case
     sizes = group_sizes(distribution, rows, groups, alignment)
     lhs, rhs, ct = operands(rows, k, n, groups)
@@ -344,10 +341,6 @@ def run_case(case, plan, sweep, counts, results):
                 timed(kind, "cutlass_order", step, args, list(order))
                 if kind == "gmm":
                     timed(kind, "cutlass_fp8_order", fp8_order_step(order), fp8_args, list(order))
-            if kind == "gmm" and "tiles" in sweep:
-                for tile, name in enumerate(cutlass.FP8_TILES):
-                    order = cutlass.ORDERS["gmm_fp8"]._replace(tile=tile)
-                    timed(kind, "cutlass_fp8_tile", fp8_order_step(order), fp8_args, [tile, name])
         if distribution == "uniform":
             timed(kind, "dense", dense_step(kind, groups), args)
             if kind == "gmm":
@@ -472,10 +465,9 @@ def main(argv=None):
     parser.add_argument("--counts", default="1,4", help="loop lengths timed (low,high)")
     parser.add_argument(
         "--sweep",
-        default="mosaic,cutlass,tiles",
-        help="sweep these kernels' blocks or tile orders in each projection's first case, and "
-        "with tiles the FP8 kernel's tile shapes in every case (comma-separated; empty: the "
-        "defaults only)",
+        default="mosaic,cutlass",
+        help="sweep these kernels' blocks or tile orders in each projection's first case "
+        "(comma-separated; empty: the defaults only)",
     )
     parser.add_argument(
         "--decode-tokens",
@@ -504,13 +496,12 @@ def main(argv=None):
     if problems:
         print("  mosaic kernels not timed:", "; ".join(problems), flush=True)
     results, blocks = [], {}  # the best blocks per projection, from its first case
-    sweeps = args.sweep.split(",")
     for case in cases:
         projection = case[3]
         found = run_case(
             case,
             dataclasses.replace(grouped.MOSAIC_BLOCKS, **blocks.get(projection, {})),
-            [s for s in sweeps if s == "tiles"] if projection in blocks else sweeps,
+            () if projection in blocks else args.sweep.split(","),
             counts,
             results,
         )

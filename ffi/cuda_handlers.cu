@@ -172,7 +172,7 @@ ffi::Error grouped_gemm_fp8(CudaContext c, ffi::ScratchAllocator scratch, ffi::A
                             ffi::Buffer<ffi::F32, 2> lhs_scales, ffi::AnyBuffer rhs,
                             ffi::Buffer<ffi::F32, 3> rhs_scales,
                             ffi::Buffer<ffi::S32, 1> group_sizes, ffi::Result<ffi::AnyBuffer> out,
-                            int32_t raster, int32_t swizzle, int32_t tile) {
+                            int32_t raster, int32_t swizzle) {
   const auto l = lhs.dimensions(), r = rhs.dimensions(), o = out->dimensions();
   const auto ls = lhs_scales.dimensions(), rs = rhs_scales.dimensions();
   if (lhs.element_type() != ffi::DataType::F8E4M3FN ||
@@ -196,10 +196,6 @@ ffi::Error grouped_gemm_fp8(CudaContext c, ffi::ScratchAllocator scratch, ffi::A
   a.rhs_scales = rhs_scales.typed_data();
   a.group_sizes = group_sizes.typed_data();
   a.out = out->untyped_data();
-  constexpr int tiles = int(std::size(cuda::kFp8Tiles));
-  if (tile < 0 || tile >= tiles)
-    return invalid("grouped FP8 matmul: tile must be in [0, " + std::to_string(tiles) + ")");
-  a.tile = tile;
   return run_grouped_gemm(c, scratch, a, raster, swizzle);
 }
 
@@ -230,7 +226,6 @@ auto bind_grouped_gemm_fp8() {
       .Ret<ffi::AnyBuffer>()
       .Attr<int32_t>("raster")
       .Attr<int32_t>("swizzle")
-      .Attr<int32_t>("tile")
       .To(grouped_gemm_fp8);
 }
 #endif

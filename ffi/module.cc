@@ -12,9 +12,6 @@
 #include "kernels/limits.h"
 #ifdef JAX_EP_WITH_CUDA
 #include "kernels/comm/cuda_ipc.h"
-#ifdef JAX_EP_WITH_GROUPED_GEMM
-#include "kernels/cuda/grouped_gemm.h"
-#endif
 #include "kernels/comm/nccl.h"
 #endif
 
@@ -125,8 +122,6 @@ NB_MODULE(_native, m) {
   m.attr("has_cuda") = true;
 #ifdef JAX_EP_WITH_GROUPED_GEMM
   m.attr("has_grouped_gemm") = true;  // CUTLASS's grouped matmuls (kernels/cuda/grouped_gemm.h)
-  m.attr("grouped_gemm_fp8_tiles") =
-      std::vector<std::string>(std::begin(cuda::kFp8Tiles), std::end(cuda::kFp8Tiles));
 #else
   m.attr("has_grouped_gemm") = false;
 #endif

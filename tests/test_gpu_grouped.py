@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep.fp8 import dequantize_fp8
-from jax_ep.nn import cutlass, grouped
+from jax_ep.nn import grouped
 
 pytestmark = pytest.mark.gpu
 TOLERANCE = 1e-2  # bfloat16 outputs of float32 sums: ~2^-9 relative per element
@@ -72,7 +72,6 @@ def assert_like_xla(lhs, rhs, ct, sizes, impl="mosaic", **kwargs):
 
 def test_auto_takes_the_kernels_here():
     assert jax_ep._native.has_grouped_gemm, "the GPU tests need a build with CUTLASS's kernels"
-    assert cutlass.FP8_TILES, "the build names the FP8 kernel's tiles"
     assert grouped.resolve_impl("auto", (1024, 256), (8, 256, 384), jnp.bfloat16) == "cutlass"
     assert grouped.resolve_impl("auto", (1024, 256), (8, 256, 384), jnp.float16) == "mosaic"
     assert grouped.resolve_impl("auto", (1024, 256), (8, 256, 384), jnp.float32) == "xla"
@@ -187,7 +186,7 @@ def test_under_command_buffers(impl):
     the Mosaic kernels inside them, CUTLASS's calls between them (their scratch is per call)."""
     code = """
         import jax, jax.numpy as jnp, numpy as np
-        from jax_ep.nn import cutlass, grouped
+        from jax_ep.nn import grouped
         keys = jax.random.split(jax.random.key(0), 2)
         lhs = jax.random.normal(keys[0], (1024, 256), jnp.bfloat16)
         rhs = (jax.random.normal(keys[1], (8, 256, 256)) / 16).astype(jnp.bfloat16)
@@ -291,32 +290,6 @@ def test_fp8_matches_xla(name, impl):
 @pytest.mark.parametrize("k,n", [(7168, 2048), (2048, 7168)])
 def test_fp8_v3_expert_shapes(k, n, impl):
     assert_fp8_like_xla(4096, k, n, zipf_sizes(4096, 32, 128 if impl == "mosaic" else 1), impl)
-
-
-@pytest.mark.parametrize("tile", range(len(cutlass.FP8_TILES)))
-@pytest.mark.parametrize("case", ["skewed", "unaligned", "no_rows", "v3_gate_up", "v3_down"])
-def test_fp8_tiles_match_xla(case, tile):
-    """Each tile shape of CUTLASS's FP8 kernel (cutlass.FP8_TILES) against the XLA path's product
-    of the same FP8 values; rows past the groups zero."""
-    if case.startswith("v3"):
-        m, (k, n) = 4096, (7168, 2048) if case == "v3_gate_up" else (2048, 7168)
-        sizes = zipf_sizes(m, 32, 1)
-    else:
-        m, k, n, sizes = 1024, 256, 384, SIZES[case]
-    lhs, lhs_q, scales, rhs, _ = fp8_inputs(m, k, n, len(sizes))
-    sizes = jnp.asarray(sizes, jnp.int32)
-    rhs_q, rhs_scales = jax.jit(grouped.quantize_weights_fp8)(rhs)
-    order = cutlass.ORDERS["gmm_fp8"]._replace(tile=tile)
-    got = jax.jit(lambda *a: cutlass.gmm_fp8(*a, jnp.bfloat16, order))(
-        lhs_q, scales, rhs_q, rhs_scales, sizes
-    )
-    want = jax.jit(functools.partial(grouped.fp8_grouped_matmul, impl="xla"))(
-        lhs, lhs_q, scales, rhs, sizes
-    )
-    past = int(np.sum(sizes))
-    assert got.dtype == jnp.bfloat16 and not np.asarray(got)[past:].any()
-    if past:
-        assert relative_error(got, want) < TOLERANCE, relative_error(got, want)
 
 
 def assert_fp8_dgrad_like_xla(m, k, n, sizes, impl):

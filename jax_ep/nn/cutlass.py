@@ -24,12 +24,10 @@ DTYPES = (jnp.dtype(jnp.bfloat16),)
 class Order(NamedTuple):
     """The order in which a kernel's persistent CTAs take the output tiles: "m" (down the rows
     of a column of tiles first: neighbouring CTAs share the weights' tile) or "n" (along a row
-    of tiles first), swizzle (1, 2, 4 or 8) tiles side by side across that order; tile (the
-    FP8 kernel only): its tile shape, an index into FP8_TILES."""
+    of tiles first), swizzle (1, 2, 4 or 8) tiles side by side across that order."""
 
     raster: str = "m"
     swizzle: int = 1
-    tile: int = 0
 
     def attributes(self):
         return {"raster": np.int32(self.raster == "n"), "swizzle": np.int32(self.swizzle)}
@@ -41,10 +39,6 @@ ORDERS = {  # per product: the best of bench.grouped_matmul's sweep at DeepSeek-
     "tgmm": Order(),
     "gmm_fp8": Order(),
 }
-# The FP8 kernel's tile shapes (kernels/cuda/grouped_gemm.h kFp8Tiles), and the one taken per
-# (K, N): the best of bench.grouped_matmul's sweep on one H200 (others: ORDERS["gmm_fp8"]'s).
-FP8_TILES = tuple(getattr(_native, "grouped_gemm_fp8_tiles", ()))
-FP8_TILE_BY_SHAPE = {}
 
 
 def built():
@@ -80,13 +74,9 @@ def gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, out_dtype, order=
     """gmm from FP8 operands -> [M, N] out_dtype (bfloat16): lhs_q [M, K] e4m3fn with scales
     [M, K/128], rhs_q [G, N, K] with scales [G, N/128, K/128] (jax_ep.fp8's formats). The
     kernel applies each 128 of K's scales to that step's product in float32. It reads the
-    weights' scales with the N block index fastest: transposed here (a small array). order:
-    default ORDERS["gmm_fp8"] with FP8_TILE_BY_SHAPE's tile."""
+    weights' scales with the N block index fastest: transposed here (a small array)."""
     ffi_path.register_targets()
     m, n = lhs_q.shape[0], rhs_q.shape[1]
-    if order is None:
-        tile = FP8_TILE_BY_SHAPE.get((lhs_q.shape[1], n), ORDERS["gmm_fp8"].tile)
-        order = ORDERS["gmm_fp8"]._replace(tile=tile)
     call = jax.ffi.ffi_call(
         "jax_ep_grouped_gemm_fp8",
         jax.ShapeDtypeStruct((m, n), out_dtype),
@@ -98,8 +88,7 @@ def gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, out_dtype, order=
         rhs_q,
         jnp.swapaxes(rhs_scales.astype(jnp.float32), 1, 2),
         group_sizes,
-        tile=np.int32(order.tile),
-        **order.attributes(),
+        **(order or ORDERS["gmm_fp8"]).attributes(),
     )
 
 

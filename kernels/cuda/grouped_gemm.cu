@@ -10,9 +10,6 @@
 #include <cub/block/block_scan.cuh>
 
 #include <atomic>
-#include <iterator>
-#include <tuple>
-#include <utility>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -111,21 +108,12 @@ using Bf16Kernel = GroupedKernel<Bf16, LayoutA, LayoutB, Bf16Tile, Bf16Cluster,
 using GmmKernel = Bf16Kernel<RowMajor, RowMajor>;
 using GmmTKernel = Bf16Kernel<RowMajor, ColumnMajor>;
 using TgmmKernel = Bf16Kernel<ColumnMajor, RowMajor>;
-// FP8: tiles 128 deep (one scale block per step), in kFp8Tiles' order.
+// FP8: 128 x 128 tiles, 128 deep (one scale block per step).
 using Fp8Scales = cutlass::detail::Sm90BlockwiseScaleConfig<1, kFp8Block, kFp8Block>;
-template <class Tile, class Cluster, class Schedule, class EpilogueSchedule>
-using Fp8Kernel = GroupedKernel<E4m3, RowMajor, ColumnMajor, Tile, Cluster, Schedule,
-                                EpilogueSchedule, Fp8Scales>;
-using Cooperative = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
-using CooperativeEpilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-using Pingpong = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
-using PingpongEpilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-using Fp8Kernels = std::tuple<
-    Fp8Kernel<Shape<_128, _128, _128>, Shape<_1, _2, _1>, Cooperative, CooperativeEpilogue>,
-    Fp8Kernel<Shape<_128, _128, _128>, Shape<_2, _1, _1>, Cooperative, CooperativeEpilogue>,
-    Fp8Kernel<Shape<_64, _128, _128>, Shape<_1, _2, _1>, Pingpong, PingpongEpilogue>,
-    Fp8Kernel<Shape<_64, _128, _128>, Shape<_2, _1, _1>, Pingpong, PingpongEpilogue>>;
-static_assert(std::tuple_size_v<Fp8Kernels> == std::size(kFp8Tiles), "a name per FP8 tile");
+using Fp8Kernel =
+    GroupedKernel<E4m3, RowMajor, ColumnMajor, Shape<_128, _128, _128>, Shape<_1, _2, _1>,
+                  cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
+                  cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, Fp8Scales>;
 
 constexpr int kSetupThreads = 1024;
 
@@ -340,18 +328,6 @@ std::string run(const GroupedGemmArgs& a, int device, void* workspace, cudaStrea
   return "";
 }
 
-// f(K{}) for the FP8 kernel K of tile index `tile` (in range: the handler checked it).
-template <class F, size_t... I>
-auto with_fp8_kernel(int tile, F f, std::index_sequence<I...>) {
-  decltype(f(std::tuple_element_t<0, Fp8Kernels>{})) result{};
-  ((tile == int(I) ? (result = f(std::tuple_element_t<I, Fp8Kernels>{}), 0) : 0), ...);
-  return result;
-}
-template <class F>
-auto with_fp8_kernel(int tile, F f) {
-  return with_fp8_kernel(tile, f, std::make_index_sequence<std::tuple_size_v<Fp8Kernels>>{});
-}
-
 }  // namespace
 
 bool grouped_gemm_available(int device) { return device_info(device).sm90; }
@@ -365,8 +341,7 @@ size_t grouped_gemm_workspace_bytes(const GroupedGemmArgs& a, int device) {
     case GroupedProduct::kTgmm:
       return workspace_bytes<TgmmKernel>(a, device);
     case GroupedProduct::kGmmFp8:
-      return with_fp8_kernel(
-          a.tile, [&](auto kernel) { return workspace_bytes<decltype(kernel)>(a, device); });
+      return workspace_bytes<Fp8Kernel>(a, device);
   }
   return 0;
 }
@@ -381,9 +356,7 @@ std::string grouped_gemm(const GroupedGemmArgs& a, int device, void* workspace,
     case GroupedProduct::kTgmm:
       return run<TgmmKernel, GroupedProduct::kTgmm>(a, device, workspace, stream);
     case GroupedProduct::kGmmFp8:
-      return with_fp8_kernel(a.tile, [&](auto kernel) {
-        return run<decltype(kernel), GroupedProduct::kGmmFp8>(a, device, workspace, stream);
-      });
+      return run<Fp8Kernel, GroupedProduct::kGmmFp8>(a, device, workspace, stream);
   }
   return "grouped matmul: unknown product";
 }

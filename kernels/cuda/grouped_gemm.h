@@ -18,23 +18,12 @@ namespace jax_ep::cuda {
 //   gmm_fp8  gmm from e4m3 lhs [M, K] (1 x 128 scales) and rhs [G, N, K] (128 x 128 scales)
 enum class GroupedProduct : int32_t { kGmm = 0, kGmmT = 1, kTgmm = 2, kGmmFp8 = 3 };
 
-// The FP8 kernel's tiles (output rows x columns, the schedule of its two consumer warpgroups,
-// the cluster of CTAs sharing loads), in GroupedGemmArgs::tile's order: bench.grouped_matmul
-// sweeps them and jax_ep/nn/cutlass.py picks one per shape.
-inline constexpr const char* kFp8Tiles[] = {
-    "128x128 cooperative, cluster 1x2",
-    "128x128 cooperative, cluster 2x1",
-    "64x128 pingpong, cluster 1x2",
-    "64x128 pingpong, cluster 2x1",
-};
-
 struct GroupedGemmArgs {
   GroupedProduct product;
   int64_t m, k, n;             // as in the shapes above (for gmm_t, out is [M, K])
   int32_t groups;              // G
   int32_t raster;              // output tiles in order down M first (0) or along N first (1),
   int32_t swizzle;             // this many (1, 2, 4, 8) side by side across that order
-  int32_t tile;                // gmm_fp8: an index into kFp8Tiles (the others: 0)
   int64_t group_stride;        // gmm: 0, or group g's rows start at row g * group_stride (at
                                // most group_stride rows each; the rows past them unwritten)
   const void* lhs;             // bfloat16 (e4m3 for gmm_fp8)
