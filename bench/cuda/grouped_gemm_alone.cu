@@ -1,0 +1,138 @@
+// The grouped matmuls' CUTLASS kernels timed alone, outside JAX: a standalone program that
+// includes a kernel source (KERNEL: kernels/cuda/grouped_gemm.cu, or an edited copy of it, e.g.
+// another tile shape), runs one bf16 product of 32768 rows in 32 groups (uniform, or Zipf in
+// multiples of 128 rows as bench.grouped_matmul makes them), prints a checksum of the output
+// (variants must agree to bf16 rounding) and the product's TFLOP/s (median of 7 samples of 20
+// calls). Without NDEBUG, CuTe's device asserts are calls that make ptxas serialize the warpgroup
+// MMAs (its warning C7510): build as the wheel does.
+//   nvcc -std=c++17 -O3 -DNDEBUG -arch=sm_90a -I. -isystem $CUTLASS/include \
+//     -isystem $CUTLASS/tools/util/include --expt-relaxed-constexpr \
+//     [-DKERNEL='"copy.cu"'] bench/cuda/grouped_gemm_alone.cu -o gemm
+//   ./gemm gmm|gmm_t|tgmm K N uniform|zipf
+#ifndef KERNEL
+#define KERNEL "kernels/cuda/grouped_gemm.cu"
+#endif
+#include KERNEL
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+void check(cudaError_t status, int line) {
+  if (status == cudaSuccess) return;
+  std::printf("CUDA error at line %d: %s\n", line, cudaGetErrorString(status));
+  std::exit(1);
+}
+#define CHECK(expr) check(expr, __LINE__)
+
+// Values in [-1, 1) from a hash of the index (scaled by `scale`), written on the device.
+__global__ void fill_kernel(__nv_bfloat16* out, int64_t n, uint32_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    out[i] = __float2bfloat16(scale * (float(h & 0xffff) / 32768.f - 1.f));
+  }
+}
+
+__nv_bfloat16* device_random(int64_t n, uint32_t seed, float scale = 1.f) {
+  __nv_bfloat16* p;
+  CHECK(cudaMalloc(&p, n * sizeof(*p)));
+  fill_kernel<<<1024, 256>>>(p, n, seed, scale);
+  CHECK(cudaGetLastError());
+  return p;
+}
+
+// bench.grouped_matmul's group sizes: `groups` multiples of 128 summing to rows.
+std::vector<int32_t> group_sizes(bool zipf, int64_t rows, int groups) {
+  const int64_t units = rows / 128;
+  std::vector<double> share(groups);
+  double total = 0;
+  for (int g = 0; g < groups; ++g) total += share[g] = zipf ? 1.0 / (g + 1) : 1.0;
+  std::vector<int32_t> sizes(groups);
+  int64_t used = 0;
+  for (int g = 0; g < groups; ++g) used += sizes[g] = int32_t(share[g] / total * units);
+  sizes[0] += int32_t(units - used);
+  for (auto& s : sizes) s *= 128;
+  return sizes;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using jax_ep::cuda::GroupedProduct;
+  if (argc < 5) {
+    std::printf("usage: %s gmm|gmm_t|tgmm K N uniform|zipf\n", argv[0]);
+    return 2;
+  }
+  const std::string name = argv[1];
+  const int64_t rows = 32768, k = std::atoll(argv[2]), n = std::atoll(argv[3]);
+  const int groups = 32;
+  const bool zipf = std::strcmp(argv[4], "zipf") == 0;
+  jax_ep::cuda::GroupedGemmArgs a{};
+  a.product = name == "gmm"     ? GroupedProduct::kGmm
+              : name == "gmm_t" ? GroupedProduct::kGmmT
+                                : GroupedProduct::kTgmm;
+  a.m = rows, a.k = k, a.n = n, a.groups = groups, a.raster = 0, a.swizzle = 1;
+  // gmm: [M, K] x [G, K, N]; gmm_t: [M, N] x [G, K, N]; tgmm: [M, K] x [M, N] -> [G, K, N].
+  const int64_t lhs_cols = a.product == GroupedProduct::kGmmT ? n : k;
+  const int64_t rhs_elems = a.product == GroupedProduct::kTgmm ? rows * n : groups * k * n;
+  const int64_t out_elems = a.product == GroupedProduct::kTgmm
+                                ? groups * k * n
+                                : rows * (a.product == GroupedProduct::kGmmT ? k : n);
+  a.lhs = device_random(rows * lhs_cols, 1);
+  a.rhs = device_random(rhs_elems, 2, 1.f / 64);
+  const auto sizes = group_sizes(zipf, rows, groups);
+  int32_t* device_sizes;
+  CHECK(cudaMalloc(&device_sizes, sizeof(int32_t) * groups));
+  CHECK(cudaMemcpy(device_sizes, sizes.data(), sizeof(int32_t) * groups, cudaMemcpyHostToDevice));
+  a.group_sizes = device_sizes;
+  __nv_bfloat16* out;
+  CHECK(cudaMalloc(&out, out_elems * sizeof(*out)));
+  a.out = out;
+  void* workspace;
+  CHECK(cudaMalloc(&workspace, jax_ep::cuda::grouped_gemm_workspace_bytes(a, 0) + 256));
+
+  cudaStream_t stream;
+  CHECK(cudaStreamCreate(&stream));
+  auto call = [&] {
+    const std::string error = jax_ep::cuda::grouped_gemm(a, 0, workspace, stream);
+    if (!error.empty()) {
+      std::printf("%s\n", error.c_str());
+      std::exit(1);
+    }
+  };
+  call();
+  CHECK(cudaStreamSynchronize(stream));
+  std::vector<__nv_bfloat16> host(out_elems);
+  CHECK(cudaMemcpy(host.data(), out, out_elems * sizeof(*out), cudaMemcpyDeviceToHost));
+  double checksum = 0;
+  for (const auto& v : host) checksum += std::abs(double(__bfloat162float(v)));
+
+  constexpr int kCalls = 20, kSamples = 7;
+  for (int i = 0; i < 3; ++i) call();
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  std::vector<float> seconds;
+  for (int s = 0; s < kSamples; ++s) {
+    CHECK(cudaEventRecord(start, stream));
+    for (int i = 0; i < kCalls; ++i) call();
+    CHECK(cudaEventRecord(stop, stream));
+    CHECK(cudaEventSynchronize(stop));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, start, stop));
+    seconds.push_back(ms / 1e3f / kCalls);
+  }
+  std::sort(seconds.begin(), seconds.end());
+  const double flops = 2.0 * rows * k * n;
+  std::printf("%s %s K %lld N %lld %s: %.1f TFLOP/s (best %.1f), checksum %.6e\n", KERNEL,
+              name.c_str(), (long long)k, (long long)n, argv[4],
+              flops / seconds[kSamples / 2] / 1e12, flops / seconds[0] / 1e12, checksum);
+}
