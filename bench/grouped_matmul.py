@@ -23,7 +23,8 @@ twice bf16's). Where torch is importable with a GPU, its forwards run too, in a 
 (its own CUDA context and allocator) on the same shapes and group sizes: "torch_dense"
 (torch.bmm), "torch_grouped" (torch._grouped_mm, bf16) and "torch_scaled_grouped"
 (torch._scaled_grouped_mm, FP8 with one scale per row of lhs and per column of each weight,
-coarser than jax_ep's 1 x 128 / 128 x 128 blocks). The first case of each projection sweeps a
+coarser than jax_ep's 1 x 128 / 128 x 128 blocks), timed as ours (differences of call
+counts). The first case of each projection sweeps a
 few Mosaic block sizes per product (the other cases use the best) and CUTLASS's tile orders
 ("cutlass_order", "cutlass_fp8_order": cutlass.ORDERS takes the best). Prints a table; writes
 bench/results/grouped-matmul-<machine>-<date>.json.
@@ -35,6 +36,7 @@ import argparse
 import dataclasses
 import importlib.util
 import multiprocessing
+import time
 
 import jax
 import jax.numpy as jnp
@@ -186,9 +188,11 @@ def fp8_forward_rate(rows, k, n, sizes, alignment, prequantized, counts=(1, 4), 
     return tflops(int(np.sum(sizes)), k, n, seconds)
 
 
-def torch_seconds(rows, k, n, sizes, iterations=20):
-    """{impl: seconds per call} of torch's forwards on these shapes (run in a child process);
-    {impl: error text} where one fails, {} without torch or a GPU."""
+def torch_seconds(rows, k, n, sizes, counts=(1, 4), repeats=5):
+    """{impl: seconds per call} of torch's forwards on these shapes (run in a child process),
+    timed as loop_seconds times ours: the best of `repeats` host-timed runs of each count of
+    back-to-back calls (synchronized before and after), their difference over the extra
+    calls; {impl: error text} where one fails, {} without torch or a GPU."""
     try:
         import torch
     except ImportError:
@@ -211,30 +215,36 @@ def torch_seconds(rows, k, n, sizes, iterations=20):
             lhs_q, rhs_q, lhs_scales, rhs_scales, offs=ends, out_dtype=torch.bfloat16
         ),
     }
+
+    def best(call, count):
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(count):
+                call()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
     out = {}
+    low, high = counts
     for impl, call in calls.items():
         try:
             call()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iterations):
-                call()
-            end.record()
-            end.synchronize()
-            out[impl] = start.elapsed_time(end) / iterations / 1e3
+            out[impl] = (best(call, high) - best(call, low)) / (high - low)
         except Exception as e:  # noqa: BLE001  (an op this torch or GPU lacks)
             out[impl] = str(e).splitlines()[0][:200]
     return out
 
 
-def torch_forwards(rows, k, n, sizes):
+def torch_forwards(rows, k, n, sizes, counts):
     """torch_seconds in a child process (spawned: no CUDA state of this one); {} without
     torch."""
     if importlib.util.find_spec("torch") is None:
         return {}
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(torch_seconds, (rows, k, n, [int(s) for s in sizes]))
+        return pool.apply(torch_seconds, (rows, k, n, [int(s) for s in sizes], counts))
 
 
 def run_case(case, plan, sweep, counts, results):
@@ -285,7 +295,7 @@ def run_case(case, plan, sweep, counts, results):
         )
         return seconds
 
-    for impl, value in torch_forwards(rows, k, n, sizes).items():
+    for impl, value in torch_forwards(rows, k, n, sizes, counts).items():
         measured = not isinstance(value, str)
         results.append(
             dict(
