@@ -23,8 +23,9 @@ twice bf16's). Where torch is importable with a GPU, its forwards run too, in a 
 (its own CUDA context and allocator) on the same shapes and group sizes: "torch_dense"
 (torch.bmm), "torch_grouped" (torch._grouped_mm, bf16) and "torch_scaled_grouped"
 (torch._scaled_grouped_mm, FP8 with one scale per row of lhs and per column of each weight,
-coarser than jax_ep's 1 x 128 / 128 x 128 blocks), timed as ours (differences of call
-counts). The first case of each projection sweeps a
+coarser than jax_ep's 1 x 128 / 128 x 128 blocks), timed as ours. Every timing starts after
+--warm-s seconds of the same calls, so that ours and torch's run on a GPU in the state
+sustained work keeps it in (bench.gemm_clocks). The first case of each projection sweeps a
 few Mosaic block sizes per product (the other cases use the best) and CUTLASS's tile orders
 ("cutlass_order", "cutlass_fp8_order": cutlass.ORDERS takes the best). Prints a table; writes
 bench/results/grouped-matmul-<machine>-<date>.json.
@@ -37,6 +38,7 @@ import dataclasses
 import importlib.util
 import multiprocessing
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +170,17 @@ def tflops(rows, k, n, seconds):
     return 2 * rows * k * n / seconds / 1e12
 
 
+class Timing(NamedTuple):
+    """How every product is timed (ours by loop_seconds, torch's alike): the loop lengths whose
+    difference is timed, and the seconds of calls before each (warm_s; 0: none)."""
+
+    counts: tuple = (1, 4)
+    warm_s: float = 0.0
+
+    def seconds(self, step, args, repeats=5):
+        return loop_seconds(step, args, self.counts, repeats, warm_s=self.warm_s)
+
+
 def forward_rates(rows, k, n, sizes, impl, alignment, counts=(1, 4)):
     """TFLOP/s of grouped_matmul's forward with these group sizes and of the dense batched
     matmul of the same FLOPs (for bench.moe_layer)."""
@@ -188,11 +201,12 @@ def fp8_forward_rate(rows, k, n, sizes, alignment, prequantized, counts=(1, 4), 
     return tflops(int(np.sum(sizes)), k, n, seconds)
 
 
-def torch_seconds(rows, k, n, sizes, counts=(1, 4), repeats=5):
+def torch_seconds(rows, k, n, sizes, timing, repeats=5):
     """{impl: seconds per call} of torch's forwards on these shapes (run in a child process),
-    timed as loop_seconds times ours: the best of `repeats` host-timed runs of each count of
-    back-to-back calls (synchronized before and after), their difference over the extra
-    calls; {impl: error text} where one fails, {} without torch or a GPU."""
+    timed as loop_seconds times ours: after timing.warm_s seconds of calls, the best of
+    `repeats` host-timed runs of each count of back-to-back calls (synchronized before and
+    after), their difference over the extra calls; {impl: error text} where one fails, {}
+    without torch or a GPU."""
     try:
         import torch
     except ImportError:
@@ -217,6 +231,10 @@ def torch_seconds(rows, k, n, sizes, counts=(1, 4), repeats=5):
     }
 
     def best(call, count):
+        warm_until = time.perf_counter() + timing.warm_s
+        while time.perf_counter() < warm_until:
+            call()
+            torch.cuda.synchronize()
         times = []
         for _ in range(repeats):
             torch.cuda.synchronize()
@@ -228,7 +246,7 @@ def torch_seconds(rows, k, n, sizes, counts=(1, 4), repeats=5):
         return min(times)
 
     out = {}
-    low, high = counts
+    low, high = timing.counts
     for impl, call in calls.items():
         try:
             call()
@@ -238,16 +256,16 @@ def torch_seconds(rows, k, n, sizes, counts=(1, 4), repeats=5):
     return out
 
 
-def torch_forwards(rows, k, n, sizes, counts):
+def torch_forwards(rows, k, n, sizes, timing):
     """torch_seconds in a child process (spawned: no CUDA state of this one); {} without
     torch."""
     if importlib.util.find_spec("torch") is None:
         return {}
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(torch_seconds, (rows, k, n, [int(s) for s in sizes], counts))
+        return pool.apply(torch_seconds, (rows, k, n, [int(s) for s in sizes], timing))
 
 
-def run_case(case, plan, sweep, counts, results):
+def run_case(case, plan, sweep, timing, results):
     """Times the implementations of the three products of one case. plan: the Mosaic blocks;
     sweep: what to sweep ("mosaic": also SWEEP's blocks, jax's unaligned forward kernels, and
     return the best blocks per product; "cutlass": also ORDER_SWEEP's tile orders)."""
@@ -269,7 +287,7 @@ def run_case(case, plan, sweep, counts, results):
         """Seconds per call, recorded and printed (None, with the error, if it fails)."""
         seconds = error = None
         try:
-            seconds = loop_seconds(step, args, counts, repeats)
+            seconds = timing.seconds(step, args, repeats)
         except Exception as e:  # noqa: BLE001  (e.g. blocks the kernel cannot fit in memory)
             error = str(e).splitlines()[0][:200]
         results.append(
@@ -295,7 +313,7 @@ def run_case(case, plan, sweep, counts, results):
         )
         return seconds
 
-    for impl, value in torch_forwards(rows, k, n, sizes, counts).items():
+    for impl, value in torch_forwards(rows, k, n, sizes, timing).items():
         measured = not isinstance(value, str)
         results.append(
             dict(
@@ -390,7 +408,7 @@ def run_case(case, plan, sweep, counts, results):
     return best
 
 
-def decode_case(ranks, tokens, topk, experts, k, n, projection, counts, results, seed=0):
+def decode_case(ranks, tokens, topk, experts, k, n, projection, timing, results, seed=0):
     """The decode MLP on one rank of R: [E/R, R * tokens, K] rows in the expert_padded layout,
     each expert's first rows (as a uniform random top-k routing of R * tokens tokens gives)
     holding data, times its weights: masked_matmul's kernel against the batched einsum over
@@ -405,10 +423,9 @@ def decode_case(ranks, tokens, topk, experts, k, n, projection, counts, results,
     for impl in ("cutlass", "mosaic", "xla"):
         seconds = error = None
         try:
-            seconds = loop_seconds(
+            seconds = timing.seconds(
                 lambda a, b, r, impl=impl: grouped.masked_matmul(a, b, r, impl=impl),
                 (lhs, rhs, jnp.asarray(rows)),
-                counts,
             )
         except Exception as e:  # noqa: BLE001
             error = str(e).splitlines()[0][:200]
@@ -474,6 +491,13 @@ def main(argv=None):
     parser.add_argument("--alignment", type=int, default=128)
     parser.add_argument("--counts", default="1,4", help="loop lengths timed (low,high)")
     parser.add_argument(
+        "--warm-s",
+        type=float,
+        default=0.5,
+        help="seconds of calls before each timing, ours and torch's alike (0: none): a GPU "
+        "timed in the state sustained work keeps it in",
+    )
+    parser.add_argument(
         "--sweep",
         default="mosaic,cutlass",
         help="sweep these kernels' blocks or tile orders in each projection's first case "
@@ -487,7 +511,7 @@ def main(argv=None):
     )
     common_arguments(parser)
     args = parser.parse_args(argv)
-    counts = tuple(int(c) for c in args.counts.split(","))
+    timing = Timing(tuple(int(c) for c in args.counts.split(",")), args.warm_s)
     rows = args.tokens * args.topk
     cases = [
         (ranks, args.experts // ranks, rows, projection, k, n, distribution, args.alignment)
@@ -512,7 +536,7 @@ def main(argv=None):
             case,
             dataclasses.replace(grouped.MOSAIC_BLOCKS, **blocks.get(projection, {})),
             () if projection in blocks else args.sweep.split(","),
-            counts,
+            timing,
             results,
         )
         blocks.setdefault(projection, found)
@@ -529,7 +553,7 @@ def main(argv=None):
                 k,
                 n,
                 projection,
-                counts,
+                timing,
                 results,
             )
     print(table(results))
@@ -546,6 +570,8 @@ def main(argv=None):
             kind: list(getattr(grouped.MOSAIC_BLOCKS, kind)) for kind in grouped.PRODUCTS
         },
         best_blocks=best_blocks,
+        counts=list(timing.counts),
+        warm_s=timing.warm_s,
         results=results,
     )
     print(f"wrote {save_record(record, args.out, 'grouped-matmul')}.json")

@@ -18,7 +18,9 @@ from jax.sharding import PartitionSpec as P
 _PERTURBABLE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
-def loop_seconds(step, args, counts=(1, 4), repeats=5, mesh=None, in_specs=None, prologue=None):
+def loop_seconds(
+    step, args, counts=(1, 4), repeats=5, mesh=None, in_specs=None, prologue=None, warm_s=0.0
+):
     """Seconds per call of `step(*inputs) -> out`, for work too large to keep every call's output
     (bench.ep's Timer keeps them): one jitted program computes inputs = prologue(*args) (or args)
     once, then calls step n times in a while loop, n a run-time argument (one compilation), each
@@ -26,11 +28,16 @@ def loop_seconds(step, args, counts=(1, 4), repeats=5, mesh=None, in_specs=None,
     call is loop-invariant or dead code); the difference of the best times at the counts over
     the extra calls cancels launch, prologue and sync costs. With a mesh, the program is a
     shard_map over it (in_specs per argument, step per rank) and every output leaf is split
-    over the mesh's axes."""
+    over the mesh's axes. warm_s: seconds of runs before each count is timed, so that a GPU is
+    timed in the state sustained work keeps it in (under load its clocks drop within about a
+    second: bench.gemm_clocks)."""
     run = loop_program(step, mesh, in_specs, prologue)
 
     def best(n):
         jax.block_until_ready(run(n, *args))  # compile (once) and warm up
+        warm_until = time.perf_counter() + warm_s
+        while time.perf_counter() < warm_until:
+            jax.block_until_ready(run(n, *args))
         times = []
         for _ in range(repeats):
             start = time.perf_counter()

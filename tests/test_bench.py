@@ -106,10 +106,12 @@ def test_grouped_matmul_bench_records_every_case(tmp_path):
 
     grouped_matmul.main(
         "--ranks 2 --tokens 32 --experts 4 --hidden 128 --ffn 128 --alignment 8 --sweep= "
-        f"--decode-tokens 8 --counts 1,2 --machine test --out {tmp_path}".split()
+        f"--decode-tokens 8 --counts 1,2 --warm-s 0.01 --machine test --out {tmp_path}".split()
     )
     (path,) = tmp_path.glob("grouped-matmul-test-*.json")
-    results = json.loads(path.read_text())["results"]
+    record = json.loads(path.read_text())
+    assert record["counts"] == [1, 2] and record["warm_s"] == 0.01
+    results = record["results"]
     timed = {(r["projection"], r["impl"]) for r in results if r["tflops"]}
     for projection in ("gate_up", "down"):
         assert {(projection, "dense"), (projection, "xla"), (projection, "batched_einsum")} <= timed
