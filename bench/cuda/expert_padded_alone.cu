@@ -12,21 +12,14 @@
 #include KERNEL
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <random>
 #include <vector>
+
+#include "bench/cuda/alone.cuh"
 
 namespace {
 
 using jax_ep::ExpertPaddedArgs;
-
-void check(cudaError_t status, int line) {
-  if (status == cudaSuccess) return;
-  std::printf("CUDA error at line %d: %s\n", line, cudaGetErrorString(status));
-  std::exit(1);
-}
-#define CHECK(expr) check(expr, __LINE__)
 
 template <class T>
 T* device_zeros(size_t n) {
@@ -130,20 +123,10 @@ int main(int argc, char** argv) {
   CHECK(cudaStreamEndCapture(stream, &graph));
   CHECK(cudaGraphInstantiate(&exec, graph, 0));
   for (int i = 0; i < 5; ++i) CHECK(cudaGraphLaunch(exec, stream));
-  cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
-  std::vector<float> per_call;
-  for (int s = 0; s < kSamples; ++s) {
-    CHECK(cudaEventRecord(start, stream));
+  const auto ms = jax_ep::alone::sorted_sample_ms(stream, kSamples, [&] {
     for (int i = 0; i < kGraphsPerSample; ++i) CHECK(cudaGraphLaunch(exec, stream));
-    CHECK(cudaEventRecord(stop, stream));
-    CHECK(cudaEventSynchronize(stop));
-    float ms;
-    CHECK(cudaEventElapsedTime(&ms, start, stop));
-    per_call.push_back(ms * 1000 / (kGraphsPerSample * kCallsPerGraph));
-  }
-  std::sort(per_call.begin(), per_call.end());
+  });
+  const double us_per_ms_call = 1000.0 / (kGraphsPerSample * kCallsPerGraph);
   std::printf("%s rows %d C %d: %.2f us per call (min %.2f)\n", KERNEL, rows, capacity,
-              per_call[kSamples / 2], per_call[0]);
+              ms[kSamples / 2] * us_per_ms_call, ms[0] * us_per_ms_call);
 }

@@ -14,20 +14,13 @@
 #endif
 #include KERNEL
 
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
-namespace {
+#include "bench/cuda/alone.cuh"
 
-void check(cudaError_t status, int line) {
-  if (status == cudaSuccess) return;
-  std::printf("CUDA error at line %d: %s\n", line, cudaGetErrorString(status));
-  std::exit(1);
-}
-#define CHECK(expr) check(expr, __LINE__)
+namespace {
 
 // Values in [-1, 1) from a hash of the index (scaled by `scale`), written on the device.
 __global__ void fill_kernel(__nv_bfloat16* out, int64_t n, uint32_t seed, float scale) {
@@ -117,22 +110,11 @@ int main(int argc, char** argv) {
 
   constexpr int kCalls = 20, kSamples = 7;
   for (int i = 0; i < 3; ++i) call();
-  cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
-  std::vector<float> seconds;
-  for (int s = 0; s < kSamples; ++s) {
-    CHECK(cudaEventRecord(start, stream));
+  const auto ms = jax_ep::alone::sorted_sample_ms(stream, kSamples, [&] {
     for (int i = 0; i < kCalls; ++i) call();
-    CHECK(cudaEventRecord(stop, stream));
-    CHECK(cudaEventSynchronize(stop));
-    float ms;
-    CHECK(cudaEventElapsedTime(&ms, start, stop));
-    seconds.push_back(ms / 1e3f / kCalls);
-  }
-  std::sort(seconds.begin(), seconds.end());
-  const double flops = 2.0 * rows * k * n;
+  });
+  const double tflop_ms = 2.0 * rows * k * n * kCalls / 1e9;  // TFLOP of a sample, times 1000
   std::printf("%s %s K %lld N %lld %s: %.1f TFLOP/s (best %.1f), checksum %.6e\n", KERNEL,
-              name.c_str(), (long long)k, (long long)n, argv[4],
-              flops / seconds[kSamples / 2] / 1e12, flops / seconds[0] / 1e12, checksum);
+              name.c_str(), (long long)k, (long long)n, argv[4], tflop_ms / ms[kSamples / 2],
+              tflop_ms / ms[0], checksum);
 }
