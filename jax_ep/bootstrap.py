@@ -121,30 +121,40 @@ def _try_get(client, key):
         return None
 
 
+_ALIVE = b"+"  # a running process's answer on its liveness socket
 _liveness_address: str | None = None  # this process's liveness socket, once listening
 _peer_liveness: dict[int, str] = {}  # the others', as read from the store (they never change)
 
 
 def announce_liveness(p: Plan):
     """Lets the mesh's other processes ask whether this one still runs (stopped_processes): a
-    TCP socket listens, a thread accepts and closes each connection, and the key-value store
-    holds the address. When the process ends, however it ends, the kernel closes the socket."""
+    TCP socket listens, a thread answers each connection with one byte and closes it, and the
+    key-value store holds the address. When the process ends, however it ends, the kernel
+    closes the socket; while it is ending, its kernel may still accept a connection, but no
+    thread answers it."""
     global _liveness_address
     if not p.multi_process:
         return
     if _liveness_address is None:
         server = socket.create_server(("", 0), backlog=64)
-
-        def answer():
-            while True:
-                connection, _ = server.accept()
-                connection.close()
-
-        threading.Thread(target=answer, name="jax_ep liveness", daemon=True).start()
+        threading.Thread(
+            target=serve_liveness, args=(server,), name="jax_ep liveness", daemon=True
+        ).start()
         _liveness_address = f"{_reachable_address()}:{server.getsockname()[1]}"
     distributed_client().key_value_set(
         f"jax_ep/alive/{p.process}", _liveness_address, allow_overwrite=True
     )
+
+
+def serve_liveness(server: socket.socket):
+    """Answers each connection to the listening `server` with one byte, forever."""
+    while True:
+        connection, _ = server.accept()
+        with connection:
+            try:
+                connection.sendall(_ALIVE)
+            except OSError:  # the asker gave up
+                pass
 
 
 def _reachable_address() -> str:
@@ -163,8 +173,8 @@ def _reachable_address() -> str:
 
 def stopped_processes(p: Plan, timeout_s: float = 2.0) -> dict:
     """{process: why} for the mesh's other processes that no longer run (their liveness socket
-    refuses connections) or do not answer within timeout_s. Asks each once; waits for nothing
-    else."""
+    refuses connections, or closes one unanswered: a process that is ending) or do not answer
+    within timeout_s. Asks each once; waits for nothing else."""
     if not p.multi_process:
         return {}
     client, stopped = distributed_client(), {}
@@ -174,14 +184,23 @@ def stopped_processes(p: Plan, timeout_s: float = 2.0) -> dict:
                 _peer_liveness[q] = address
         if q == p.process or q not in _peer_liveness:
             continue
-        host, port = _peer_liveness[q].rsplit(":", 1)
-        try:
-            socket.create_connection((host, int(port)), timeout=timeout_s).close()
-        except ConnectionRefusedError:
-            stopped[q] = "it has ended"
-        except OSError as e:
-            stopped[q] = f"it does not answer ({e})"
+        if why := why_stopped(_peer_liveness[q], timeout_s):
+            stopped[q] = why
     return stopped
+
+
+def why_stopped(address: str, timeout_s: float) -> str | None:
+    """Why the process with this liveness address ("host:port") no longer runs, or None while
+    it answers."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as connection:
+            answer = connection.recv(len(_ALIVE))
+    except (ConnectionRefusedError, ConnectionResetError):
+        answer = b""
+    except OSError as e:
+        return f"it does not answer ({e})"
+    return None if answer == _ALIVE else "it has ended"
 
 
 def meet(p: Plan, step: str, timeout_s: float):
