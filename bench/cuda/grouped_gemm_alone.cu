@@ -1,21 +1,23 @@
 // The grouped matmuls' CUTLASS kernels timed alone, outside JAX: a standalone program that
 // includes a kernel source (KERNEL: kernels/cuda/grouped_gemm.cu, or an edited copy of it, e.g.
-// another tile shape), runs one bf16 product of 32768 rows in 32 groups (uniform, or Zipf in
-// multiples of 128 rows as bench.grouped_matmul makes them), prints a checksum of the output
+// another tile shape), runs one bf16 product of 32768 rows in G groups (default 32: EP8's per-rank
+// shape; 256: EP1's) of sizes uniform or Zipf in multiples of 128 rows as bench.grouped_matmul
+// makes them, or "random": each row to a random group, as top-k routing fills groups that are
+// not aligned), prints a checksum of the output
 // (variants must agree to bf16 rounding) and the product's TFLOP/s (median of 7 samples of 20
 // calls). Without NDEBUG, CuTe's device asserts are calls that make ptxas serialize the warpgroup
 // MMAs (its warning C7510): build as the wheel does.
 //   nvcc -std=c++17 -O3 -DNDEBUG -arch=sm_90a -I. -isystem $CUTLASS/include \
 //     -isystem $CUTLASS/tools/util/include --expt-relaxed-constexpr \
 //     [-DKERNEL='"copy.cu"'] bench/cuda/grouped_gemm_alone.cu -o gemm
-//   ./gemm gmm|gmm_t|tgmm K N uniform|zipf
+//   ./gemm gmm|gmm_t|tgmm K N uniform|zipf|random [G]
 #ifndef KERNEL
 #define KERNEL "kernels/cuda/grouped_gemm.cu"
 #endif
 #include KERNEL
 
 #include <cmath>
-#include <cstring>
+#include <string>
 #include <vector>
 
 #include "bench/cuda/alone.cuh"
@@ -42,13 +44,23 @@ __nv_bfloat16* device_random(int64_t n, uint32_t seed, float scale = 1.f) {
   return p;
 }
 
-// bench.grouped_matmul's group sizes: `groups` multiples of 128 summing to rows.
-std::vector<int32_t> group_sizes(bool zipf, int64_t rows, int groups) {
+// bench.grouped_matmul's group sizes: `groups` multiples of 128 summing to rows; or (random) the
+// counts of rows sent each to a group drawn from a fixed-seed generator.
+std::vector<int32_t> group_sizes(const std::string& distribution, int64_t rows, int groups) {
+  std::vector<int32_t> sizes(groups);
+  if (distribution == "random") {
+    uint64_t state = 88172645463325252ull;  // xorshift64
+    for (int64_t r = 0; r < rows; ++r) {
+      state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+      ++sizes[state % groups];
+    }
+    return sizes;
+  }
+  const bool zipf = distribution == "zipf";
   const int64_t units = rows / 128;
   std::vector<double> share(groups);
   double total = 0;
   for (int g = 0; g < groups; ++g) total += share[g] = zipf ? 1.0 / (g + 1) : 1.0;
-  std::vector<int32_t> sizes(groups);
   int64_t used = 0;
   for (int g = 0; g < groups; ++g) used += sizes[g] = int32_t(share[g] / total * units);
   sizes[0] += int32_t(units - used);
@@ -61,13 +73,13 @@ std::vector<int32_t> group_sizes(bool zipf, int64_t rows, int groups) {
 int main(int argc, char** argv) {
   using jax_ep::cuda::GroupedProduct;
   if (argc < 5) {
-    std::printf("usage: %s gmm|gmm_t|tgmm K N uniform|zipf\n", argv[0]);
+    std::printf("usage: %s gmm|gmm_t|tgmm K N uniform|zipf|random [G]\n", argv[0]);
     return 2;
   }
   const std::string name = argv[1];
   const int64_t rows = 32768, k = std::atoll(argv[2]), n = std::atoll(argv[3]);
-  const int groups = 32;
-  const bool zipf = std::strcmp(argv[4], "zipf") == 0;
+  const int groups = argc > 5 ? std::atoi(argv[5]) : 32;
+  const std::string distribution = argv[4];
   jax_ep::cuda::GroupedGemmArgs a{};
   a.product = name == "gmm"     ? GroupedProduct::kGmm
               : name == "gmm_t" ? GroupedProduct::kGmmT
@@ -81,7 +93,7 @@ int main(int argc, char** argv) {
                                 : rows * (a.product == GroupedProduct::kGmmT ? k : n);
   a.lhs = device_random(rows * lhs_cols, 1);
   a.rhs = device_random(rhs_elems, 2, 1.f / 64);
-  const auto sizes = group_sizes(zipf, rows, groups);
+  const auto sizes = group_sizes(distribution, rows, groups);
   int32_t* device_sizes;
   CHECK(cudaMalloc(&device_sizes, sizeof(int32_t) * groups));
   CHECK(cudaMemcpy(device_sizes, sizes.data(), sizeof(int32_t) * groups, cudaMemcpyHostToDevice));
@@ -114,7 +126,7 @@ int main(int argc, char** argv) {
     for (int i = 0; i < kCalls; ++i) call();
   });
   const double tflop_ms = 2.0 * rows * k * n * kCalls / 1e9;  // TFLOP of a sample, times 1000
-  std::printf("%s %s K %lld N %lld %s: %.1f TFLOP/s (best %.1f), checksum %.6e\n", KERNEL,
-              name.c_str(), (long long)k, (long long)n, argv[4], tflop_ms / ms[kSamples / 2],
-              tflop_ms / ms[0], checksum);
+  std::printf("%s %s K %lld N %lld %s G %d: %.1f TFLOP/s (best %.1f), checksum %.6e\n", KERNEL,
+              name.c_str(), (long long)k, (long long)n, argv[4], groups,
+              tflop_ms / ms[kSamples / 2], tflop_ms / ms[0], checksum);
 }

@@ -95,10 +95,13 @@ struct GroupedKernel {
   };
 };
 
-// bf16: 128 x 256 output tiles over two consumer warpgroups, pairs of CTAs along M sharing
-// their B tile's loads.
+// bf16: 128 x 256 output tiles over two consumer warpgroups, pairs of CTAs along N sharing
+// their A tile's loads. Along N, not M: CUTLASS's group scheduler rounds each group's tiles up
+// to whole clusters, and a group of 128 rows (EP1's 256 experts) in a cluster of two along M
+// computes one empty tile for each full one; N (here 2048 to 7168, a multiple of 512; K in
+// gmm_t) fills the pairs.
 using Bf16Tile = Shape<_128, _256, _64>;
-using Bf16Cluster = Shape<_2, _1, _1>;
+using Bf16Cluster = Shape<_1, _2, _1>;
 template <class LayoutA, class LayoutB>
 using Bf16Kernel = GroupedKernel<Bf16, LayoutA, LayoutB, Bf16Tile, Bf16Cluster,
                                  cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
