@@ -60,10 +60,6 @@ from jax_ep.primitives import all_varying, varying_like
 
 IMPLS = ("auto", "xla", "mosaic", "cutlass")
 AUTO_ORDER = ("cutlass", "mosaic")  # what impl="auto" tries first: the faster on an H200
-# masked_matmul's: at decode sizes (a few rows per group) the Mosaic kernel is the faster
-# (bench/results/grouped-matmul-nvidia-h200-2026-12-02-cutlass.json: 608 / 415 us against
-# CUTLASS's 666 / 522 us at the EP8 decode shape).
-MASKED_AUTO_ORDER = ("mosaic", "cutlass")
 PRODUCTS = ("gmm", "gmm_t", "tgmm")
 MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -121,7 +117,7 @@ def masked_matmul(lhs, rhs, rows_per_group, *, impl="auto", blocks=MOSAIC_BLOCKS
     _check_operands("masked_matmul", ("G", "C", "K"), lhs, rhs, "rows_per_group", rows_per_group)
     groups, capacity, k = lhs.shape
     # Each group's rows start a row block: C is "M" of the forward's blocks.
-    chosen = resolve_impl(impl, (capacity, k), rhs.shape, lhs.dtype, blocks, MASKED_AUTO_ORDER)
+    chosen = resolve_impl(impl, (capacity, k), rhs.shape, lhs.dtype, blocks)
     rhs, rows_per_group = rhs.astype(lhs.dtype), rows_per_group.astype(jnp.int32)
     if chosen == "xla":
         return jnp.einsum("gck,gkn->gcn", lhs, rhs, preferred_element_type=jnp.float32).astype(
@@ -178,9 +174,9 @@ class _Plan(NamedTuple):
     blocks: MosaicBlocks
 
 
-def resolve_impl(impl, lhs_shape, rhs_shape, dtype, blocks=MOSAIC_BLOCKS, order=AUTO_ORDER):
+def resolve_impl(impl, lhs_shape, rhs_shape, dtype, blocks=MOSAIC_BLOCKS):
     """The implementation grouped_matmul takes for these operands: "xla", "cutlass" or
-    "mosaic" (for "auto", the first of `order` that can run)."""
+    "mosaic" (for "auto", the first of AUTO_ORDER that can run)."""
     return _resolve(
         "grouped_matmul",
         impl,
@@ -188,13 +184,12 @@ def resolve_impl(impl, lhs_shape, rhs_shape, dtype, blocks=MOSAIC_BLOCKS, order=
             "cutlass": lambda: cutlass_misfits(lhs_shape, rhs_shape, dtype),
             "mosaic": lambda: mosaic_misfits(lhs_shape, rhs_shape, dtype, blocks),
         },
-        order,
     )
 
 
-def _resolve(name, impl, misfits, order=AUTO_ORDER):
+def _resolve(name, impl, misfits):
     """impl itself when it can run ("xla" always can), else a ValueError saying why; for
-    "auto" the first of `order` that can, else "xla". misfits: impl -> () -> its problems."""
+    "auto" the first of AUTO_ORDER that can, else "xla". misfits: impl -> () -> its problems."""
     if impl not in IMPLS:
         raise ValueError(f"jax_ep.nn.{name}: impl must be one of {IMPLS}, got {impl!r}")
     if impl == "xla":
@@ -204,7 +199,7 @@ def _resolve(name, impl, misfits, order=AUTO_ORDER):
         if problems:
             raise ValueError(f"jax_ep.nn.{name}: impl={impl!r} cannot run: " + "; ".join(problems))
         return impl
-    return next((each for each in order if not misfits[each]()), "xla")
+    return next((each for each in AUTO_ORDER if not misfits[each]()), "xla")
 
 
 def cutlass_misfits(lhs_shape, rhs_shape, dtype, fp8=False):
