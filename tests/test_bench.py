@@ -64,6 +64,19 @@ def test_nodes_times_the_whole_and_each_leg(tmp_path, monkeypatch, capsys):
     assert "fast_leg" in capsys.readouterr().out  # the table
 
 
+def test_loop_program_calls_leave_the_inputs_unchanged():
+    """Each call rewrites one element of the first floating-point input with its own value (so
+    that no call is loop-invariant): the result after n calls is one call's."""
+    a = jax.random.normal(jax.random.key(0), (8, 16), jax.numpy.bfloat16) + 3
+    b = jax.random.normal(jax.random.key(1), (16, 4), jax.numpy.bfloat16)
+    step = lambda x, y: (x @ y, x.sum())
+    want = step(a, b)
+    for n in (1, 3):
+        got = harness.loop_program(step)(n, a, b)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1])[None])
+
+
 def test_kernel_summary_per_step_and_table_column():
     # Two steps of a program on one GPU: kernel a twice (3 and 5 us), b once (2 us) with a gap.
     events = [("a", 0, 3000), ("b", 3000, 2000), ("a", 10000, 5000)]
