@@ -22,7 +22,7 @@ def loop_seconds(
     step, args, counts=(1, 4), repeats=5, mesh=None, in_specs=None, prologue=None, warm_s=0.0
 ):
     """Seconds per call of `step(*inputs) -> out`, for work too large to keep every call's output
-    (bench.ep's Timer keeps them): one jitted program per count n computes inputs =
+    (bench.ep's Timer keeps them): a jitted program (loop_program) computes inputs =
     prologue(*args) (or args) once, then calls step n times in a loop, each call's first
     floating-point input depending on the last output through one element (no call is
     loop-invariant or dead code); the difference of the best times at the counts over the
@@ -50,9 +50,10 @@ def loop_seconds(
 
 
 def loop_program(step, mesh=None, in_specs=None, prologue=None):
-    """loop_seconds's program, jitted: run(n, *args) calls step n times. n is static (a
+    """loop_seconds's program, jitted: run(n, *args) calls step n times. On GPUs n is static (a
     compilation per count): a GPU runs a loop of known trip count without the host reading its
-    condition after every call, which left the GPU idle ~80 us a call (2026-12-03)."""
+    condition after every call, which left it idle ~80 us a call (2026-12-03). Elsewhere n is a
+    run-time value, and one compilation serves every count."""
 
     def program(n, *args):
         inputs = tuple(prologue(*args)) if prologue else args
@@ -68,8 +69,9 @@ def loop_program(step, mesh=None, in_specs=None, prologue=None):
         out = jax.lax.fori_loop(1, n, again, (inputs, step(*inputs)))[1]
         return jax.tree.map(lambda a: a.reshape((1,) + a.shape) if a.ndim == 0 else a, out)
 
+    static = (0,) if jax.default_backend() == "gpu" else ()
     if mesh is None:
-        return jax.jit(program, static_argnums=0)
+        return jax.jit(program, static_argnums=static)
     return jax.jit(
         lambda n, *args: jax.shard_map(
             functools.partial(program, n),
@@ -77,7 +79,7 @@ def loop_program(step, mesh=None, in_specs=None, prologue=None):
             in_specs=tuple(in_specs),
             out_specs=P(tuple(mesh.axis_names)),
         )(*args),
-        static_argnums=0,
+        static_argnums=static,
     )
 
 
