@@ -58,12 +58,12 @@ def loop_program(step, mesh=None, in_specs=None, prologue=None):
     def program(n, *args):
         inputs = tuple(prologue(*args)) if prologue else args
         leaves = jax.tree.leaves(inputs)
-        first = leaves[_first_float(leaves)]
-        kept = first[(0,) * first.ndim]  # the element each call rewrites, read once
+        i = next(i for i, leaf in enumerate(leaves) if jnp.dtype(leaf.dtype) in _PERTURBABLE)
+        kept = leaves[i][(0,) * leaves[i].ndim]  # the element each call rewrites, read once
 
         def again(_, carry):
             inputs, out = carry
-            inputs = _perturbed(inputs, jax.tree.leaves(out)[0].reshape(-1)[0], kept)
+            inputs = _perturbed(inputs, i, jax.tree.leaves(out)[0].reshape(-1)[0], kept)
             return inputs, step(*inputs)
 
         out = jax.lax.fori_loop(1, n, again, (inputs, step(*inputs)))[1]
@@ -83,18 +83,12 @@ def loop_program(step, mesh=None, in_specs=None, prologue=None):
     )
 
 
-def _first_float(leaves):
-    """The index of the first floating-point leaf: the one each call's update touches."""
-    return next(i for i, leaf in enumerate(leaves) if jnp.dtype(leaf.dtype) in _PERTURBABLE)
-
-
-def _perturbed(inputs, value, kept):
-    """inputs with the first element of their first floating-point leaf set to kept + value * 0
-    (kept: that element's value). Set, not added to: an update that reads the element it
-    writes made XLA copy the whole leaf every call (280 us of a 1.6 ms grouped matmul whose
-    rows are the leaf, 2026-12-03); one that only writes is done in place."""
+def _perturbed(inputs, i, value, kept):
+    """inputs with the first element of their leaf i (the first floating-point one) set to
+    kept + value * 0 (kept: that element's value). Set, not added to: an update that reads the
+    element it writes made XLA copy the whole leaf every call (280 us of a 1.6 ms grouped
+    matmul whose rows are the leaf, 2026-12-03); one that only writes is done in place."""
     leaves, tree = jax.tree.flatten(inputs)
-    i = _first_float(leaves)
     tick = (kept.astype(jnp.float32) + value.astype(jnp.float32) * 0).astype(leaves[i].dtype)
     leaves[i] = leaves[i].at[(0,) * leaves[i].ndim].set(tick)
     return jax.tree.unflatten(tree, leaves)

@@ -13,25 +13,15 @@ import time
 import jax
 import jax.numpy as jnp
 
-from bench.grouped_matmul import group_sizes, operands, tflops
+from bench.grouped_matmul import dense_step, group_sizes, grouped_step, operands, tflops
 from bench.harness import loop_program, loop_seconds
 from bench.trace import device_kernels, kernel_summary, print_summary
-from jax_ep.nn import cutlass
 
 ROWS, GROUPS, STEPS = 32768, 32, 8
 
 
-def gmm(a, b, sizes):
-    return cutlass.product("gmm", a, b, sizes)
-
-
-def dense(a, b):
-    out = jnp.einsum("gmk,gkn->gmn", a, b, preferred_element_type=jnp.float32)
-    return out.astype(a.dtype)
-
-
-def bare_calls_seconds(args, calls=20, repeats=5, warm_s=0.5):
-    call = jax.jit(gmm)
+def bare_calls_seconds(step, args, calls=20, repeats=5, warm_s=0.5):
+    call = jax.jit(step)
     jax.block_until_ready(call(*args))
     until = time.perf_counter() + warm_s
     while time.perf_counter() < until:
@@ -48,10 +38,9 @@ def main():
     for k, n in ((7168, 2048), (2048, 7168)):
         sizes = jnp.asarray(group_sizes("uniform", ROWS, GROUPS, 128))
         lhs, rhs, _ = operands(ROWS, k, n, GROUPS)
-        for name, step, args in (
-            ("cutlass", gmm, (lhs, rhs, sizes)),
-            ("dense", dense, (lhs.reshape(GROUPS, -1, k), rhs)),
-        ):
+        args = (lhs, rhs, sizes)
+        gmm = grouped_step("gmm", "cutlass", 1)
+        for name, step in (("cutlass", gmm), ("dense", dense_step("gmm", GROUPS))):
             run = loop_program(step)
             jax.block_until_ready(run(STEPS, *args))
             print(f"K {k} N {n} {name}: trace of run({STEPS})", flush=True)
@@ -59,7 +48,7 @@ def main():
             print_summary(kernel_summary(planes, STEPS), top=8)
             seconds = loop_seconds(step, args, (1, 4), warm_s=0.5)
             print(f"  loop_seconds warm 0.5: {tflops(ROWS, k, n, seconds):.1f} TFLOP/s", flush=True)
-        seconds = bare_calls_seconds((lhs, rhs, sizes))
+        seconds = bare_calls_seconds(gmm, args)
         print(
             f"K {k} N {n} cutlass bare calls x20 after warm: "
             f"{tflops(ROWS, k, n, seconds):.1f} TFLOP/s (best of 5)",
