@@ -82,13 +82,6 @@ def _varying(*trees):
     return jax.tree.unflatten(tree, all_varying(*leaves))
 
 
-def _take(rows, index, fill):
-    """rows[index], `fill` where index is -1."""
-    picked = rows[jnp.maximum(index, 0)]
-    keep = (index >= 0).reshape((-1,) + (1,) * (rows.ndim - 1))
-    return jnp.where(keep, picked, jnp.asarray(fill, rows.dtype))
-
-
 class Hierarchical:
     """The primitives over (outer axes..., fast axis), from an `inner` backend over the fast
     axis (see the module's docstring)."""
@@ -123,9 +116,9 @@ class Hierarchical:
     def _rows_out(self, fast_rows, inner_row, fp8, hidden):
         """The fast leg's x rows in rank-level order: (x rows, scales or None)."""
         if not fp8:
-            return _take(fast_rows, inner_row, 0), None
+            return layout.take_rows(fast_rows, inner_row), None
         words = jax.lax.bitcast_convert_type(fast_rows, jnp.uint32)
-        return _unpack_fp8(_take(words, inner_row, 0), hidden)
+        return _unpack_fp8(layout.take(words, inner_row), hidden)
 
     def _row_order(self, counts, rows):
         """counts [L, M]: rows each local source forwarded here of node m's tokens. -> the
@@ -176,13 +169,13 @@ class Hierarchical:
             got, routing = moved(fast)
             inner_row, recv_counts = self._row_order(counts, rows)
             x_rows, scales = self._rows_out(got.x, inner_row, fp8, x.shape[1])
-            topk_rows = _take(got.topk_idx, inner_row, -1)
+            topk_rows = layout.take(got.topk_idx, inner_row, -1)
             received = recv_counts.sum()
             num_recv = jnp.minimum(received, rows)
             routes = NodeRoutes(
                 node_goes, routing.send_pos, routing.recv_counts, routing.num_recv, inner_row
             )
-            return RankRows(x_rows, scales, topk_rows, _take(got.topk_weights, inner_row, 0)), (
+            return RankRows(x_rows, scales, topk_rows, layout.take(got.topk_weights, inner_row)), (
                 Routing(
                     send_pos=routes,
                     recv_counts=recv_counts,

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from bench import ep, expert_padded, harness, probe
+from bench import ep, expert_padded, expert_rows, harness, probe
 from bench.ep import JAX_EP, bench_size, table
 from bench.trace import device_kernels, kernel_summary
 
@@ -141,3 +141,13 @@ def test_expert_padded_bench_records_every_row_count(tmp_path):
     assert [r["rows"] for r in record["results"]] == [16, 40]
     assert [r["expert_rows"] for r in record["results"]] == [64, 160]
     assert record["command"].startswith("python -m bench.expert_padded --rows 16,40")
+
+
+def test_expert_rows_bench_records_every_case(tmp_path):
+    """bench.expert_rows runs each gather and adjoint (on CPUs: no kernel times)."""
+    argv = "--tokens 16 --hidden 256 --experts 8 --topk 4 --machine test --out".split()
+    expert_rows.main(argv + [str(tmp_path)])
+    (path,) = tmp_path.glob("expert-rows-test-*.json")
+    record = json.loads(path.read_text())
+    assert len(record["cases"]) == 6
+    assert record["command"].startswith("python -m bench.expert_rows --tokens 16")

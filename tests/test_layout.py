@@ -101,6 +101,30 @@ def test_expand_and_reduce_are_adjoint():
     )
 
 
+@pytest.mark.parametrize(
+    "dtype,width",
+    [
+        (jnp.bfloat16, 6),  # whole words: gathered as words
+        (jnp.bfloat16, 5),  # a half word at the end: by element
+        (jnp.float8_e4m3fn, 8),
+        (jnp.float8_e4m3fn, 6),
+        (jnp.float32, 3),  # already words
+    ],
+)
+def test_take_rows_is_take_bit_for_bit(dtype, width):
+    """take_rows (4-byte words where a row is whole words) equals take, NaN and -0 included,
+    with zeros where the index is -1."""
+    rng = np.random.default_rng(width)
+    raw = rng.integers(0, 256, (7, width * jnp.dtype(dtype).itemsize), dtype=np.uint8)
+    rows = jnp.asarray(raw.view(jnp.dtype(dtype)))
+    index = jnp.asarray([3, -1, 0, 6, 6, -1, 2, 1, 5, 4], jnp.int32)
+    got = jax.jit(layout.take_rows)(rows, index)
+    np.testing.assert_array_equal(bits(got), bits(layout.take(rows, index)))
+    np.testing.assert_array_equal(bits(got[1]), np.zeros(width, bits(got).dtype))
+    none = jax.jit(layout.take_rows)(rows[:0], index)  # no rows: zeros everywhere
+    np.testing.assert_array_equal(bits(none), np.zeros((10, width), bits(got).dtype))
+
+
 def test_e4m3_rounding_matches_ml_dtypes_everywhere():
     """Every e4m3 value, every midpoint between two and its neighbours, and random floats."""
     import ml_dtypes

@@ -66,18 +66,28 @@ __global__ void __launch_bounds__(kThreads) place_kernel(ExpertLayoutArgs args) 
   }
 }
 
-// The distinct local expert of slot k of a row, or -1 (no local expert, or named by a slot before).
-__device__ int32_t distinct_expert(const int32_t* topk, int k, int experts_per_rank) {
-  const int32_t e = topk[k];
-  return e >= 0 && e < experts_per_rank && !row_has_expert(topk, k, e) ? e : -1;
-}
-
 // Ids [k0, k0 + 8) of a row of K (-1 past K), loaded together: a loop that stops at the first
 // match would make each load wait for the one before.
 constexpr int kIdsAtOnce = 8;
 __device__ void load_ids(const int32_t* ids, int K, int k0, int32_t (&v)[kIdsAtOnce]) {
 #pragma unroll
   for (int i = 0; i < kIdsAtOnce; ++i) v[i] = k0 + i < K ? ids[k0 + i] : -1;
+}
+
+// The same ids, each kept where it lies in [lo, hi) and its slot names it first in the row (the
+// slots before it in these eight compared in registers, those of earlier eights read again),
+// else -1: a row's distinct experts in the range, each once.
+__device__ void load_distinct_ids(const int32_t* ids, int K, int k0, int32_t lo, int32_t hi,
+                                  int32_t (&v)[kIdsAtOnce]) {
+  int32_t id[kIdsAtOnce];
+  load_ids(ids, K, k0, id);
+#pragma unroll
+  for (int i = 0; i < kIdsAtOnce; ++i) {
+    bool first = id[i] >= lo && id[i] < hi;
+#pragma unroll
+    for (int j = 0; j < i; ++j) first &= id[j] != id[i];
+    v[i] = first && !row_has_expert(ids, k0, id[i]) ? id[i] : -1;
+  }
 }
 
 // Bit i of the result: ids v (kIdsAtOnce of them) hold experts[i] (i < n; the experts >= 0).
@@ -116,9 +126,12 @@ __global__ void __launch_bounds__(kCountRows) count_chunks_kernel(ExpertPaddedAr
   for (int e = threadIdx.x; e < El; e += kCountRows) block_count[e] = 0;
   __syncthreads();
   const int64_t row = int64_t(blockIdx.x) * kCountRows + threadIdx.x;
-  for (int k = 0; k < K; ++k) {
-    const int32_t e = distinct_expert(args.topk_rows + row * K, k, El);
-    if (e >= 0) atomicAdd(&block_count[e], 1);
+  for (int k0 = 0; k0 < K; k0 += kIdsAtOnce) {
+    int32_t v[kIdsAtOnce];
+    load_distinct_ids(args.topk_rows + row * K, K, k0, 0, El, v);
+#pragma unroll
+    for (int i = 0; i < kIdsAtOnce; ++i)
+      if (v[i] >= 0) atomicAdd(&block_count[v[i]], 1);
   }
   __syncthreads();
   for (int e = threadIdx.x; e < El; e += kCountRows)
@@ -307,14 +320,10 @@ __device__ void finish_padded_experts(const ExpertPaddedArgs& args, int e0) {
     const int32_t* ids = args.topk_rows + int64_t(q) * K;
     for (int k0 = 0; k0 < K; k0 += kIdsAtOnce) {
       int32_t v[kIdsAtOnce];
-      load_ids(ids, K, k0, v);
+      load_distinct_ids(ids, K, k0, e0, e0 + n, v);
 #pragma unroll
-      for (int i = 0; i < kIdsAtOnce; ++i) {
-        bool first = v[i] >= e0 && v[i] < e0 + n;
-#pragma unroll
-        for (int j = 0; j < i; ++j) first &= v[j] != v[i];
-        if (first && !row_has_expert(ids, k0, v[i])) atomicAdd(&total[v[i] - e0], 1);
-      }
+      for (int i = 0; i < kIdsAtOnce; ++i)
+        if (v[i] >= 0) atomicAdd(&total[v[i] - e0], 1);
     }
   }
   __syncthreads();
