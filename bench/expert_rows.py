@@ -28,15 +28,11 @@ STEPS = 5
 
 
 def expert_maps(rng, tokens, experts, topk):
-    """(expert_src [T * K], expert_rows [T, K]) of tokens naming topk distinct experts, the
-    expert rows in expert order (as jax_ep's expert layout with alignment 1 and no drops)."""
+    """(expert_src, expert_rows) of jax_ep's expert layout (alignment 1, no drops) for tokens
+    naming topk distinct experts drawn uniformly."""
     ids = np.stack([rng.choice(experts, topk, replace=False) for _ in range(tokens)])
-    order = np.argsort(ids.reshape(-1), kind="stable")
-    expert_src = (order // topk).astype(np.int32)
-    place = np.empty(order.size, np.int64)
-    place[order] = np.arange(order.size)
-    expert_rows = np.sort(place.reshape(tokens, topk), axis=1).astype(np.int32)
-    return jnp.asarray(expert_src), jnp.asarray(expert_rows)
+    maps = layout.expert_layout(jnp.asarray(ids, jnp.int32), experts, 1, tokens * topk)
+    return maps.expert_src, maps.expert_rows
 
 
 def kernel_times(fn, *args):
