@@ -13,7 +13,10 @@
 
 namespace jax_ep {
 
-class NativeBuffer {
+// Made by C++ (std::make_shared, module.cc): a shared_ptr that XLA's call states and the registry
+// hold then keeps no Python object alive (nanobind finds it through shared_from_this), so the
+// Python side goes with its Buffer and the native side with its last user.
+class NativeBuffer : public std::enable_shared_from_this<NativeBuffer> {
  public:
   virtual ~NativeBuffer() = default;
   // The error that stopped one of this process's ranks (or an abort a peer wrote into its

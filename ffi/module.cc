@@ -87,11 +87,10 @@ NB_MODULE(_native, m) {
   m.def("cpu_targets", [] { return as_handlers(cpu_targets()); });
   m.def("cpu_state_type", [] { return state_type(cpu_state_type_id(), cpu_state_type_info()); });
   nb::class_<CpuBuffer, NativeBuffer>(m, "CpuBuffer")
-      .def("__init__",
-           [](CpuBuffer* b, const Window& w, const std::string& prefix, double timeout_s,
-              const std::vector<std::tuple<int, int, int>>& local, uint64_t first_op) {
-             new (b) CpuBuffer(w, prefix, timeout_s, local_ranks(local), first_op);
-           })
+      .def(nb::new_([](const Window& w, const std::string& prefix, double timeout_s,
+                       const std::vector<std::tuple<int, int, int>>& local, uint64_t first_op) {
+        return std::make_shared<CpuBuffer>(w, prefix, timeout_s, local_ranks(local), first_op);
+      }))
       .def("connect", &CpuBuffer::connect)
       .def("unlink", &CpuBuffer::unlink);
 
@@ -133,30 +132,28 @@ NB_MODULE(_native, m) {
     return nb::bytes(id.data(), id.size());
   });
   nb::class_<CudaBuffer, NativeBuffer>(m, "CudaBuffer")
-      .def("__init__",
-           [](CudaBuffer* b, const Window& w, const std::string& library, double timeout_s,
-              int num_sms, const std::vector<std::tuple<int, int, int>>& local,
-              const std::map<int, nb::bytes>& ids, bool direct_local, uint64_t first_op) {
-             std::map<int, std::string> unique_ids;
-             for (const auto& [group, id] : ids)
-               unique_ids[group] = std::string(static_cast<const char*>(id.data()), id.size());
-             nb::gil_scoped_release release;  // collective: other threads may join it
-             new (b) CudaBuffer(w, library, timeout_s, num_sms, local_ranks(local), unique_ids,
-                                direct_local, first_op);
-           });
+      .def(nb::new_([](const Window& w, const std::string& library, double timeout_s, int num_sms,
+                       const std::vector<std::tuple<int, int, int>>& local,
+                       const std::map<int, nb::bytes>& ids, bool direct_local, uint64_t first_op) {
+        std::map<int, std::string> unique_ids;
+        for (const auto& [group, id] : ids)
+          unique_ids[group] = std::string(static_cast<const char*>(id.data()), id.size());
+        nb::gil_scoped_release release;  // collective: other threads may join it
+        return std::make_shared<CudaBuffer>(w, library, timeout_s, num_sms, local_ranks(local),
+                                            unique_ids, direct_local, first_op);
+      }));
   m.def("nccl_built_version", &nccl::built_version);
   m.def("nccl_library_version", &nccl::library_version, nb::arg("path"));
   m.def("cuda_device_uuid", &cuda_ipc::device_uuid, nb::arg("device"));
   m.def("cuda_ipc_unsupported", &cuda_ipc::unsupported, nb::arg("device"));
   nb::class_<CudaIpcBuffer, NativeBuffer>(m, "CudaIpcBuffer")
-      .def("__init__",
-           [](CudaIpcBuffer* b, const Window& w, const std::string& prefix, uint64_t tag,
-              double timeout_s, int num_sms, const std::vector<std::tuple<int, int, int>>& local,
-              bool direct_local, uint64_t first_op) {
-             nb::gil_scoped_release release;
-             new (b) CudaIpcBuffer(w, prefix, tag, timeout_s, num_sms, local_ranks(local),
-                                   direct_local, first_op);
-           })
+      .def(nb::new_([](const Window& w, const std::string& prefix, uint64_t tag, double timeout_s,
+                       int num_sms, const std::vector<std::tuple<int, int, int>>& local,
+                       bool direct_local, uint64_t first_op) {
+        nb::gil_scoped_release release;
+        return std::make_shared<CudaIpcBuffer>(w, prefix, tag, timeout_s, num_sms,
+                                               local_ranks(local), direct_local, first_op);
+      }))
       .def("connect", &CudaIpcBuffer::connect, nb::call_guard<nb::gil_scoped_release>())
       .def("stop_serving", &CudaIpcBuffer::stop_serving, nb::call_guard<nb::gil_scoped_release>());
 #else

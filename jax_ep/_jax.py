@@ -17,7 +17,8 @@ call passes no token (`_create_cpp_call`). A program that fails leaves its error
 token, which PjRt hands on to every later program that takes the token; an op that raised on
 purpose (check_invalid) must leave its Buffer usable, so a Buffer's token is dropped once it
 holds an error (`_token_input`); a Buffer stopped by a timeout raises on its next call by
-itself.
+itself. JAX also raises every failed token again at the interpreter's exit: closing a stopped
+Buffer lets go of its last program's tokens (`drop_failed_token`).
 
 And a fourth, which any FP8 user of jax.checkpoint meets: jax.checkpoint rounds every saved
 float residual with reduce_precision(exponent_bits, mantissa_bits) of its dtype, and XLA's
@@ -26,9 +27,10 @@ reduce_precision has IEEE semantics, where the top exponent means inf or NaN. fl
 NaN in every such element. For float types without inf the rounding keeps one more exponent bit
 (`_remat_residual_rounding`), which leaves their values as they are.
 
-Also here: the key-value store of jax.distributed (`distributed_client`, where the processes
-of a mesh meet to bring a Buffer up) and the mesh axes a value varies over inside shard_map
-(`varying_axes`), whose attribute changed name between jax versions.
+Also here: jax.distributed's key-value store (`distributed_client`, where the processes of a
+mesh meet to bring a Buffer up) and its coordinator's address (`coordinator_address`), and the
+mesh axes a value varies over inside shard_map (`varying_axes`), whose attribute changed name
+between jax versions.
 
 None of this is public JAX API, so it fails loudly here, naming the jax version, rather than as
 wrong results later.
@@ -144,11 +146,43 @@ def _token_result(self, effect, token):
     _jax_token_result(self, effect, token)
 
 
+def drop_failed_token(order: BufferOrder) -> bool:
+    """Lets go of what JAX keeps of the Buffer's last program if that program failed: its token
+    and the devices' runtime tokens it left (a closed Buffer's: else JAX raises the error again
+    at the interpreter's exit, where it waits for every token). A program still in flight keeps
+    its tokens, so that the exit still waits for it."""
+    token = _buffer_tokens.get(order)
+    if token is None or not _failed(token):
+        return False
+    del _buffer_tokens[order]
+    tokens = dispatch.runtime_tokens
+    if tokens.current_tokens.get(order) is token:
+        del tokens.current_tokens[order]
+    for device, runtime_token in _device_tokens.pop(order, {}).items():
+        if tokens.output_runtime_tokens.get(device) is not runtime_token:
+            continue  # a later program's
+        try:
+            runtime_token.block_until_ready()  # its program is over: this does not wait
+        except Exception:  # noqa: BLE001 - the failed program's error
+            del tokens.output_runtime_tokens[device]
+    return True
+
+
+# The runtime tokens that a Buffer's last program left on its devices (JAX waits for each
+# device's last one at exit).
+_device_tokens: dict[BufferOrder, dict] = {}
+
+
 def _execute(self, *args):
-    if any(isinstance(e, BufferOrder) for e in self.ordered_effects):
-        with _launch:
-            return _jax_execute(self, *args)
-    return _jax_execute(self, *args)
+    orders = [e for e in self.ordered_effects if isinstance(e, BufferOrder)]
+    if not orders:
+        return _jax_execute(self, *args)
+    with _launch:
+        out = _jax_execute(self, *args)
+        left = dispatch.runtime_tokens.output_runtime_tokens
+        for order in orders:
+            _device_tokens[order] = {d: left[d] for d in self._local_devices if d in left}
+        return out
 
 
 dispatch.RuntimeTokenSet.get_token_input = _token_input
@@ -294,6 +328,11 @@ def distributed_client():
             "initialized (call jax.distributed.initialize() first)"
         )
     return client
+
+
+def coordinator_address() -> str | None:
+    """jax.distributed's coordinator ("host:port"), or None when it is not initialized."""
+    return distributed.global_state.coordinator_address
 
 
 def varying_axes(value) -> frozenset:

@@ -25,7 +25,7 @@ import threading
 
 import numpy as np
 
-from jax_ep._jax import distributed_client
+from jax_ep._jax import coordinator_address, distributed_client
 
 _created: dict[tuple, int] = {}  # Buffers created so far, per set of processes
 
@@ -160,9 +160,7 @@ def serve_liveness(server: socket.socket):
 def _reachable_address() -> str:
     """This host's address on the route to jax.distributed's coordinator (how the others reach
     it; no packet is sent)."""
-    from jax._src import distributed
-
-    host = (distributed.global_state.coordinator_address or "127.0.0.1").rsplit(":", 1)[0]
+    host = (coordinator_address() or "127.0.0.1").rsplit(":", 1)[0]
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((host.strip("[]"), 9))

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import bootstrap
+from jax_ep import _jax, bootstrap
 from jax_ep import layout as layouts
 from jax_ep.fp8 import FP8_BLOCK, dequantize_fp8
 from jax_ep.hierarchical import Hierarchical
@@ -347,10 +347,12 @@ class Buffer:
         """Drops this Buffer's communication memory: it is freed once no compiled program that
         uses the Buffer remains (JAX keeps compiled programs in its caches; jax.clear_caches()
         drops them). Programs compiled before close() keep working; a program compiled after
-        it fails when it runs."""
+        it fails when it runs. Closing a Buffer that an error stopped also drops the error that
+        JAX keeps for its last program (JAX would raise it again at the interpreter's exit)."""
         if self._native is not None:
             self._native = None
             bootstrap.forget(self._key)
+            _jax.drop_failed_token(_jax.BufferOrder(self._key))
 
     def __del__(self):
         # A finalizer may run on any thread, inside any other work: it only hands the key over;

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from bench import ep, expert_padded, expert_rows, harness, probe
+from bench import ep, expert_padded, expert_rows, fp8_accuracy, harness, probe
 from bench.ep import JAX_EP, bench_size, table
 from bench.trace import device_kernels, kernel_summary
 
@@ -151,3 +151,18 @@ def test_expert_rows_bench_records_every_case(tmp_path):
     record = json.loads(path.read_text())
     assert len(record["cases"]) == 6
     assert record["command"].startswith("python -m bench.expert_rows --tokens 16")
+
+
+def test_fp8_accuracy_bench_measures_each_variant_against_float32(tmp_path):
+    """bench.fp8_accuracy: the bf16 layer within bf16 rounding of the float32 one, the FP8
+    layer further (a few percent: e4m3 keeps 3 mantissa bits), both recorded."""
+    argv = "--tokens 8 --hidden 256 --ffn 128 --experts 4 --topk 2 --variants bf16,fp8_dgrad"
+    argv += " --inputs normal --machine test --out"
+    fp8_accuracy.main(argv.split() + [str(tmp_path)])
+    (path,) = tmp_path.glob("fp8-accuracy-test-*.json")
+    record = json.loads(path.read_text())
+    results = record["results"]["normal"]
+    assert set(results) == {"bf16", "fp8_dgrad"}
+    for name, error in results["bf16"]["vs_float32"].items():
+        assert error < 0.02, (name, error)
+        assert 0.01 < results["fp8_dgrad"]["vs_float32"][name] < 0.15, name

@@ -4,6 +4,9 @@ step and the next call raises, Buffer.status() says why; op numbers past 2^32; a
 handle cannot write outside the window; /dev/shm too small is an error naming the size."""
 
 import functools
+import os
+import subprocess
+import sys
 import time
 
 import jax
@@ -60,6 +63,7 @@ def test_a_timed_out_op_returns_nan_in_its_own_step_and_the_next_call_raises():
     i = jnp.zeros((T, K), jnp.int32)
     with pytest.raises(Exception, match="waited more than 0.5"):
         jax.block_until_ready(run(mesh, lambda x, i: buf.dispatch(x, i).x, x, i))
+    buf.close()  # and its error with it (else JAX raises it again at exit)
     again = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
     d = run(mesh, lambda x, i: again.dispatch(x, i)._replace(handle=None), x, i)
     assert int(np.asarray(d.num_recv)[0]) == T and again.status() is None
@@ -153,6 +157,42 @@ def test_ranks_that_run_different_ops_stop_naming_both():
     assert all(op in buf.status() for op in both), buf.status()
     with pytest.raises(Exception, match=r"ran dispatch\(.* while rank . ran dispatch\("):
         jax.block_until_ready(run(mesh, lambda x, i: buf.dispatch(x, i).x, x, i))
+    buf.close()
+
+
+STOPPED_THEN_EXIT = """
+import jax, jax.numpy as jnp, numpy as np
+import jax_ep
+from helpers import branching_dispatch, make_mesh, run
+mesh = make_mesh(2)
+buf = jax_ep.Buffer(mesh, "ep", num_experts={E}, hidden={H}, num_topk={K},
+                    max_tokens_per_rank={T}, timeout_s=60)
+x = jnp.ones((2 * {T}, {H}), jnp.bfloat16)
+i = jnp.zeros((2 * {T}, {K}), jnp.int32)
+np.asarray(run(mesh, branching_dispatch(buf), x, i)[0])
+try:
+    jax.block_until_ready(run(mesh, lambda x, i: buf.dispatch(x, i).x, x, i))
+except Exception as e:
+    print("RAISED", "ran dispatch(" in str(e))
+if {close}:
+    buf.close()
+"""
+
+
+@pytest.mark.parametrize("close", [True, False])
+def test_a_stopped_buffer_exits_cleanly_once_closed(close):
+    """A program that met a Buffer's error and closed the Buffer exits without JAX raising that
+    error again at exit. Closed or not, the native side never outlives the interpreter as
+    Python objects (nanobind's leak report)."""
+    code = STOPPED_THEN_EXIT.format(E=E, H=H, K=K, T=T, close=close)
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=here
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["RAISED", "True"], out.stderr[-3000:]
+    assert "leaked" not in out.stderr, out.stderr[-3000:]
+    at_exit = "Exception ignored in atexit callback" in out.stderr
+    assert at_exit != close, out.stderr[-3000:]
 
 
 def test_check_invalid_between_the_halves_of_another_op_is_refused_at_trace_time():
