@@ -158,13 +158,14 @@ def drop_failed_token(order: BufferOrder) -> bool:
     tokens = dispatch.runtime_tokens
     if tokens.current_tokens.get(order) is token:
         del tokens.current_tokens[order]
+    left = getattr(tokens, "output_runtime_tokens", {})
     for device, runtime_token in _device_tokens.pop(order, {}).items():
-        if tokens.output_runtime_tokens.get(device) is not runtime_token:
+        if left.get(device) is not runtime_token:
             continue  # a later program's
         try:
             runtime_token.block_until_ready()  # its program is over: this does not wait
         except Exception:  # noqa: BLE001 - the failed program's error
-            del tokens.output_runtime_tokens[device]
+            del left[device]
     return True
 
 
@@ -179,9 +180,11 @@ def _execute(self, *args):
         return _jax_execute(self, *args)
     with _launch:
         out = _jax_execute(self, *args)
-        left = dispatch.runtime_tokens.output_runtime_tokens
+        # (read defensively: only close() uses them, and a launch must not fail for them)
+        left = getattr(dispatch.runtime_tokens, "output_runtime_tokens", {})
+        devices = getattr(self, "_local_devices", ())
         for order in orders:
-            _device_tokens[order] = {d: left[d] for d in self._local_devices if d in left}
+            _device_tokens[order] = {d: left[d] for d in devices if d in left}
         return out
 
 
