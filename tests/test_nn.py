@@ -114,6 +114,33 @@ def test_flax_nnx_adapter():
     assert model.w_gate[...].sharding.spec == P("ep")  # made sharded, not resharded later
 
 
+def test_flax_nnx_keeps_no_aux_outside_capture():
+    """Called outside nnx.capture, the module keeps no MoEAux: nnx.jit traces it once for
+    many steps (sown there, each step's MoEAux grew the module's state: a new trace each
+    step) and Flax has nothing to warn about."""
+    import warnings
+
+    from flax import nnx
+
+    from jax_ep.nn.flax_nnx import MoE
+
+    cfg = nn.MoEConfig(num_experts=E, num_topk=K, hidden=H, ffn_hidden=F)
+    model = MoE(cfg, make_mesh(4), expert_axis="ep", tokens_per_rank=TOKENS, rngs=nnx.Rngs(0))
+    traces = []
+
+    @nnx.jit
+    def forward(model, x):
+        traces.append(1)
+        return model(x)
+
+    x = jax.random.normal(jax.random.key(1), (4 * TOKENS, H))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        for _ in range(3):
+            forward(model, x)
+    assert len(traces) == 1 and not hasattr(model, "aux")
+
+
 def test_flax_nnx_routing_bias_is_state_not_a_parameter():
     from flax import nnx
 
@@ -497,6 +524,52 @@ def test_fp8_weights_made_once_equal_the_ones_made_in_the_call(fp8_down, fp8_dgr
     )
     with pytest.raises(ValueError, match="fp8_weights given but cfg.fp8 is False"):
         layer(params, x, fp8_weights=nn.quantize_expert_weights(params))
+
+
+@pytest.mark.parametrize("framework", ["flax_nnx", "eqx"])
+def test_modules_take_fp8_weights_made_once(framework):
+    """The Flax and Equinox modules' fp8_weights() (MoELayer.fp8_weights: the down
+    projection's too under fp8_down) passed to the call: the same y and gradients as a module
+    that quantizes them in each call (fp8_experts)."""
+    mesh = make_mesh(4)
+    x = jax.random.normal(jax.random.key(1), (mesh.size * TOKENS, 128))
+    cfg = nn.MoEConfig(
+        num_experts=E, num_topk=K, hidden=128, ffn_hidden=128, fp8=True, fp8_down=True
+    )
+    results = []
+    for cfg_, once in ((dataclasses.replace(cfg, fp8_experts=True), False), (cfg, True)):
+        if framework == "flax_nnx":
+            from flax import nnx
+
+            from jax_ep.nn.flax_nnx import MoE
+
+            model = MoE(cfg_, mesh, expert_axis="ep", tokens_per_rank=TOKENS, rngs=nnx.Rngs(0))
+            weights = model.fp8_weights() if once else None
+            step = nnx.jit(nnx.value_and_grad(lambda m, x, w: jnp.sum(m(x, fp8_weights=w) ** 2)))
+            value, grads = step(model, x, weights)
+            results.append((value, {k: grads[k][...] for k in model.names}))
+        else:
+            import equinox as eqx
+
+            from jax_ep.nn.eqx import MoE
+
+            model = MoE(cfg_, mesh, expert_axis="ep", tokens_per_rank=TOKENS, key=jax.random.key(0))
+            weights = model.fp8_weights() if once else None
+            step = eqx.filter_jit(
+                eqx.filter_value_and_grad(lambda m, x, w: jnp.sum(m(x, w)[0] ** 2))
+            )
+            value, grads = step(model, x, weights)
+            results.append((value, grads.weights))
+    assert set(weights) == {"w_gate", "w_up", "w_down"}
+    for got, want in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="fp8_weights are for a layer with cfg.fp8"):
+        nn.MoELayer(
+            dataclasses.replace(cfg, fp8=False, fp8_down=False),
+            mesh,
+            expert_axis="ep",
+            tokens_per_rank=TOKENS,
+        ).fp8_weights(model.weights if framework == "eqx" else model.weights())
 
 
 def test_layer_over_nodes_with_node_limited_routing_equals_dense_moe(impl="ffi"):

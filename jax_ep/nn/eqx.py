@@ -3,6 +3,8 @@
     moe = MoE(cfg, mesh, expert_axis="ep", data_axis="dp", tokens_per_rank=n, key=key)
     y, aux = moe(x)                               # x [..., hidden], sharded over (dp, ep); MoEAux
     moe = moe.with_routing_bias_updated(aux.tokens_per_expert, rate=1e-3)  # cfg.routing_bias
+    fp8 = moe.fp8_weights()      # with cfg.fp8: once per optimizer step, then every
+    y, aux = moe(x, fp8)         # micro-batch until the weights change
 
 The weights are created sharded (experts over expert_axis). routing_bias is state, not a
 parameter: it gets zero gradients, so keep it out of the optimizer (e.g. optax.masked) when
@@ -49,8 +51,12 @@ class MoE(eqx.Module):
         self.weights = init_params(key, cfg, mesh=mesh, expert_axis=expert_axis)
         self.routing_bias = jnp.zeros(cfg.num_experts, jnp.float32) if cfg.routing_bias else None
 
-    def __call__(self, x):
-        return self.layer(self.weights, x, self.routing_bias)
+    def fp8_weights(self):
+        """MoELayer.fp8_weights of this module's weights, for __call__'s fp8_weights."""
+        return self.layer.fp8_weights(self.weights)
+
+    def __call__(self, x, fp8_weights=None):
+        return self.layer(self.weights, x, self.routing_bias, fp8_weights)
 
     def with_routing_bias_updated(self, tokens_per_expert, rate):
         """This module after one balancing step of its routing bias (MoEAux.tokens_per_expert)."""

@@ -2,8 +2,11 @@
 
     moe = MoE(cfg, mesh, expert_axis="ep", data_axis="dp", tokens_per_rank=n, rngs=nnx.Rngs(0))
     y = moe(x)                                   # x [..., hidden], sharded over (dp, ep)
-    y, sown = nnx.capture(moe, nnx.Intermediate)(x)   # sown["aux"][0]: MoEAux (loss, ...)
+    y, sown = nnx.capture(moe, nnx.Intermediate)(x)   # sown["aux"][0]: MoEAux (loss, ...);
+                                                 # outside nnx.capture the MoEAux is not kept
     moe.update_routing_bias(aux.tokens_per_expert, rate=1e-3)   # with cfg.routing_bias
+    fp8 = moe.fp8_weights()                      # with cfg.fp8: once per optimizer step, then
+    y = moe(x, fp8_weights=fp8)                  # every micro-batch until the weights change
 
 The weights are created sharded (experts over expert_axis) and carry nnx.with_partitioning
 metadata, so nnx.get_partition_spec(nnx.state(moe)) gives their specs. The routing bias is a
@@ -18,6 +21,13 @@ from flax import nnx
 from jax_ep.nn.config import MoEConfig
 from jax_ep.nn.moe import MoELayer, init_params
 from jax_ep.nn.routing import update_routing_bias
+
+
+def _capturing(module) -> bool:
+    """Whether module runs under nnx.capture (as Module.sow itself tells, flax >= 0.12), or on a
+    flax without nnx.capture. Outside it, sow would keep each call's MoEAux in the module: under
+    nnx.jit a state that grows every step, so every step traced and compiled again."""
+    return not hasattr(nnx, "capture") or hasattr(module, "__captures__")
 
 
 class RoutingBias(nnx.Variable):
@@ -62,10 +72,15 @@ class MoE(nnx.Module):
     def weights(self):
         return {name: getattr(self, name)[...] for name in self.names}
 
-    def __call__(self, x):
+    def fp8_weights(self):
+        """MoELayer.fp8_weights of this module's weights, for __call__'s fp8_weights."""
+        return self.layer.fp8_weights(self.weights())
+
+    def __call__(self, x, fp8_weights=None):
         bias = None if self.routing_bias is None else self.routing_bias[...]
-        y, aux = self.layer(self.weights(), x, bias)
-        self.sow(nnx.Intermediate, "aux", aux)
+        y, aux = self.layer(self.weights(), x, bias, fp8_weights)
+        if _capturing(self):
+            self.sow(nnx.Intermediate, "aux", aux)
         return y
 
     def update_routing_bias(self, tokens_per_expert, rate):

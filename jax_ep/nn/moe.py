@@ -314,6 +314,15 @@ class MoELayer:
     def param_specs(self, params):
         return param_specs(params, self.expert_axis)
 
+    def fp8_weights(self, params):
+        """The FP8 weights that cfg asks for (cfg.fp8): quantize_expert_weights(params), with
+        the down projection's under cfg.fp8_down and the transposes under cfg.fp8_dgrad, for
+        __call__'s fp8_weights. Valid until the weights change: make them again after each
+        optimizer update (the forward reads them, the backward reads params)."""
+        if not self.cfg.fp8:
+            raise ValueError("jax_ep.nn: fp8_weights are for a layer with cfg.fp8")
+        return quantize_expert_weights(params, down=self.cfg.fp8_down, dgrad=self.cfg.fp8_dgrad)
+
     def grouped_matmul_path(self, dtype=jnp.bfloat16):
         """The grouped-matmul implementations of the experts for tokens of `dtype`."""
         return grouped_matmul_path(
