@@ -16,9 +16,8 @@ larger, as the activations of large language models have).
 The figures are the rounding of jax_ep's FP8 rule (jax_ep/fp8.py: e4m3, a float32 scale per
 1 x 128 block of a row, per 128 x 128 block of a weight) and of bf16: every backend sums the
 FP8 products in float32, so the CPU gives the GPU's figures up to the order of summation. The
-error depends on the depth of the products (hidden, ffn: DeepSeek-V3's by default), not on the
-count of experts or tokens, which the defaults keep small enough for a CPU (XLA:CPU multiplies
-every row by every expert's weights).
+products have DeepSeek-V3's depth (hidden, ffn) by default; the counts of experts and tokens
+are kept small enough for a CPU (XLA:CPU multiplies every row by every expert's weights).
 """
 
 from __future__ import annotations
@@ -95,7 +94,7 @@ def table(record):
             cells = []
             for c in columns:
                 cell = f"{100 * result['vs_float32'][c]:.2f}%"
-                if variant != "bf16":
+                if variant != "bf16" and "vs_bf16" in result:
                     cell += f" ({100 * result['vs_bf16'][c]:.2f}%)"
                 cells.append(cell)
             lines.append(f"| {variant} | " + " | ".join(cells) + " |")

@@ -17,8 +17,8 @@ call passes no token (`_create_cpp_call`). A program that fails leaves its error
 token, which PjRt hands on to every later program that takes the token; an op that raised on
 purpose (check_invalid) must leave its Buffer usable, so a Buffer's token is dropped once it
 holds an error (`_token_input`); a Buffer stopped by a timeout raises on its next call by
-itself. JAX also raises every failed token again at the interpreter's exit: closing a stopped
-Buffer lets go of its last program's tokens (`drop_failed_token`).
+itself. JAX also raises every failed token again at the interpreter's exit: closing a Buffer
+whose last program failed lets go of that program's tokens (`release_tokens`).
 
 And a fourth, which any FP8 user of jax.checkpoint meets: jax.checkpoint rounds every saved
 float residual with reduce_precision(exponent_bits, mantissa_bits) of its dtype, and XLA's
@@ -146,32 +146,34 @@ def _token_result(self, effect, token):
     _jax_token_result(self, effect, token)
 
 
-def drop_failed_token(order: BufferOrder) -> bool:
-    """Lets go of what JAX keeps of the Buffer's last program if that program failed: its token
-    and the devices' runtime tokens it left (a closed Buffer's: else JAX raises the error again
-    at the interpreter's exit, where it waits for every token). A program still in flight keeps
-    its tokens, so that the exit still waits for it."""
-    token = _buffer_tokens.get(order)
-    if token is None or not _failed(token):
-        return False
-    del _buffer_tokens[order]
-    tokens = dispatch.runtime_tokens
-    if tokens.current_tokens.get(order) is token:
-        del tokens.current_tokens[order]
-    left = getattr(tokens, "output_runtime_tokens", {})
-    for device, runtime_token in _device_tokens.pop(order, {}).items():
-        if left.get(device) is not runtime_token:
-            continue  # a later program's
-        try:
-            runtime_token.block_until_ready()  # its program is over: this does not wait
-        except Exception:  # noqa: BLE001 - the failed program's error
-            del left[device]
-    return True
+def release_tokens(order: BufferOrder) -> bool:
+    """For a Buffer being closed: lets go of what JAX keeps of its last program if that program
+    failed (its token, and the runtime tokens it left on its devices, in the token sets of the
+    thread that launched it; JAX would raise the error again at the interpreter's exit, where
+    it waits for every token). A program still in flight keeps its tokens, so that the exit
+    still waits for it. Whether it let go of a failed program's tokens."""
+    with _launch:
+        token_sets, device_tokens = _last_launch.pop(order, ({}, {}))
+        token = _buffer_tokens.get(order)
+        if token is None or not _failed(token):
+            return False
+        del _buffer_tokens[order]
+        if token_sets.get(order) is token:
+            del token_sets[order]
+        for device, (left, runtime_token) in device_tokens.items():
+            if left.get(device) is not runtime_token:
+                continue  # a later program's
+            try:
+                runtime_token.block_until_ready()  # its program is over: this does not wait
+            except Exception:  # noqa: BLE001 - the failed program's error
+                del left[device]
+        return True
 
 
-# The runtime tokens that a Buffer's last program left on its devices (JAX waits for each
-# device's last one at exit).
-_device_tokens: dict[BufferOrder, dict] = {}
+# Where a Buffer's last program left its tokens: the launching thread's dict of ordering tokens,
+# and each device's runtime token with that thread's dict of them (JAX keeps both per thread,
+# and waits for the main thread's at exit). Only release_tokens reads them.
+_last_launch: dict[BufferOrder, tuple[dict, dict]] = {}
 
 
 def _execute(self, *args):
@@ -180,11 +182,12 @@ def _execute(self, *args):
         return _jax_execute(self, *args)
     with _launch:
         out = _jax_execute(self, *args)
-        # (read defensively: only close() uses them, and a launch must not fail for them)
-        left = getattr(dispatch.runtime_tokens, "output_runtime_tokens", {})
-        devices = getattr(self, "_local_devices", ())
+        # Read defensively: a launch must not fail for what only close() uses.
+        tokens = dispatch.runtime_tokens
+        left = getattr(tokens, "output_runtime_tokens", {})
+        devices = {d: (left, left[d]) for d in getattr(self, "_local_devices", ()) if d in left}
         for order in orders:
-            _device_tokens[order] = {d: left[d] for d in devices if d in left}
+            _last_launch[order] = (tokens.current_tokens, devices)
         return out
 
 

@@ -347,12 +347,13 @@ class Buffer:
         """Drops this Buffer's communication memory: it is freed once no compiled program that
         uses the Buffer remains (JAX keeps compiled programs in its caches; jax.clear_caches()
         drops them). Programs compiled before close() keep working; a program compiled after
-        it fails when it runs. Closing a Buffer that an error stopped also drops the error that
-        JAX keeps for its last program (JAX would raise it again at the interpreter's exit)."""
+        it fails when it runs. Closing a Buffer whose last program failed (an error that stopped
+        it, or check_invalid's) also drops that error, which JAX keeps with the program's
+        tokens and would raise again at the interpreter's exit."""
         if self._native is not None:
             self._native = None
             bootstrap.forget(self._key)
-            _jax.drop_failed_token(_jax.BufferOrder(self._key))
+            _jax.release_tokens(_jax.BufferOrder(self._key))
 
     def __del__(self):
         # A finalizer may run on any thread, inside any other work: it only hands the key over;

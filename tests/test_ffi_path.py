@@ -146,7 +146,7 @@ def test_the_native_side_keeps_no_python_object_alive():
     step(x, i).block_until_ready()
     native = buf._native
     buf.close()
-    assert sys.getrefcount(native) == 2  # `native` and getrefcount's argument
+    assert sys.getrefcount(native) <= 2  # `native` and getrefcount's argument (C++ held: 3)
     np.testing.assert_array_equal(step(x, i), [2 * T, 0])  # the program still runs
 
 

@@ -135,7 +135,7 @@ def test_flax_nnx_keeps_no_aux_outside_capture():
 
     x = jax.random.normal(jax.random.key(1), (4 * TOKENS, H))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
+        warnings.filterwarnings("error", "Using 'Module.sow", DeprecationWarning)
         for _ in range(3):
             forward(model, x)
     assert len(traces) == 1 and not hasattr(model, "aux")

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ep import layout
 from jax_ep.buffer import Buffer
-from jax_ep.fp8 import quantize_fp8
+from jax_ep.fp8 import FP8_BLOCK, quantize_fp8
 from jax_ep.nn import grouped
 from jax_ep.nn.config import MoEConfig
 from jax_ep.nn.routing import (
@@ -315,13 +315,19 @@ class MoELayer:
         return param_specs(params, self.expert_axis)
 
     def fp8_weights(self, params):
-        """The FP8 weights that cfg asks for (cfg.fp8): quantize_expert_weights(params), with
-        the down projection's under cfg.fp8_down and the transposes under cfg.fp8_dgrad, for
-        __call__'s fp8_weights. Valid until the weights change: make them again after each
+        """FP8 weights for __call__'s fp8_weights (cfg.fp8): quantize_expert_weights(params),
+        with the down projection's under cfg.fp8_down and the transposes under cfg.fp8_dgrad.
+        Given to the call, they make the gate and up projections multiply FP8 whatever
+        cfg.fp8_experts says. Valid until the weights change: make them again after each
         optimizer update (the forward reads them, the backward reads params)."""
-        if not self.cfg.fp8:
-            raise ValueError("jax_ep.nn: fp8_weights are for a layer with cfg.fp8")
-        return quantize_expert_weights(params, down=self.cfg.fp8_down, dgrad=self.cfg.fp8_dgrad)
+        cfg = self.cfg
+        if not cfg.fp8 or cfg.hidden % FP8_BLOCK or cfg.ffn_hidden % FP8_BLOCK:
+            raise ValueError(
+                f"jax_ep.nn: fp8_weights are for a layer with cfg.fp8 and hidden and ffn_hidden "
+                f"multiples of {FP8_BLOCK} (fp8={cfg.fp8}, hidden={cfg.hidden}, "
+                f"ffn_hidden={cfg.ffn_hidden})"
+            )
+        return quantize_expert_weights(params, down=cfg.fp8_down, dgrad=cfg.fp8_dgrad)
 
     def grouped_matmul_path(self, dtype=jnp.bfloat16):
         """The grouped-matmul implementations of the experts for tokens of `dtype`."""
