@@ -25,7 +25,7 @@ import threading
 
 import numpy as np
 
-from jax_ep._jax import coordinator_address, distributed_client
+from jax_ep._jax import BufferOrder, coordinator_address, distributed_client, release_tokens
 
 _created: dict[tuple, int] = {}  # Buffers created so far, per set of processes
 
@@ -497,7 +497,8 @@ def forget_later(key):
 
 def forget(key=None):
     """Drops the native side of Buffer `key` (and of the Buffers collected since the last call)
-    from the registry; its memory goes when the last program using it does."""
+    from the registry; its memory goes when the last program using it does. A failed last
+    program's tokens go too (`release_tokens`: JAX would raise its error again at exit)."""
     from jax_ep import _native
 
     keys = [] if key is None else [key]
@@ -505,11 +506,15 @@ def forget(key=None):
         keys.append(_to_forget.pop())
     for k in keys:
         _native.forget_buffer(k)
+        release_tokens(BufferOrder(k))
 
 
 @functools.cache
 def _forget_at_exit():
-    """The registry holds the native Buffers: let them go before the interpreter does."""
+    """The registry holds the native Buffers: let them go before the interpreter does, and the
+    tokens of the collected ones before JAX waits for every token (atexit runs the last
+    registered first: JAX's own hooks were registered when it was imported)."""
     from jax_ep import _native
 
     atexit.register(_native.forget_all_buffers)
+    atexit.register(forget)

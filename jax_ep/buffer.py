@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _jax, bootstrap
+from jax_ep import bootstrap
 from jax_ep import layout as layouts
 from jax_ep.fp8 import FP8_BLOCK, dequantize_fp8
 from jax_ep.hierarchical import Hierarchical
@@ -353,7 +353,6 @@ class Buffer:
         if self._native is not None:
             self._native = None
             bootstrap.forget(self._key)
-            _jax.release_tokens(_jax.BufferOrder(self._key))
 
     def __del__(self):
         # A finalizer may run on any thread, inside any other work: it only hands the key over;

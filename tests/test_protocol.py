@@ -176,6 +176,10 @@ except Exception as e:
     print("RAISED", "ran dispatch(" in str(e))
 if {close!r} == "here":
     buf.close()
+elif {close!r} == "collected":  # its finalizer, then the exit, let it go
+    import gc
+    del buf
+    gc.collect()
 elif {close!r} == "thread":
     import threading
     closing = threading.Thread(target=buf.close)
@@ -184,11 +188,11 @@ elif {close!r} == "thread":
 """
 
 
-@pytest.mark.parametrize("close", ["here", "thread", "no"])
+@pytest.mark.parametrize("close", ["here", "thread", "collected", "no"])
 def test_a_stopped_buffer_exits_cleanly_once_closed(close):
-    """A program that met a Buffer's error and closed the Buffer (from its thread or another)
-    exits without JAX raising that error again at exit. Closed or not, the native side never
-    outlives the interpreter as Python objects (nanobind's leak report)."""
+    """A program that met a Buffer's error and closed the Buffer (from its thread or another,
+    or let it be collected) exits without JAX raising that error again at exit. Closed or not,
+    the native side never outlives the interpreter as Python objects (nanobind's leak report)."""
     code = STOPPED_THEN_EXIT.format(E=E, H=H, K=K, T=T, close=close)
     here = os.path.dirname(os.path.abspath(__file__))
     out = subprocess.run(
