@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import common_arguments, new_record, save_record
+from bench.harness import common_arguments, new_record, relative_error, save_record
 from jax_ep import nn
 
 VARIANTS = {
@@ -65,11 +65,6 @@ def layer_results(cfg, params, x, cotangent):
     (_, y), (d_params, d_x) = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(params, x)
     grads = dict(x=d_x, **{name: d_params[name] for name in GRADIENTS[1:]})
     return np.asarray(y, np.float32), {k: np.asarray(g, np.float32) for k, g in grads.items()}
-
-
-def relative_error(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 def errors(got, want):

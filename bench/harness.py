@@ -1,6 +1,7 @@
 """What every benchmark shares: loop timing (loop_seconds), the options every command takes
 (common_arguments), result records with the run's machine, date and command (new_record,
-save_record), and the machine's peer copy bandwidth (copy_engine_gbps, through bench._probe)."""
+save_record), how far one result is from another (relative_error), and the machine's peer copy
+bandwidth (copy_engine_gbps, through bench._probe)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 _PERTURBABLE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -121,6 +123,12 @@ def save_record(record, out_dir, name, suffix=""):
     with open(stem + ".json", "w") as f:
         json.dump(record, f, indent=1)
     return stem
+
+
+def relative_error(got, want):
+    """|got - want| / |want| (Frobenius norms, in float64)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 def copy_engine_gbps(both_ways):

@@ -58,6 +58,7 @@ from bench.harness import (
     loop_program,
     loop_seconds,
     new_record,
+    relative_error,
     save_record,
 )
 from bench.trace import device_kernels, kernel_summary, print_summary
@@ -559,9 +560,7 @@ def main(argv=None):
             y = outputs(layer, mesh, x, layer_params)
             if reference is None:
                 reference = y
-            checks[impl] = float(
-                np.linalg.norm(y - reference) / max(np.linalg.norm(reference), 1e-30)
-            )
+            checks[impl] = relative_error(y, reference)
             print(
                 f"  {impl}: relative difference of y from {args.impls.split(',')[0]}'s: "
                 f"{checks[impl]:.3g}",

@@ -146,34 +146,33 @@ def _token_result(self, effect, token):
     _jax_token_result(self, effect, token)
 
 
-def release_tokens(order: BufferOrder) -> bool:
+def release_tokens(order: BufferOrder):
     """For a Buffer being closed: lets go of what JAX keeps of its last program if that program
     failed (its token, and the runtime tokens it left on its devices, in the token sets of the
     thread that launched it; JAX would raise the error again at the interpreter's exit, where
     it waits for every token). A program still in flight keeps its tokens, so that the exit
-    still waits for it. Whether it let go of a failed program's tokens."""
+    still waits for it."""
     with _launch:
-        token_sets, device_tokens = _last_launch.pop(order, ({}, {}))
+        ordering, runtime, left = _last_launch.pop(order, ({}, {}, {}))
         token = _buffer_tokens.get(order)
         if token is None or not _failed(token):
-            return False
+            return
         del _buffer_tokens[order]
-        if token_sets.get(order) is token:
-            del token_sets[order]
-        for device, (left, runtime_token) in device_tokens.items():
-            if left.get(device) is not runtime_token:
+        if ordering.get(order) is token:
+            del ordering[order]
+        for device, runtime_token in left.items():
+            if runtime.get(device) is not runtime_token:
                 continue  # a later program's
             try:
                 runtime_token.block_until_ready()  # its program is over: this does not wait
             except Exception:  # noqa: BLE001 - the failed program's error
-                del left[device]
-        return True
+                del runtime[device]
 
 
-# Where a Buffer's last program left its tokens: the launching thread's dict of ordering tokens,
-# and each device's runtime token with that thread's dict of them (JAX keeps both per thread,
-# and waits for the main thread's at exit). Only release_tokens reads them.
-_last_launch: dict[BufferOrder, tuple[dict, dict]] = {}
+# Where a Buffer's last program left its tokens: the launching thread's dicts of ordering and of
+# runtime tokens (JAX keeps both per thread, and waits for the main thread's at exit) and the
+# runtime token it left on each device. Only release_tokens reads them.
+_last_launch: dict[BufferOrder, tuple[dict, dict, dict]] = {}
 
 
 def _execute(self, *args):
@@ -184,10 +183,10 @@ def _execute(self, *args):
         out = _jax_execute(self, *args)
         # Read defensively: a launch must not fail for what only close() uses.
         tokens = dispatch.runtime_tokens
-        left = getattr(tokens, "output_runtime_tokens", {})
-        devices = {d: (left, left[d]) for d in getattr(self, "_local_devices", ()) if d in left}
+        runtime = getattr(tokens, "output_runtime_tokens", {})
+        left = {d: runtime[d] for d in getattr(self, "_local_devices", ()) if d in runtime}
         for order in orders:
-            _last_launch[order] = (tokens.current_tokens, devices)
+            _last_launch[order] = (tokens.current_tokens, runtime, left)
         return out
 
 
