@@ -2,11 +2,14 @@
 # A run on a GPU machine: install jax_ep (a wheel built beforehand in .wheel/, else from source),
 # then the GPU tests, the benchmark, the bandwidth probes or the MoE layer's benchmarks; logs and
 # results under $OUT.
-#   bench/run_gpu.sh [tests|bench|probe|layer|processes|all] [extra bench/probe/moe_layer args...]
+#   bench/run_gpu.sh [tests|bench|probe|layer|processes|deepgemm|all] [extra bench/probe/moe_layer args...]
 # bench, probe and all also build the probes' extension bench._probe (the benchmark reports the
 # copy engine's peer bandwidth through it); layer: the grouped-matmul GPU tests,
 # bench.grouped_matmul and bench.moe_layer; processes: tests/test_gpu_processes.py (2 and 4
-# processes on GPU 0 through the CUDA-IPC engine, under a private MPS daemon the tests start).
+# processes on GPU 0 through the CUDA-IPC engine, under a private MPS daemon the tests start);
+# deepgemm: bench.versus_deepgemm (jax_ep's grouped matmuls against DeepGEMM's) with the program
+# of bench/cuda/versus_deepgemm.cu built beforehand (its header gives the build line), at
+# $VERSUS_DEEPGEMM or build/versus_deepgemm.
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 gpus=$(nvidia-smi -L | wc -l)
@@ -26,7 +29,7 @@ else
   JAX_EP_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps .
 fi 2>&1 | tail -3
 python3 -c "import jax_ep, jax_ep._native as n; print('jax_ep with CUDA:', n.has_cuda)" || exit 1
-if [ "$what" != tests ] && [ "$what" != processes ]; then  # without bench._probe the benchmark's peer bandwidth is null
+if [ "$what" != tests ] && [ "$what" != processes ] && [ "$what" != deepgemm ]; then  # without bench._probe the benchmark's peer bandwidth is null
   if ! { cmake -S . -B build/probe -DJAX_EP_PROBES=ON -DPython_EXECUTABLE="$(command -v python3)" &&
          cmake --build build/probe --target _probe -j && python3 -c "import bench._probe"; } \
        > "$OUT/probe_build.log" 2>&1; then
@@ -55,4 +58,9 @@ if [ "$what" = layer ]; then
   timeout ${BENCH_TIMEOUT:-480} python3 -m bench.grouped_matmul --machine "$JAX_EP_MACHINE" 2>&1 | tee "$OUT/grouped_matmul.log" | tail -40
   timeout ${BENCH_TIMEOUT:-600} python3 -m bench.moe_layer --machine "$JAX_EP_MACHINE" "$@" 2>&1 | tee "$OUT/moe_layer.log" | tail -30
   cp bench/results/*"$JAX_EP_MACHINE"* "$OUT/" 2>/dev/null
+fi
+if [ "$what" = deepgemm ]; then
+  timeout ${BENCH_TIMEOUT:-480} python3 -m bench.versus_deepgemm --machine "$JAX_EP_MACHINE" \
+    --program "${VERSUS_DEEPGEMM:-build/versus_deepgemm}" "$@" 2>&1 | tee "$OUT/versus_deepgemm.log"
+  cp bench/results/versus-deepgemm-"$JAX_EP_MACHINE"* "$OUT/" 2>/dev/null
 fi

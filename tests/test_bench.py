@@ -1,7 +1,8 @@
 """bench/ep.py on CPU devices at a small shape: every implementation times both ops and makes
 the same round trip (dispatch, dequantise, combine) as jax_ep; --nodes times a tuple-axis Buffer
 and each of its legs. (XLA:CPU has no ragged-all-to-all, so that baseline runs on GPUs only.)
-bench/grouped_matmul.py's cases and decode MLP at a tiny shape."""
+bench/grouped_matmul.py's cases and decode MLP at a tiny shape. bench/versus_deepgemm.py's
+reading of its CUDA program's output, from a stand-in program."""
 
 import json
 import math
@@ -10,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from bench import ep, expert_padded, expert_rows, fp8_accuracy, harness, probe
+from bench import ep, expert_padded, expert_rows, fp8_accuracy, harness, probe, versus_deepgemm
 from bench.ep import JAX_EP, bench_size, table
 from bench.trace import device_kernels, kernel_summary
 
@@ -166,3 +167,53 @@ def test_fp8_accuracy_bench_measures_each_variant_against_float32(tmp_path):
     for name, error in results["bf16"]["vs_float32"].items():
         assert error < 0.02, (name, error)
         assert 0.01 < results["fp8_dgrad"]["vs_float32"][name] < 0.15, name
+
+
+# Stands in for bench/cuda/versus_deepgemm.cu's program ($5: the first DeepGEMM configuration
+# to run): tgmm fails in jax_ep's own call, gmm_t's configuration 3 fails, gmm_fp8's hangs.
+_FAKE_VERSUS_DEEPGEMM = """#!/bin/sh
+d="relative L2 distance from jax_ep's"
+echo "$1 K $2 N $3, 32768 rows in 32 $4 groups"
+if [ $1 = tgmm ]; then echo "jax_ep (cutlass): CUDA error: illegal memory access"; exit 1; fi
+echo "jax_ep (cutlass): 600.0 TFLOP/s (best 650.0)"
+[ $5 -le 0 ] && echo "deepgemm[0] 128x128: 700.0 TFLOP/s (best 720.0), $d 1.00e-03"
+[ $5 -le 1 ] && echo "deepgemm[1] 128x256: 900.0 TFLOP/s (best 950.0), $d 5.00e-01"
+[ $5 -le 2 ] && echo "deepgemm[2] 128x192: 950.0 TFLOP/s (best 990.0), $d nan"
+if [ $5 -le 3 ] && [ $1 = gmm_t ]; then echo "deepgemm[3] 64x256: CUDA error at line 9"; exit 1; fi
+if [ $5 -le 3 ] && [ $1 = gmm_fp8 ]; then printf "deepgemm[3] 64x256: "; exec sleep 30; fi
+echo "deepgemm[4] 256x128: 650.0 TFLOP/s (best 660.0), $d 2.00e-03"
+"""
+
+
+def test_versus_deepgemm_records_every_case_and_never_counts_a_wrong_kernel(tmp_path):
+    """bench.versus_deepgemm: each product, shape and group sizing is a case; the fastest
+    DeepGEMM kernel counted is the fastest whose output is near jax_ep's (not one 50% off, not
+    one that gave NaN); a configuration that fails or hangs is recorded and the next ones still
+    run; a program that fails in jax_ep's own call leaves its error in the case."""
+    program = tmp_path / "versus_deepgemm"
+    program.write_text(_FAKE_VERSUS_DEEPGEMM)
+    program.chmod(0o755)
+    argv = ["--program", str(program), "--timeout-s", "0.5", "--machine", "test"]
+    versus_deepgemm.main(argv + ["--out", str(tmp_path)])
+    (path,) = tmp_path.glob("versus-deepgemm-test-*.json")
+    cases = json.loads(path.read_text())["cases"]
+    assert len(cases) == 5 * 2 * 2
+    for case in cases:
+        if case["product"] == "tgmm":
+            assert case["returncode"] == 1 and case["jax_ep_tflops"] is None
+            assert any("illegal memory access" in note for note in case["notes"])
+            continue
+        kernels = {k["kernel"]: k["wrong"] for k in case["kernels"]}
+        assert kernels == {
+            "jax_ep (cutlass)": False,
+            "deepgemm[0] 128x128": False,
+            "deepgemm[1] 128x256": True,
+            "deepgemm[2] 128x192": True,
+            "deepgemm[4] 256x128": False,
+        }
+        assert case["deepgemm_best"] == "deepgemm[0] 128x128"
+        assert case["deepgemm_over_jax_ep"] == pytest.approx(700 / 600)
+        assert case["returncode"] == 0
+        failed = {"gmm_t": [1], "gmm_fp8": ["timeout"]}.get(case["product"], [])
+        assert [f["returncode"] for f in case["failed"]] == failed
+        assert all(f["kernel"] == "deepgemm[3] 64x256" for f in case["failed"])

@@ -22,53 +22,8 @@
 
 #include "bench/cuda/alone.cuh"
 
-namespace {
-
-// Values in [-1, 1) from a hash of the index (scaled by `scale`), written on the device.
-__global__ void fill_kernel(__nv_bfloat16* out, int64_t n, uint32_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    out[i] = __float2bfloat16(scale * (float(h & 0xffff) / 32768.f - 1.f));
-  }
-}
-
-__nv_bfloat16* device_random(int64_t n, uint32_t seed, float scale = 1.f) {
-  __nv_bfloat16* p;
-  CHECK(cudaMalloc(&p, n * sizeof(*p)));
-  fill_kernel<<<1024, 256>>>(p, n, seed, scale);
-  CHECK(cudaGetLastError());
-  return p;
-}
-
-// bench.grouped_matmul's group sizes: `groups` multiples of 128 summing to rows; or (random) the
-// counts of rows sent each to a group drawn from a fixed-seed generator.
-std::vector<int32_t> group_sizes(const std::string& distribution, int64_t rows, int groups) {
-  std::vector<int32_t> sizes(groups);
-  if (distribution == "random") {
-    uint64_t state = 88172645463325252ull;  // xorshift64
-    for (int64_t r = 0; r < rows; ++r) {
-      state ^= state << 13, state ^= state >> 7, state ^= state << 17;
-      ++sizes[state % groups];
-    }
-    return sizes;
-  }
-  const bool zipf = distribution == "zipf";
-  const int64_t units = rows / 128;
-  std::vector<double> share(groups);
-  double total = 0;
-  for (int g = 0; g < groups; ++g) total += share[g] = zipf ? 1.0 / (g + 1) : 1.0;
-  int64_t used = 0;
-  for (int g = 0; g < groups; ++g) used += sizes[g] = int32_t(share[g] / total * units);
-  sizes[0] += int32_t(units - used);
-  for (auto& s : sizes) s *= 128;
-  return sizes;
-}
-
-}  // namespace
+using jax_ep::alone::device_random;
+using jax_ep::alone::group_sizes;
 
 int main(int argc, char** argv) {
   using jax_ep::cuda::GroupedProduct;
@@ -91,8 +46,8 @@ int main(int argc, char** argv) {
   const int64_t out_elems = a.product == GroupedProduct::kTgmm
                                 ? groups * k * n
                                 : rows * (a.product == GroupedProduct::kGmmT ? k : n);
-  a.lhs = device_random(rows * lhs_cols, 1);
-  a.rhs = device_random(rhs_elems, 2, 1.f / 64);
+  a.lhs = device_random<__nv_bfloat16>(rows * lhs_cols, 1);
+  a.rhs = device_random<__nv_bfloat16>(rhs_elems, 2, 1.f / 64);
   const auto sizes = group_sizes(distribution, rows, groups);
   int32_t* device_sizes;
   CHECK(cudaMalloc(&device_sizes, sizeof(int32_t) * groups));

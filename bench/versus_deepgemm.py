@@ -1,0 +1,138 @@
+"""jax_ep's grouped matmuls against DeepGEMM's SM90 kernels: runs bench/cuda/versus_deepgemm.cu's
+program (built beforehand, its header gives the build line) at each product, EP8's per-rank V3
+shapes and group sizing, and records every kernel's rate and how far its output is from jax_ep's.
+tgmm_fp8 is DeepGEMM's FP8 weight gradient, which jax_ep does not have: it is set against
+jax_ep's bf16 tgmm, the product it would replace, on the same values.
+
+    python -m bench.versus_deepgemm --program build/versus_deepgemm   # ~2 minutes on one H200
+
+A DeepGEMM configuration whose output is further than --max-distance from jax_ep's is recorded as
+wrong and never counted as the best; one that fails or hangs is recorded as failed, and a new run
+of the program goes on from the next."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+
+from bench.harness import common_arguments, new_record, save_record
+
+PRODUCTS = ("gmm", "gmm_t", "tgmm", "gmm_fp8", "tgmm_fp8")
+SHAPES = ((7168, 2048), (2048, 7168))  # (K, N): gate/up and down
+GROUPS = ("uniform", "zipf")
+OURS = "jax_ep (cutlass)"
+_RESULT = re.compile(
+    r"^(?P<rate>[\d.]+) TFLOP/s \(best (?P<best>[\d.]+)\)"
+    r"(?:, relative L2 distance from jax_ep's (?P<distance>[\w.+-]+))?$"
+)
+_KERNEL = re.compile(
+    r"^(?P<kernel>jax_ep \(cutlass\)|deepgemm\[(?P<index>\d+)\][^:]*):\s*(?P<rest>.*)$"
+)
+
+
+def parse(output, max_distance):
+    """One run of the program: its kernels [{kernel, tflops, best_tflops, distance, wrong}] in the
+    order printed, the kernel it started and did not finish (its line has no rate: it failed or
+    hung), or None, and the other lines (the program's notes, errors)."""
+    kernels, unfinished, notes = [], None, []
+    for line in output.splitlines():
+        named = _KERNEL.match(line.strip())
+        result = named and _RESULT.match(named["rest"])
+        if not result:
+            if named:
+                unfinished = dict(kernel=named["kernel"], index=named["index"], error=named["rest"])
+            notes.append(line)
+            continue
+        distance = result["distance"] and float(result["distance"])
+        kernels.append(
+            dict(
+                kernel=named["kernel"],
+                tflops=float(result["rate"]),
+                best_tflops=float(result["best"]),
+                distance=distance,
+                wrong=distance is not None and not distance <= max_distance,
+            )
+        )
+    return kernels, unfinished, notes
+
+
+def summarize(kernels):
+    """jax_ep's rate, the fastest right DeepGEMM kernel, and its rate over jax_ep's."""
+    ours = next((k for k in kernels if k["kernel"] == OURS), None)
+    right = [k for k in kernels if k["kernel"] != OURS and not k["wrong"]]
+    best = max(right, key=lambda k: k["tflops"], default=None)
+    ratio = best["tflops"] / ours["tflops"] if best and ours else None
+    return dict(
+        jax_ep_tflops=ours and ours["tflops"],
+        deepgemm_best=best and best["kernel"],
+        deepgemm_tflops=best and best["tflops"],
+        deepgemm_over_jax_ep=ratio,
+    )
+
+
+def run_case(program, product, k, n, groups, max_distance, timeout_s):
+    """Every kernel of one case: after a DeepGEMM configuration fails or hangs (recorded in
+    `failed`), a new run goes on from the next one."""
+    kernels, failed, notes, first = [], [], [], 0
+    while True:
+        command = [program, product, str(k), str(n), groups, str(first)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+            output, returncode = done.stdout + done.stderr, done.returncode
+        except subprocess.TimeoutExpired as e:
+            output, returncode = _text(e.stdout) + _text(e.stderr), "timeout"
+        got, unfinished, lines = parse(output, max_distance)
+        kernels += [g for g in got if g["kernel"] != OURS or not kernels]
+        notes += lines
+        if returncode == 0 or unfinished is None or unfinished["index"] is None:
+            break
+        failed.append(dict(unfinished, returncode=returncode))
+        first = int(unfinished["index"]) + 1
+    case = dict(product=product, k=k, n=n, groups=groups, returncode=returncode)
+    return dict(case, **summarize(kernels), kernels=kernels, failed=failed, notes=notes)
+
+
+def _text(out):
+    return out.decode() if isinstance(out, bytes) else out or ""
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_arguments(parser)
+    parser.add_argument("--program", default="build/versus_deepgemm")
+    parser.add_argument("--products", default=",".join(PRODUCTS))
+    parser.add_argument("--max-distance", type=float, default=1e-2)
+    parser.add_argument("--timeout-s", type=float, default=60)
+    args = parser.parse_args(argv)
+    cases = []
+    for product in args.products.split(","):
+        for k, n in SHAPES:
+            for groups in GROUPS:
+                case = run_case(
+                    args.program, product, k, n, groups, args.max_distance, args.timeout_s
+                )
+                cases.append(case)
+                print(_row(case), flush=True)
+    record = new_record(args, "versus_deepgemm", argv, rows=32768, experts=32, cases=cases)
+    print(save_record(record, args.out, "versus-deepgemm") + ".json")
+
+
+def _row(case):
+    head = f"{case['product']:8s} K {case['k']:5d} N {case['n']:5d} {case['groups']:8s}"
+    if case["jax_ep_tflops"] is None:
+        return f"{head} no result (exit {case['returncode']}): {' | '.join(case['notes'][-3:])}"
+    line = f"{head} jax_ep {case['jax_ep_tflops']:7.1f}"
+    if case["deepgemm_tflops"] is not None:
+        line += (
+            f"  deepgemm {case['deepgemm_tflops']:7.1f} ({case['deepgemm_over_jax_ep']:.2f}x,"
+            f" {case['deepgemm_best']})"
+        )
+    wrong = [k["kernel"] for k in case["kernels"] if k["wrong"]]
+    failed = [f"{f['kernel']} ({f['error'] or f['returncode']})" for f in case["failed"]]
+    line += f"  WRONG: {', '.join(wrong)}" if wrong else ""
+    return line + (f"  FAILED: {', '.join(failed)}" if failed else "")
+
+
+if __name__ == "__main__":
+    main()
