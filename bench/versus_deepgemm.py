@@ -29,19 +29,24 @@ _RESULT = re.compile(
 _KERNEL = re.compile(
     r"^(?P<kernel>jax_ep \(cutlass\)|deepgemm\[(?P<index>\d+)\][^:]*):\s*(?P<rest>.*)$"
 )
+_COUNT = re.compile(r"^deepgemm configurations: (?P<count>\d+)$")
+HANGS_BEFORE_GIVING_UP = 2  # per product and shape: a hang costs the whole timeout
 
 
 def parse(output, max_distance):
     """One run of the program: its kernels [{kernel, tflops, best_tflops, distance, wrong}] in the
     order printed, the kernel it started and did not finish (its line has no rate: it failed or
-    hung), or None, and the other lines (the program's notes, errors)."""
-    kernels, unfinished, notes = [], None, []
+    hung), or None, the number of DeepGEMM configurations it has (None if not printed), and the
+    other lines (the program's notes, errors)."""
+    kernels, unfinished, count, notes = [], None, None, []
     for line in output.splitlines():
         named = _KERNEL.match(line.strip())
         result = named and _RESULT.match(named["rest"])
         if not result:
             if named:
                 unfinished = dict(kernel=named["kernel"], index=named["index"], error=named["rest"])
+            elif _COUNT.match(line.strip()):
+                count = int(_COUNT.match(line.strip())["count"])
             notes.append(line)
             continue
         distance = result["distance"] and float(result["distance"])
@@ -54,7 +59,7 @@ def parse(output, max_distance):
                 wrong=distance is not None and not distance <= max_distance,
             )
         )
-    return kernels, unfinished, notes
+    return kernels, unfinished, count, notes
 
 
 def summarize(kernels):
@@ -71,24 +76,44 @@ def summarize(kernels):
     )
 
 
-def run_case(program, product, k, n, groups, max_distance, timeout_s):
-    """Every kernel of one case: after a DeepGEMM configuration fails or hangs (recorded in
-    `failed`), a new run goes on from the next one."""
-    kernels, failed, notes, first = [], [], [], 0
+def run_case(program, product, k, n, groups, max_distance, timeout_s, family):
+    """Every kernel of one case. After a DeepGEMM configuration fails or hangs (recorded in
+    `failed`), a new run goes on from the next one. `family`: what this product and shape's
+    earlier cases learned, the number of configurations and those that hung, which are not run
+    again (a hang costs the whole timeout); after HANGS_BEFORE_GIVING_UP of them, none are."""
+    kernels, failed, notes, after, first_run = [], [], [], -1, True
+    hung = family["hung"]
     while True:
-        command = [program, product, str(k), str(n), groups, str(first)]
+        count, giving_up = family["count"], len(hung) >= HANGS_BEFORE_GIVING_UP
+        wanted = None  # all
+        if count is not None or giving_up:
+            wanted = [i for i in range(after + 1, count or 0) if i not in hung and not giving_up]
+            if not wanted and not first_run:
+                break
+            wanted = wanted or [-1]  # none: jax_ep's kernel alone
+        first_run = False
+        command = [program, product, str(k), str(n), groups]
+        command += [] if wanted is None else [",".join(map(str, wanted))]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
             output, returncode = done.stdout + done.stderr, done.returncode
         except subprocess.TimeoutExpired as e:
             output, returncode = _text(e.stdout) + _text(e.stderr), "timeout"
-        got, unfinished, lines = parse(output, max_distance)
+        got, unfinished, printed_count, lines = parse(output, max_distance)
+        family["count"] = printed_count if printed_count is not None else count
         kernels += [g for g in got if g["kernel"] != OURS or not kernels]
         notes += lines
         if returncode == 0 or unfinished is None or unfinished["index"] is None:
             break
+        if int(unfinished["index"]) <= after:  # it ran what it was not asked to: no progress
+            notes.append(f"stopped: configuration {unfinished['index']} ran again")
+            break
         failed.append(dict(unfinished, returncode=returncode))
-        first = int(unfinished["index"]) + 1
+        after = int(unfinished["index"])
+        if returncode == "timeout":
+            hung.add(after)
+    if len(hung) >= HANGS_BEFORE_GIVING_UP:
+        notes.append(f"gave up DeepGEMM here: configurations {sorted(hung)} hung")
     case = dict(product=product, k=k, n=n, groups=groups, returncode=returncode)
     return dict(case, **summarize(kernels), kernels=kernels, failed=failed, notes=notes)
 
@@ -103,14 +128,15 @@ def main(argv=None):
     parser.add_argument("--program", default="build/versus_deepgemm")
     parser.add_argument("--products", default=",".join(PRODUCTS))
     parser.add_argument("--max-distance", type=float, default=1e-2)
-    parser.add_argument("--timeout-s", type=float, default=60)
+    parser.add_argument("--timeout-s", type=float, default=20)
     args = parser.parse_args(argv)
     cases = []
     for product in args.products.split(","):
         for k, n in SHAPES:
+            family = dict(count=None, hung=set())
             for groups in GROUPS:
                 case = run_case(
-                    args.program, product, k, n, groups, args.max_distance, args.timeout_s
+                    args.program, product, k, n, groups, args.max_distance, args.timeout_s, family
                 )
                 cases.append(case)
                 print(_row(case), flush=True)

@@ -20,17 +20,18 @@
 // group ends are made here once.
 //   nvcc -std=c++20 -O3 -DNDEBUG -gencode arch=compute_90a,code=sm_90a -I. \
 //     -I $DEEPGEMM/deep_gemm/include -isystem $CUTLASS/include \
-//     -isystem $CUTLASS/tools/util/include --expt-relaxed-constexpr -diag-suppress 174,177 \
+//     -isystem $CUTLASS/tools/util/include --expt-relaxed-constexpr -diag-suppress 174,177,20168 \
 //     bench/cuda/versus_deepgemm.cu -o versus_deepgemm
-//   ./versus_deepgemm gmm|gmm_t|tgmm|gmm_fp8|tgmm_fp8 K N uniform|zipf [first]
-// (K N: 7168 2048 or 2048 7168; first: the number of the first DeepGEMM configuration to run, for
-// going on after one that failed; python -m bench.versus_deepgemm runs it so.)
+//   ./versus_deepgemm gmm|gmm_t|tgmm|gmm_fp8|tgmm_fp8 K N uniform|zipf [i,j,...]
+// (K N: 7168 2048 or 2048 7168; i,j,...: the numbers of the DeepGEMM configurations to run, by
+// default all, for going on after one that failed: python -m bench.versus_deepgemm runs it so.)
 #include "kernels/cuda/grouped_gemm.cu"
 
 #include <cuda.h>
 #include <cuda_fp8.h>
 
 #include <cmath>
+#include <sstream>
 #include <deep_gemm/impls/sm90_bf16_gemm.cuh>
 #include <deep_gemm/impls/sm90_fp8_gemm_1d1d.cuh>
 #include <deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh>
@@ -425,10 +426,11 @@ void time_and_print(const std::string& name, const Operands& o, const Output& ou
   std::fflush(stdout);
 }
 
-// The DeepGEMM configurations of a run, numbered in order; those before `first` are skipped (a
-// run after one that failed goes on from the next).
+// The DeepGEMM configurations of a run, numbered in order: those to run (all when empty), or
+// with `count_only`, none (the numbers are only counted).
 struct Numbering {
-  int first;
+  std::vector<int> wanted;
+  bool count_only = false;
   int next = 0;
 };
 
@@ -437,7 +439,10 @@ void time_deepgemm(const Operands& o, cudaStream_t stream, const __nv_bfloat16* 
                    Numbering& numbering) {
   if constexpr (Config::kValid) {
     const int index = numbering.next++;
-    if (index < numbering.first) return;
+    const auto& wanted = numbering.wanted;
+    if (numbering.count_only ||
+        (!wanted.empty() && std::find(wanted.begin(), wanted.end(), index) == wanted.end()))
+      return;
     const std::string name = "deepgemm[" + std::to_string(index) + "] " + Config::name();
     time_and_print(name, o, Config::output(o), stream, reference,
                    [&] { return typename Config::Launch(o, stream); });
@@ -488,10 +493,15 @@ void time_tiles(TileList<Tiles...>, const Operands& o, cudaStream_t stream,
   (time_tile<Family>(Tiles{}, o, stream, reference, numbering), ...);
 }
 
+// Prints how many configurations the family has, then runs those wanted.
 template <class Family>
 void time_family(const Operands& o, cudaStream_t stream, const __nv_bfloat16* reference,
-                 int first) {
-  Numbering numbering{first, 0};
+                 const std::vector<int>& wanted) {
+  Numbering count{{}, true};
+  time_tiles<Family>(typename Family::Tiles{}, o, stream, reference, count);
+  std::printf("deepgemm configurations: %d\n", count.next);
+  std::fflush(stdout);
+  Numbering numbering{wanted};
   time_tiles<Family>(typename Family::Tiles{}, o, stream, reference, numbering);
 }
 
@@ -499,11 +509,14 @@ void time_family(const Operands& o, cudaStream_t stream, const __nv_bfloat16* re
 
 int main(int argc, char** argv) {
   if (argc < 5) {
-    std::printf("usage: %s gmm|gmm_t|tgmm|gmm_fp8|tgmm_fp8 K N uniform|zipf [first]\n", argv[0]);
+    std::printf("usage: %s gmm|gmm_t|tgmm|gmm_fp8|tgmm_fp8 K N uniform|zipf [i,j,...]\n", argv[0]);
     return 2;
   }
   const std::string name = argv[1], distribution = argv[4];
-  const int first = argc > 5 ? std::atoi(argv[5]) : 0;  // the first DeepGEMM configuration run
+  // The DeepGEMM configurations to run, by number ("3,5,7"); none given: all.
+  std::vector<int> wanted;
+  std::stringstream list(argc > 5 ? argv[5] : "");
+  for (std::string number; std::getline(list, number, ',');) wanted.push_back(std::stoi(number));
   if (distribution != "uniform" && distribution != "zipf") {
     std::printf("groups: uniform or zipf (multiples of 128 rows)\n");
     return 2;
@@ -602,15 +615,15 @@ int main(int argc, char** argv) {
   const auto time_shape = [&](auto k_constant, auto n_constant) {
     constexpr uint32_t K = decltype(k_constant)::value, N = decltype(n_constant)::value;
     if (wgrad_fp8)
-      time_family<WgradFp8Family<K, N>>(o, stream, reference, first);
+      time_family<WgradFp8Family<K, N>>(o, stream, reference, wanted);
     else if (o.product == GroupedProduct::kGmm)
-      time_family<ProductFamily<GroupedProduct::kGmm, K, N>>(o, stream, reference, first);
+      time_family<ProductFamily<GroupedProduct::kGmm, K, N>>(o, stream, reference, wanted);
     else if (o.product == GroupedProduct::kGmmT)
-      time_family<ProductFamily<GroupedProduct::kGmmT, K, N>>(o, stream, reference, first);
+      time_family<ProductFamily<GroupedProduct::kGmmT, K, N>>(o, stream, reference, wanted);
     else if (o.product == GroupedProduct::kTgmm)
-      time_family<ProductFamily<GroupedProduct::kTgmm, K, N>>(o, stream, reference, first);
+      time_family<ProductFamily<GroupedProduct::kTgmm, K, N>>(o, stream, reference, wanted);
     else
-      time_family<ProductFamily<GroupedProduct::kGmmFp8, K, N>>(o, stream, reference, first);
+      time_family<ProductFamily<GroupedProduct::kGmmFp8, K, N>>(o, stream, reference, wanted);
   };
   using std::integral_constant;
   if (k == 7168 && n == 2048)
