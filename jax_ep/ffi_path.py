@@ -102,9 +102,10 @@ class _Config(NamedTuple):
 
 def _call(cfg: _Config, target, shapes, *operands, halves=False):
     """(the op's ticket, results) of custom call `target`, in the Buffer's order. Every call
-    carries the Buffer's effect, so none is dropped or reordered; jax.checkpoint recomputes a
-    whole op in the backward pass (a new op, on every rank alike). Halves are also side effects
-    for XLA: a recv half whose results go unused must still run (it releases its send's slot)."""
+    carries the Buffer's effect, so none is dropped or reordered; an op that jax.checkpoint
+    recomputes (the expert layout's: dispatch's and combine's residuals are kept) is a new op,
+    on every rank alike. Halves are also side effects for XLA: a recv half whose results go
+    unused must still run (it releases its send's slot)."""
     operands = [o for o in operands if o is not None]
     out = ordered_ffi_call(
         f"jax_ep_{target}",

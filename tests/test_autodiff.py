@@ -1,6 +1,9 @@
 """Gradients of dispatch and combine: custom-call path vs reference path vs a dense MoE computed
 on one device without expert parallelism."""
 
+import collections
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,15 +209,46 @@ def test_dequantized_fp8_rows_pass_gradients_straight_through(layout):
 
 @pytest.mark.parametrize("layout,fp8", [("rank", False), ("expert", False), ("rank", True)])
 def test_gradients_under_remat(layout, fp8):
-    """jax.checkpoint around a layer: the custom-call ops are recomputed in the backward pass
-    (a whole op has no side effect for XLA) and the gradient is the reference path's. FP8: the
-    rows are saved as float8_e4m3fn residuals, every block's largest element at 448 (JAX's
-    residual rounding once made 256..448 NaN: jax_ep/_jax.py)."""
+    """jax.checkpoint around a layer: the gradient is the reference path's. FP8: the rows are
+    saved as float8_e4m3fn residuals, every block's largest element at 448 (JAX's residual
+    rounding once made 256..448 NaN: jax_ep/_jax.py)."""
     mesh = make_mesh(4)
     want = layer_gradients(mesh, "reference", False, layout, fp8=fp8)
     got = layer_gradients(mesh, "ffi", True, layout, fp8=fp8)
     assert np.isfinite(got).all() and relative_error(got, want) < 1e-6
     assert np.abs(want).max() > 0
+
+
+@pytest.mark.parametrize("layout,fp8", [("rank", False), ("expert", False), ("expert", True)])
+def test_remat_keeps_what_crossed_the_links(layout, fp8):
+    """jax.checkpoint with any policy (here the default, which saves nothing) sends nothing
+    again: dispatch and combine are custom_vjp functions, whose residuals (the received rows,
+    the handle) JAX saves, so the backward pass has as many communicating calls as without the
+    checkpoint. What is recomputed is local: the expert layout's expansion of the rows."""
+    mesh = make_mesh(4)
+    x, idx, w = random_inputs(np.random.default_rng(3), 4, T, H, E, K, 4, "random", jnp.float32)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
+
+    def layer(x, idx, w):
+        d = buf.dispatch(x, idx, w, layout=layout, fp8=fp8)
+        rows = buf.dequantize(d, x) if fp8 else d.x
+        weights = d.topk_weights if layout == "expert" else None
+        return jnp.sin(buf.combine(jnp.tanh(rows), d.handle, topk_weights=weights))
+
+    def calls(remat):
+        body = jax.checkpoint(layer) if remat else layer
+        f = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        grad = jax.jit(jax.grad(lambda x, idx, w: jnp.sum(f(x, idx, w))))
+        text = grad.lower(*put(mesh, x, idx, w)).as_text()
+        return collections.Counter(re.findall(r"custom_call @(jax_ep_\w+)\(", text))
+
+    plain, checkpointed = calls(False), calls(True)
+    communicating = ("jax_ep_dispatch", "jax_ep_dispatch_cached", "jax_ep_combine")
+    assert all(plain[name] >= 1 for name in communicating), plain
+    for name in communicating + ("jax_ep_dispatch_adjoint",):
+        assert checkpointed[name] == plain[name], (name, plain, checkpointed)
+    if layout == "expert":  # the checkpoint is at work: the local layout op runs again
+        assert checkpointed["jax_ep_expert_layout"] == plain["jax_ep_expert_layout"] + 1
 
 
 @pytest.mark.parametrize("layout", ["rank", "expert"])
