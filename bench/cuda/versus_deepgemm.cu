@@ -277,7 +277,7 @@ struct DeepGemm {
       cluster.id = cudaLaunchAttributeClusterDimension;
       cluster.val.clusterDim.x = Cluster;
       cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-      config.numAttrs = 1;
+      config.numAttrs = Cluster > 1;  // as DeepGEMM launches: no cluster attribute for one CTA
     }
     void operator()() {
       config.attrs = &cluster;  // here, not in the constructor: a copy must point at its own
