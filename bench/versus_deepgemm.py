@@ -84,23 +84,26 @@ def run_case(program, product, k, n, groups, max_distance, timeout_s, family):
     kernels, failed, notes, after, first_run = [], [], [], -1, True
     hung = family["hung"]
     while True:
-        count, giving_up = family["count"], len(hung) >= HANGS_BEFORE_GIVING_UP
-        wanted = None  # all
-        if count is not None or giving_up:
-            wanted = [i for i in range(after + 1, count or 0) if i not in hung and not giving_up]
-            if not wanted and not first_run:
-                break
-            wanted = wanted or [-1]  # none: jax_ep's kernel alone
+        if len(hung) >= HANGS_BEFORE_GIVING_UP:
+            wanted = []
+        elif family["count"] is None:
+            wanted = None  # all: their number is not known yet
+        else:
+            wanted = [i for i in range(after + 1, family["count"]) if i not in hung]
+        if wanted == [] and not first_run:
+            break
         first_run = False
         command = [program, product, str(k), str(n), groups]
-        command += [] if wanted is None else [",".join(map(str, wanted))]
+        if wanted is not None:  # [-1]: none, jax_ep's kernel alone
+            command.append(",".join(map(str, wanted or [-1])))
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
             output, returncode = done.stdout + done.stderr, done.returncode
         except subprocess.TimeoutExpired as e:
             output, returncode = _text(e.stdout) + _text(e.stderr), "timeout"
         got, unfinished, printed_count, lines = parse(output, max_distance)
-        family["count"] = printed_count if printed_count is not None else count
+        if printed_count is not None:
+            family["count"] = printed_count
         kernels += [g for g in got if g["kernel"] != OURS or not kernels]
         notes += lines
         if returncode == 0 or unfinished is None or unfinished["index"] is None:
@@ -129,6 +132,9 @@ def main(argv=None):
     parser.add_argument("--products", default=",".join(PRODUCTS))
     parser.add_argument("--max-distance", type=float, default=1e-2)
     parser.add_argument("--timeout-s", type=float, default=20)
+    parser.add_argument(
+        "--deepgemm-version", default="unknown", help="the DeepGEMM commit the program was built on"
+    )
     args = parser.parse_args(argv)
     cases = []
     for product in args.products.split(","):
@@ -140,7 +146,15 @@ def main(argv=None):
                 )
                 cases.append(case)
                 print(_row(case), flush=True)
-    record = new_record(args, "versus_deepgemm", argv, rows=32768, experts=32, cases=cases)
+    record = new_record(
+        args,
+        "versus_deepgemm",
+        argv,
+        deepgemm=args.deepgemm_version,
+        rows=32768,
+        experts=32,
+        cases=cases,
+    )
     print(save_record(record, args.out, "versus-deepgemm") + ".json")
 
 
