@@ -5,6 +5,7 @@
 //   gmm      out [M, N] = lhs [M, K] @ rhs[g] [K, N]     sm90_bf16_gemm, m-grouped, B N-major
 //   gmm_t    out [M, K] = lhs [M, N] @ rhs[g]^T          sm90_bf16_gemm, m-grouped, B K-major
 //   tgmm     out[g] [K, N] = lhs[g]^T @ rhs[g]            sm90_bf16_gemm, k-grouped, A, B M/N-major
+//            (written in bf16 as jax_ep's is; DeepGEMM's own API accumulates into float32)
 //   gmm_fp8  gmm in e4m3, lhs 1 x 128 and rhs 128 x 128 scales (rhs [G, N, K])
 //                                                        sm90_fp8_gemm_1d2d, m-grouped
 //   tgmm_fp8 tgmm in e4m3, both scaled per 128 rows and column, each group's rows transposed
@@ -51,6 +52,7 @@ using Fp8 = __nv_fp8_e4m3;
 constexpr int64_t kRows = 32768;
 constexpr uint32_t kGroups = 32;
 constexpr uint32_t kSms = 132;  // DeepGEMM's kernels are persistent over a grid of every SM
+constexpr uint32_t kSmemCapacity = 232448;  // an H100's / H200's shared memory per block, opted in
 constexpr int kCalls = 20, kSamples = 7;
 
 // The operands, shared by both kernels: jax_ep's layouts are DeepGEMM's, except FP8's lhs scales,
@@ -199,7 +201,6 @@ struct DeepGemm {
   static constexpr uint32_t kSwizzleA = kMajorA == Major::K ? 128 : swizzle_bytes(BlockM * kElem);
   static constexpr uint32_t kSwizzleB = kMajorB == Major::K ? 128 : swizzle_bytes(BlockN * kElem);
   static constexpr uint32_t kSwizzleD = swizzle_bytes(BlockN * 2);
-  static constexpr uint32_t kSmemCapacity = 232448;
   static constexpr uint32_t kScalesB = kBlockK % BlockN == 0 ? 1 : 2;  // FP8, per K step
   static constexpr uint32_t kPerStage =
       (BlockM + BlockN) * kBlockK * kElem + (kFp8 ? align_up(BlockM * 4, 128) : 0);
@@ -297,7 +298,6 @@ struct DeepGemm {
 template <uint32_t K, uint32_t N, uint32_t BlockM, uint32_t BlockN, uint32_t Cluster, bool SharedA>
 struct DeepGemmWgradFp8 {
   static constexpr uint32_t kMathThreads = BlockM <= 64 ? 128 : 256;
-  static constexpr uint32_t kSmemCapacity = 232448;
   static constexpr uint32_t kPerStage =
       (BlockM + BlockN) * 128 + align_up(BlockM * 4, 128) + align_up(BlockN * 4, 128);
   static constexpr uint32_t kFixed = align_up(BlockM * BlockN * 4, 1024) + 16 * 8 * 2 + 4 * 128;
