@@ -43,6 +43,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend.mlir.dialects import stablehlo
 
 try:
     from jax._src import ad_checkpoint, core, dispatch, distributed, dtypes, effects
@@ -279,9 +280,18 @@ def _lowering(ctx, *operands, target, result_avals, order, halves, attributes):
         avals_out=[core.abstract_token, *ctx.avals_out],
     )
     call = jax.ffi.build_ffi_lowering_function(target, has_side_effect=halves)
-    op = call(inner, token, *operands, **dict(attributes))
+    op = call(inner, token, *_barrier(operands), **dict(attributes))
     ctx.set_tokens_out(mlir.TokenSet({order: op.results[0]}))
-    return op.results[1:]
+    return _barrier(op.results[1:])
+
+
+def _barrier(values):
+    """values through an optimization barrier. XLA's GPU dynamic-slice fusion would otherwise
+    pull a dynamic-slice that feeds the call, or a dynamic-update-slice of its result (a loop's
+    stacked residuals under a gradient), into one fusion with the call, and abort compiling on
+    the call's token ("Check failed: shape.IsArray() || shape.IsTuple()"). A barrier copies
+    nothing; XLA fuses nothing into a custom call either way."""
+    return list(stablehlo.OptimizationBarrierOp(values).results) if values else list(values)
 
 
 def _batch(args, dims, *, target, result_avals, order, halves, attributes):

@@ -52,3 +52,38 @@ def test_a_float8_residual_saved_by_checkpoint_keeps_its_values():
     want = jax.grad(f)(x)
     assert jnp.isfinite(want).all()
     assert (jax.jit(jax.grad(saving_q))(x) == want).all()
+
+
+def test_every_call_takes_its_operands_through_an_optimization_barrier():
+    """XLA's GPU dynamic-slice fusion would fuse a loop's dynamic-slice of stacked residuals
+    into a jax_ep call (under a gradient of a fori_loop) and abort compiling on the call's
+    token (tests/test_gpu.py::test_cuda_inside_loops_and_gradients). _jax's lowering keeps
+    them apart with a barrier; checked here in the lowered program, where CI can see it."""
+    import re
+
+    import numpy as np
+    from helpers import put, random_inputs
+
+    import jax_ep
+
+    mesh = make_mesh(4)
+    x, idx, w = random_inputs(np.random.default_rng(1), 4, 8, 128, 16, 4, 4, "random", jnp.float32)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=16, hidden=128, num_topk=4, max_tokens_per_rank=8)
+
+    def body(x, idx, w):
+        def one(_, x):
+            d = buf.dispatch(x, idx, w, layout="expert")
+            return buf.combine(jnp.tanh(d.x), d.handle, topk_weights=d.topk_weights) + x
+
+        return jax.lax.fori_loop(0, 3, one, x)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    loss = lambda x, idx, w: jnp.sum(f(x, idx, w) ** 2)  # noqa: E731
+    text = jax.jit(jax.grad(loss)).lower(*put(mesh, x, idx, w)).as_text()
+    barriers = set(re.findall(r"(%[\w.]+)(?::\d+)? = stablehlo\.optimization_barrier", text))
+    ordered = "dispatch|combine|dispatch_cached|dispatch_adjoint"  # the calls with the token
+    calls = re.findall(rf"stablehlo\.custom_call @(jax_ep_(?:{ordered}))\(([^)]*)\)", text)
+    assert len(calls) == 4, calls  # dispatch, combine and their backward passes
+    for target, operands in calls:
+        values = [v.strip().split("#")[0] for v in operands.split(",")][1:]  # after the token
+        assert values and all(v in barriers for v in values), (target, operands)
