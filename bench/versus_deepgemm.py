@@ -45,8 +45,8 @@ def parse(output, max_distance):
         if not result:
             if named:
                 unfinished = dict(kernel=named["kernel"], index=named["index"], error=named["rest"])
-            elif _COUNT.match(line.strip()):
-                count = int(_COUNT.match(line.strip())["count"])
+            elif counted := _COUNT.match(line.strip()):
+                count = int(counted["count"])
             notes.append(line)
             continue
         distance = result["distance"] and float(result["distance"])

@@ -291,7 +291,7 @@ def _barrier(values):
     stacked residuals under a gradient), into one fusion with the call, and abort compiling on
     the call's token ("Check failed: shape.IsArray() || shape.IsTuple()"). A barrier copies
     nothing; XLA fuses nothing into a custom call either way."""
-    return list(stablehlo.OptimizationBarrierOp(values).results) if values else list(values)
+    return list(stablehlo.OptimizationBarrierOp(values).results) if values else []
 
 
 def _batch(args, dims, *, target, result_avals, order, halves, attributes):

@@ -426,11 +426,9 @@ void time_and_print(const std::string& name, const Operands& o, const Output& ou
   std::fflush(stdout);
 }
 
-// The DeepGEMM configurations of a run, numbered in order: those to run (all when empty), or
-// with `count_only`, none (the numbers are only counted).
+// The DeepGEMM configurations of a run, numbered in order, and those to run (all when empty).
 struct Numbering {
   std::vector<int> wanted;
-  bool count_only = false;
   int next = 0;
 };
 
@@ -440,9 +438,7 @@ void time_deepgemm(const Operands& o, cudaStream_t stream, const __nv_bfloat16* 
   if constexpr (Config::kValid) {
     const int index = numbering.next++;
     const auto& wanted = numbering.wanted;
-    if (numbering.count_only ||
-        (!wanted.empty() && std::find(wanted.begin(), wanted.end(), index) == wanted.end()))
-      return;
+    if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), index) == wanted.end()) return;
     const std::string name = "deepgemm[" + std::to_string(index) + "] " + Config::name();
     time_and_print(name, o, Config::output(o), stream, reference,
                    [&] { return typename Config::Launch(o, stream); });
@@ -493,15 +489,21 @@ void time_tiles(TileList<Tiles...>, const Operands& o, cudaStream_t stream,
   (time_tile<Family>(Tiles{}, o, stream, reference, numbering), ...);
 }
 
+// How many of a family's configurations DeepGEMM runs (the numbers the runs go by).
+template <class Family, uint32_t... BlockM, uint32_t... BlockN, uint32_t... Cluster,
+          bool... SharedA>
+constexpr int valid_configurations(TileList<Tile<BlockM, BlockN, Cluster, SharedA>...>) {
+  return (int(Family::template Config<BlockM, BlockN, Cluster, SharedA>::kValid) + ... + 0);
+}
+
 // Prints how many configurations the family has, then runs those wanted.
 template <class Family>
 void time_family(const Operands& o, cudaStream_t stream, const __nv_bfloat16* reference,
                  const std::vector<int>& wanted) {
-  Numbering count{{}, true};
-  time_tiles<Family>(typename Family::Tiles{}, o, stream, reference, count);
-  std::printf("deepgemm configurations: %d\n", count.next);
+  std::printf("deepgemm configurations: %d\n",
+              valid_configurations<Family>(typename Family::Tiles{}));
   std::fflush(stdout);
-  Numbering numbering{wanted};
+  Numbering numbering{wanted, 0};
   time_tiles<Family>(typename Family::Tiles{}, o, stream, reference, numbering);
 }
 
