@@ -1,5 +1,5 @@
-"""Grouped matmuls of DeepSeek-V3's experts on one GPU: jax_ep.nn.grouped's CUTLASS and Mosaic GPU
-kernels against the dense batched matmul of the same FLOPs and XLA's ragged_dot.
+"""Grouped matmuls of DeepSeek-V3's experts on one GPU: jax_ep.nn.grouped's CUTLASS, DeepGEMM and
+Mosaic GPU kernels against the dense batched matmul of the same FLOPs and XLA's ragged_dot.
 
     python -m bench.grouped_matmul --machine nvidia-h200      # a few minutes on one H200
 
@@ -13,7 +13,10 @@ matmul of uniform groups known in advance); "xla" jax.lax.ragged_dot's product (
 only, and skipped where its dense operand [M, G*K] would exceed 20 GB); "cutlass" CUTLASS's
 grouped GEMMs (nn/cutlass.py; "cutlass_fp8" and "cutlass_fp8_kernel" its FP8 forward, as the
 Mosaic ones below, with the same block scales, and "cutlass_fp8_dgrad_kernel" its FP8 d lhs as
-fp8_dgrad runs it, the operands quantized and transposed beforehand); "mosaic" the kernels of
+fp8_dgrad runs it, the operands quantized and transposed beforehand); "deepgemm" and
+"deepgemm_fp8", "deepgemm_fp8_kernel", "deepgemm_fp8_dgrad_kernel" the same with DeepGEMM's
+kernels for gmm, gmm_t and the FP8 ones (the groups aligned: tgmm is CUTLASS's, not timed
+again); "mosaic" the kernels of
 jax_ep.nn.grouped (its kernels for aligned groups), and "mosaic_unaligned" the products with
 group_alignment=1 (jax's ragged_dot_mgpu and transposed_ragged_dot_mgpu); "mosaic_fp8" the FP8
 forward of the MoE layer (grouped.fp8_grouped_matmul: rows quantized 1 x 128 beforehand, as
@@ -146,9 +149,15 @@ def fp8_dgrad_operands(ct, rhs, sizes):
     return (ct_scales, ct_q) + weights + (sizes,)
 
 
-def fp8_dgrad_step(scales, ct_q, rhs_q, rhs_scales, sizes):
-    """The CUTLASS FP8 kernel as the FP8 d lhs (its operands made beforehand)."""
-    return cutlass.gmm_fp8(ct_q, scales, rhs_q, rhs_scales, sizes, jnp.bfloat16)
+def fp8_dgrad_step(deep_gemm):
+    """The FP8 kernel as the FP8 d lhs (its operands made beforehand)."""
+
+    def step(scales, ct_q, rhs_q, rhs_scales, sizes):
+        return cutlass.gmm_fp8(
+            ct_q, scales, rhs_q, rhs_scales, sizes, jnp.bfloat16, deep_gemm=deep_gemm
+        )
+
+    return step
 
 
 def dense_step(kind, groups):
@@ -337,6 +346,11 @@ def run_case(case, plan, sweep, timing, results):
         )
     mosaic = not grouped.mosaic_misfits((rows, k), (groups, k, n), jnp.bfloat16, plan)
     use_cutlass = not grouped.cutlass_misfits((rows, k), (groups, k, n), jnp.bfloat16)
+    deepgemm_misfits = grouped.deepgemm_misfits(
+        (rows, k), (groups, k, n), jnp.bfloat16, alignment, fp8=True
+    ) + grouped.deepgemm_misfits((rows, k), (groups, k, n), jnp.bfloat16, alignment)
+    if deepgemm_misfits and ranks == 1 and projection == "gate_up":
+        print("  deepgemm not timed:", "; ".join(sorted(set(deepgemm_misfits))), flush=True)
     best = {}
 
     def fp8_forwards(impl, group_alignment, blocks=None):
@@ -361,7 +375,13 @@ def run_case(case, plan, sweep, timing, results):
                 fp8_args = fp8_forwards("cutlass", 1)
             if kind == "gmm_t":
                 dgrad_args = fp8_dgrad_operands(ct, rhs, jnp.asarray(sizes))
-                timed(kind, "cutlass_fp8_dgrad_kernel", fp8_dgrad_step, dgrad_args)
+                timed(kind, "cutlass_fp8_dgrad_kernel", fp8_dgrad_step(False), dgrad_args)
+            if not deepgemm_misfits and kind != "tgmm":
+                timed(kind, "deepgemm", grouped_step(kind, "deepgemm", alignment), args)
+                if kind == "gmm":
+                    fp8_forwards("deepgemm", alignment)
+                else:
+                    timed(kind, "deepgemm_fp8_dgrad_kernel", fp8_dgrad_step(True), dgrad_args)
             for order in ORDER_SWEEP if "cutlass" in sweep else ():
                 step = lambda a, b, sizes, order=order: cutlass.product(
                     kind, a, b, sizes, order=order

@@ -7,6 +7,7 @@
 #include "ffi/calls.h"
 #include "kernels/cuda/rank.h"
 #ifdef JAX_EP_WITH_GROUPED_GEMM
+#include "kernels/cuda/deep_gemm.h"
 #include "kernels/cuda/grouped_gemm.h"
 #include "kernels/fp8.h"
 #include "kernels/limits.h"
@@ -97,7 +98,8 @@ struct CudaBackend {
 // XLA, kernels enqueued. Not in command buffers: the scratch is XLA's per-call allocation.
 
 ffi::Error run_grouped_gemm(const CudaContext& c, ffi::ScratchAllocator& scratch,
-                            cuda::GroupedGemmArgs& a, int32_t raster, int32_t swizzle) {
+                            cuda::GroupedGemmArgs& a, int32_t raster, int32_t swizzle,
+                            bool deep_gemm) {
   if ((raster != 0 && raster != 1) ||
       (swizzle != 1 && swizzle != 2 && swizzle != 4 && swizzle != 8))
     return invalid("grouped matmul: raster must be 0 or 1 and swizzle 1, 2, 4 or 8");
@@ -108,6 +110,13 @@ ffi::Error run_grouped_gemm(const CudaContext& c, ffi::ScratchAllocator& scratch
                    " groups, got " + std::to_string(a.groups));
   if (!cuda::grouped_gemm_available(c.device))
     return invalid("grouped matmul: the CUTLASS kernels run on compute capability 9.0 only");
+  if (deep_gemm) {
+    if (a.product == cuda::GroupedProduct::kTgmm)
+      return invalid("grouped matmul: DeepGEMM's kernels compute gmm, gmm_t and FP8 gmm");
+    const std::string misfit = cuda::deep_gemm_misfit(a, c.device);
+    if (!misfit.empty()) return invalid("grouped matmul: " + misfit);
+  }
+  a.deep_gemm = deep_gemm;
   // XLA aligns scratch to at most 16 bytes: the kernels' arrays want 256.
   constexpr size_t kAlign = 256;
   auto workspace = scratch.Allocate(cuda::grouped_gemm_workspace_bytes(a, c.device) + kAlign);
@@ -120,7 +129,7 @@ ffi::Error run_grouped_gemm(const CudaContext& c, ffi::ScratchAllocator& scratch
 ffi::Error grouped_gemm(CudaContext c, ffi::ScratchAllocator scratch, ffi::AnyBuffer lhs,
                         ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32, 1> group_sizes,
                         ffi::Result<ffi::AnyBuffer> out, int32_t product, int64_t group_stride,
-                        int32_t raster, int32_t swizzle) {
+                        int32_t raster, int32_t swizzle, bool deep_gemm) {
   const auto l = lhs.dimensions(), r = rhs.dimensions(), o = out->dimensions();
   if (lhs.element_type() != ffi::DataType::BF16 || rhs.element_type() != ffi::DataType::BF16 ||
       out->element_type() != ffi::DataType::BF16)
@@ -162,7 +171,7 @@ ffi::Error grouped_gemm(CudaContext c, ffi::ScratchAllocator scratch, ffi::AnyBu
   a.rhs = rhs.untyped_data();
   a.group_sizes = group_sizes.typed_data();
   a.out = out->untyped_data();
-  return run_grouped_gemm(c, scratch, a, raster, swizzle);
+  return run_grouped_gemm(c, scratch, a, raster, swizzle, deep_gemm);
 }
 
 // lhs_q [M, K] e4m3 with scales [M, K/128], rhs_q [G, N, K] e4m3 with scales [G, K/128, N/128]
@@ -172,7 +181,7 @@ ffi::Error grouped_gemm_fp8(CudaContext c, ffi::ScratchAllocator scratch, ffi::A
                             ffi::Buffer<ffi::F32, 2> lhs_scales, ffi::AnyBuffer rhs,
                             ffi::Buffer<ffi::F32, 3> rhs_scales,
                             ffi::Buffer<ffi::S32, 1> group_sizes, ffi::Result<ffi::AnyBuffer> out,
-                            int32_t raster, int32_t swizzle) {
+                            int32_t raster, int32_t swizzle, bool deep_gemm) {
   const auto l = lhs.dimensions(), r = rhs.dimensions(), o = out->dimensions();
   const auto ls = lhs_scales.dimensions(), rs = rhs_scales.dimensions();
   if (lhs.element_type() != ffi::DataType::F8E4M3FN ||
@@ -196,7 +205,7 @@ ffi::Error grouped_gemm_fp8(CudaContext c, ffi::ScratchAllocator scratch, ffi::A
   a.rhs_scales = rhs_scales.typed_data();
   a.group_sizes = group_sizes.typed_data();
   a.out = out->untyped_data();
-  return run_grouped_gemm(c, scratch, a, raster, swizzle);
+  return run_grouped_gemm(c, scratch, a, raster, swizzle, deep_gemm);
 }
 
 auto bind_grouped_gemm() {
@@ -211,6 +220,7 @@ auto bind_grouped_gemm() {
       .Attr<int64_t>("group_stride")
       .Attr<int32_t>("raster")
       .Attr<int32_t>("swizzle")
+      .Attr<bool>("deep_gemm")
       .To(grouped_gemm);
 }
 
@@ -226,6 +236,7 @@ auto bind_grouped_gemm_fp8() {
       .Ret<ffi::AnyBuffer>()
       .Attr<int32_t>("raster")
       .Attr<int32_t>("swizzle")
+      .Attr<bool>("deep_gemm")
       .To(grouped_gemm_fp8);
 }
 #endif

@@ -63,6 +63,9 @@ NB_MODULE(_native, m) {
     d["expert_chunk_rows"] = kExpertChunkRows;
     d["max_grouped_matmul_groups"] = kMaxGroupedMatmulGroups;
     d["grouped_matmul_alignment"] = kGroupedMatmulAlignment;
+    d["deep_gemm_rows"] = kDeepGemmRows;
+    d["deep_gemm_alignment"] = kDeepGemmAlignment;
+    d["deep_gemm_sms"] = kDeepGemmSms;
     return d;
   });
 
@@ -124,6 +127,11 @@ NB_MODULE(_native, m) {
 #else
   m.attr("has_grouped_gemm") = false;
 #endif
+#ifdef JAX_EP_WITH_DEEP_GEMM
+  m.attr("has_deep_gemm") = true;  // and DeepGEMM's (kernels/cuda/deep_gemm.h)
+#else
+  m.attr("has_deep_gemm") = false;
+#endif
   m.def("cuda_targets", [] { return as_handlers(cuda_targets()); });
   m.def("cuda_state_type", [] { return state_type(cuda_state_type_id(), cuda_state_type_info()); });
   m.def("cuda_handler_calls", &cuda_handler_calls);
@@ -159,5 +167,6 @@ NB_MODULE(_native, m) {
 #else
   m.attr("has_cuda") = false;
   m.attr("has_grouped_gemm") = false;
+  m.attr("has_deep_gemm") = false;
 #endif
 }

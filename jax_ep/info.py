@@ -42,7 +42,7 @@ def report():
 
     lines = [
         f"jax_ep {jax_ep.__version__} (CUDA backend built: {_native.has_cuda}; CUTLASS grouped "
-        f"matmuls: {_native.has_grouped_gemm})",
+        f"matmuls: {_native.has_grouped_gemm}; DeepGEMM's: {_native.has_deep_gemm})",
         f"jax {jax.__version__}, jaxlib {_version('jaxlib')}",
     ]
     plugins = {name: _version(name) for name in ("jax-cuda13-plugin", "jax-cuda12-plugin")}

@@ -29,4 +29,11 @@ constexpr int kMaxScalesPerRow = 1024;
 constexpr int kMaxGroupedMatmulGroups = 65535;
 constexpr int kGroupedMatmulAlignment = 8;
 
+// DeepGEMM's kernels beside them (kernels/cuda/deep_gemm.h): rows of their tiles (a group they
+// compute starts at a multiple of it), the multiple bfloat16 K and N must be of (FP8: the scale
+// block), and the SMs of the GPUs they run on (their persistent grid, fixed at compile time).
+constexpr int kDeepGemmRows = 128;
+constexpr int kDeepGemmAlignment = 64;
+constexpr int kDeepGemmSms = 132;
+
 }  // namespace jax_ep

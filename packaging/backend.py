@@ -1,7 +1,8 @@
 """jax_ep's build backend: scikit-build-core, asking in addition for NCCL's headers (the
-nvidia-nccl wheel of the CUDA toolkit's major version) and CUTLASS's (the nvidia-cutlass wheel,
-for the grouped matmuls) when the CUDA backend will be built, so that `pip install .` builds it
-with build isolation too."""
+nvidia-nccl wheel of the CUDA toolkit's major version), CUTLASS's (the nvidia-cutlass wheel, for
+the grouped matmuls) and DeepGEMM's (the sgl-deep-gemm wheel, its headers only: the version whose
+kernel templates kernels/cuda/deep_gemm.cu instantiates) when the CUDA backend will be built, so
+that `pip install .` builds it with build isolation too."""
 
 import os
 import re
@@ -25,7 +26,11 @@ def _cuda_requirements():
     except (OSError, subprocess.SubprocessError):
         return []  # no CUDA toolkit: the CPU backend alone
     major = re.search(r"release (\d+)\.", version)
-    return [f"nvidia-nccl-cu{major.group(1) if major else 13}>=2.28", "nvidia-cutlass>=4.2"]
+    return [
+        f"nvidia-nccl-cu{major.group(1) if major else 13}>=2.28",
+        "nvidia-cutlass>=4.2",
+        "sgl-deep-gemm==0.2.5",
+    ]
 
 
 def get_requires_for_build_wheel(config_settings=None):

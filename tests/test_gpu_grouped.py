@@ -1,8 +1,9 @@
-"""jax_ep.nn.grouped_matmul's GPU kernels (Hopper: CUTLASS's and the Mosaic ones) against its
-XLA path computing in float32 on the same bfloat16 values: the forward and both gradients,
-uniform, skewed, unaligned and empty groups, rows past sum(group_sizes) zero, both Mosaic
-forward kernels (rows aligned to the block or not), group sizes past M, under shard_map,
-jax.checkpoint and command buffers; the masked forward over expert_padded rows; the FP8 forward
+"""jax_ep.nn.grouped_matmul's GPU kernels (Hopper: CUTLASS's, DeepGEMM's and the Mosaic ones)
+against its XLA path computing in float32 on the same bfloat16 values: the forward and both
+gradients, uniform, skewed, unaligned and empty groups, rows past sum(group_sizes) zero, both
+Mosaic forward kernels (rows aligned to the block or not), group sizes past M, under shard_map,
+jax.checkpoint and command buffers; DeepGEMM's kernels on groups they cannot all take (the
+promise of 128-row groups broken); the masked forward over expert_padded rows; the FP8 forward
 kernels against the XLA path on the same FP8 values, their bf16 backward, and the FP8 MoE layer
 on them. Skipped where JAX sees no GPU."""
 
@@ -21,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep.fp8 import dequantize_fp8
-from jax_ep.nn import grouped
+from jax_ep.nn import cutlass, grouped
 
 pytestmark = pytest.mark.gpu
 TOLERANCE = 1e-2  # bfloat16 outputs of float32 sums: ~2^-9 relative per element
@@ -53,7 +54,13 @@ def forward_and_gradients(lhs, rhs, ct, sizes, **kwargs):
     return (out,) + grads
 
 
-KERNELS = ["mosaic", "cutlass"]
+KERNELS = ["mosaic", "cutlass"]  # the masked forward's
+ALIGNED_KERNELS = KERNELS + ["deepgemm"]  # 128-row groups
+
+
+def group_alignment(impl):
+    """The alignment the tests promise: 128 rows for the kernels that need it."""
+    return 1 if impl == "cutlass" else 128
 
 
 def assert_like_xla(lhs, rhs, ct, sizes, impl="mosaic", **kwargs):
@@ -72,7 +79,14 @@ def assert_like_xla(lhs, rhs, ct, sizes, impl="mosaic", **kwargs):
 
 def test_auto_takes_the_kernels_here():
     assert jax_ep._native.has_grouped_gemm, "the GPU tests need a build with CUTLASS's kernels"
+    assert jax_ep._native.has_deep_gemm, "the GPU tests need a build with DeepGEMM's kernels"
     assert grouped.resolve_impl("auto", (1024, 256), (8, 256, 384), jnp.bfloat16) == "cutlass"
+    aligned = grouped.resolve_impl(
+        "auto", (1024, 256), (8, 256, 384), jnp.bfloat16, group_alignment=128
+    )
+    assert aligned == "deepgemm"
+    with pytest.raises(ValueError, match="not a multiple of 128 rows"):
+        grouped.resolve_impl("deepgemm", (1024, 256), (8, 256, 384), jnp.bfloat16)
     assert grouped.resolve_impl("auto", (1024, 256), (8, 256, 384), jnp.float16) == "mosaic"
     assert grouped.resolve_impl("auto", (1024, 256), (8, 256, 384), jnp.float32) == "xla"
 
@@ -85,7 +99,12 @@ def test_auto_takes_the_kernels_here():
         for alignment in (1, 128)
         if not np.any(np.asarray(SIZES[name]) % alignment)
     ]
-    + [(name, "cutlass", 1) for name in sorted(SIZES)],
+    + [(name, "cutlass", 1) for name in sorted(SIZES)]
+    + [
+        (name, "deepgemm", 128)
+        for name in sorted(SIZES)
+        if not np.any(np.asarray(SIZES[name]) % 128)
+    ],
 )
 def test_matches_xla(name, impl, group_alignment):
     sizes = np.asarray(SIZES[name], np.int32)
@@ -104,6 +123,59 @@ def test_cutlass_clamps_groups_past_m():
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
     assert_like_xla(lhs, rhs, ct, jnp.asarray(clamped), impl="cutlass")
+
+
+DEEP_GEMM_SIZES = dict(
+    SIZES,
+    past_m=[300, -5, 512, 400, 100, 0, 0, 50],
+    aligned_then_not=[256, 128, 100, 28, 0, 384, 0, 0],
+    last_one_ragged=[128, 256, 0, 77, 0, 0, 0, 0],
+    ragged_then_aligned=[0, 0, 0, 0, 0, 0, 3, 1000],
+)
+
+
+def clamped_sizes(asked, m):
+    """The sizes the kernels compute: each group the rows left of M."""
+    asked = np.maximum(np.asarray(asked, np.int64), 0)
+    offsets = np.minimum(np.concatenate([[0], np.cumsum(asked)[:-1]]), m)
+    return np.minimum(asked, m - offsets).astype(np.int32)
+
+
+@pytest.mark.parametrize("m", [1024, 1000])
+@pytest.mark.parametrize("name", sorted(DEEP_GEMM_SIZES))
+def test_deep_gemm_computes_the_groups_it_takes_and_cutlass_the_others(name, m):
+    """With deep_gemm the calls take any group sizes (the promise of 128-row groups broken
+    too): DeepGEMM's kernel computes the groups on 128-row boundaries, CUTLASS's the others
+    (gmm, gmm_t and the FP8 gmm), as the XLA path on the clamped sizes, and rows past the groups
+    are zero even where lhs holds NaN there."""
+    asked = jnp.asarray(DEEP_GEMM_SIZES[name], jnp.int32)
+    sizes = clamped_sizes(asked, m)
+    past = int(sizes.sum())
+    lhs, rhs, ct = operands(m, 256, 384, len(sizes), seed=5)
+    lhs = lhs.at[past:].set(jnp.nan)
+    ct = ct.at[past:].set(jnp.nan)
+    for kind, a, b in (("gmm", lhs, rhs), ("gmm_t", ct, rhs)):
+        got = jax.jit(functools.partial(cutlass.product, kind, deep_gemm=True))(a, b, asked)
+        dims = grouped._XLA_DIMENSIONS[kind]
+        want = jax.lax.ragged_dot_general(
+            jnp.nan_to_num(a).astype(jnp.float32),
+            b.astype(jnp.float32),
+            jnp.asarray(sizes),
+            jax.lax.RaggedDotDimensionNumbers(*dims),
+        )
+        assert not np.asarray(got)[past:].any(), kind
+        if past:
+            assert relative_error(got[:past], want[:past]) < TOLERANCE, kind
+    lhs, lhs_q, scales, _, _ = fp8_inputs(m, 256, 384, len(sizes))
+    rhs_q, rhs_scales = jax.jit(grouped.quantize_weights_fp8)(rhs)
+    fp8 = jax.jit(cutlass.gmm_fp8, static_argnames=("out_dtype", "deep_gemm"))
+    got, cutlass_only = (
+        fp8(lhs_q, scales, rhs_q, rhs_scales, asked, jnp.bfloat16, deep_gemm=deep)
+        for deep in (True, False)
+    )
+    assert not np.asarray(got)[past:].any()
+    if past:
+        assert relative_error(got, cutlass_only) < TOLERANCE
 
 
 @pytest.mark.parametrize(
@@ -135,18 +207,18 @@ def zipf_sizes(rows, groups, alignment):
     return sizes
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", ALIGNED_KERNELS)
 @pytest.mark.parametrize("k,n", [(7168, 2048), (2048, 7168)])
 def test_v3_expert_shapes(k, n, impl):
     """32 experts of DeepSeek-V3's shapes, 4096 rows, skewed (Zipf); aligned to 128 for the
-    Mosaic kernels, not for CUTLASS's."""
-    alignment = 128 if impl == "mosaic" else 1
+    Mosaic and DeepGEMM kernels, not for CUTLASS's."""
+    alignment = group_alignment(impl)
     lhs, rhs, ct = operands(4096, k, n, 32, seed=1)
     sizes = zipf_sizes(4096, 32, alignment)
     assert_like_xla(lhs, rhs, ct, jnp.asarray(sizes), impl=impl, group_alignment=alignment)
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", ALIGNED_KERNELS)
 @pytest.mark.parametrize("remat", [False, True])
 def test_under_shard_map(remat, impl):
     """On a mesh of this machine's GPUs, each its own rows and experts, under check_vma."""
@@ -180,10 +252,11 @@ def test_under_shard_map(remat, impl):
         assert relative_error(g, w) < TOLERANCE
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", ALIGNED_KERNELS)
 def test_under_command_buffers(impl):
     """A jitted loop of forward and backward passes under XLA command buffers (CUDA graphs):
-    the Mosaic kernels inside them, CUTLASS's calls between them (their scratch is per call)."""
+    the Mosaic kernels inside them, CUTLASS's and DeepGEMM's calls between them (their scratch
+    is per call)."""
     code = """
         import jax, jax.numpy as jnp, numpy as np
         from jax_ep.nn import grouped
@@ -233,7 +306,7 @@ def test_under_command_buffers(impl):
 FP8_CASES = [  # group sizes and kernels (unaligned groups: CUTLASS's alone)
     (name, impl)
     for name in ["uniform", "skewed", "empty_first_and_padding_rows", "no_rows", "unaligned"]
-    for impl in KERNELS
+    for impl in ALIGNED_KERNELS
     if impl == "cutlass" or name != "unaligned"
 ]
 
@@ -265,10 +338,11 @@ def fp8_forward_and_gradients(
 
 
 def assert_fp8_like_xla(m, k, n, sizes, impl):
-    alignment = 128 if impl == "mosaic" else 1
+    alignment = group_alignment(impl)
     lhs, lhs_q, scales, rhs, ct = fp8_inputs(m, k, n, len(sizes))
     sizes = jnp.asarray(sizes, jnp.int32)
-    assert grouped.resolve_fp8_impl("auto", (m, k), (len(sizes), k, n), alignment) == "cutlass"
+    auto = grouped.resolve_fp8_impl("auto", (m, k), (len(sizes), k, n), alignment)
+    assert auto == ("cutlass" if alignment == 1 else "deepgemm")
     got = fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, impl, alignment)
     want = fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, "xla", alignment)
     bf16 = forward_and_gradients(lhs, rhs, ct, sizes, group_alignment=alignment)
@@ -286,16 +360,16 @@ def test_fp8_matches_xla(name, impl):
     assert_fp8_like_xla(1024, 256, 384, SIZES[name], impl)
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", ALIGNED_KERNELS)
 @pytest.mark.parametrize("k,n", [(7168, 2048), (2048, 7168)])
 def test_fp8_v3_expert_shapes(k, n, impl):
-    assert_fp8_like_xla(4096, k, n, zipf_sizes(4096, 32, 128 if impl == "mosaic" else 1), impl)
+    assert_fp8_like_xla(4096, k, n, zipf_sizes(4096, 32, group_alignment(impl)), impl)
 
 
 def assert_fp8_dgrad_like_xla(m, k, n, sizes, impl):
     """fp8_dgrad on the kernels: lhs's gradient as the XLA path's FP8 product of the same
     quantized cotangent and weights, within FP8's error of bf16's; rhs's the bf16 kernel's."""
-    alignment = 128 if impl == "mosaic" else 1
+    alignment = group_alignment(impl)
     lhs, lhs_q, scales, rhs, ct = fp8_inputs(m, k, n, len(sizes))
     sizes = jnp.asarray(sizes, jnp.int32)
     run = functools.partial(fp8_forward_and_gradients, lhs, lhs_q, scales, rhs, ct, sizes)
@@ -315,9 +389,10 @@ def test_fp8_dgrad_matches_xla(name, impl):
     assert_fp8_dgrad_like_xla(1024, 256, 384, SIZES[name], impl)
 
 
+@pytest.mark.parametrize("impl", ["cutlass", "deepgemm"])
 @pytest.mark.parametrize("k,n", [(7168, 2048), (2048, 7168)])
-def test_fp8_dgrad_v3_expert_shapes(k, n):
-    assert_fp8_dgrad_like_xla(4096, k, n, zipf_sizes(4096, 32, 1), "cutlass")
+def test_fp8_dgrad_v3_expert_shapes(k, n, impl):
+    assert_fp8_dgrad_like_xla(4096, k, n, zipf_sizes(4096, 32, group_alignment(impl)), impl)
 
 
 @pytest.mark.parametrize(
@@ -354,7 +429,7 @@ def test_fp8_layer_on_the_kernels():
         )
         layer = nn.MoELayer(cfg, mesh, expert_axis="ep", tokens_per_rank=tokens)
         if name == "fp8":
-            assert layer.grouped_matmul_path() == {"gate_up": "cutlass_fp8", "down": "cutlass"}
+            assert layer.grouped_matmul_path() == {"gate_up": "deepgemm_fp8", "down": "deepgemm"}
         params = nn.init_params(jax.random.key(0), cfg, jnp.bfloat16, mesh=mesh, expert_axis="ep")
         results[name] = jax.jit(
             jax.value_and_grad(

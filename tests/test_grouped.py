@@ -183,6 +183,19 @@ def test_which_implementation():
     if jax.devices()[0].platform == "cpu":
         with pytest.raises(ValueError, match="impl='cutlass' cannot run: the default device"):
             grouped.resolve_impl("cutlass", *shape, jnp.bfloat16)
+        with pytest.raises(ValueError, match="impl='deepgemm' cannot run: the default device"):
+            grouped.resolve_impl("deepgemm", *shape, jnp.bfloat16, group_alignment=128)
+    problems = grouped.deepgemm_misfits((200, 100), (4, 100, 128), jnp.bfloat16, 64)
+    for expected in (
+        "deepgemm: group_alignment=64 is not a multiple of 128 rows",
+        "deepgemm: K=100 is not a positive multiple of 64",
+    ):
+        assert expected in problems, (expected, problems)
+    assert not any(p.startswith("deepgemm: N=") for p in problems), problems
+    problems = grouped.deepgemm_misfits((0, 256), (4, 256, 96), None, 256, fp8=True)
+    for expected in ("deepgemm: no rows", "deepgemm: N=96 is not a positive multiple of 128"):
+        assert expected in problems, (expected, problems)
+    assert not any("group_alignment" in p or "K=" in p for p in problems), problems
     with pytest.raises(ValueError, match="impl must be one of"):
         grouped.resolve_impl("cuBLAS", *shape, jnp.bfloat16)
 

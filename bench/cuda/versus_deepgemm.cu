@@ -1,7 +1,8 @@
 // jax_ep's grouped matmuls (CUTLASS's kernels, kernels/cuda/grouped_gemm.cu) against DeepGEMM's
 // SM90 kernels on the same operands, timed alone, outside JAX. DeepGEMM (github.com/deepseek-ai/
-// DeepGEMM, MIT; its headers only) is launched here without its JIT and torch, for a few tile
-// shapes and clusters sized as its heuristics (csrc/jit_kernels/heuristics/sm90.hpp) size them:
+// DeepGEMM, MIT; the headers of the sgl-deep-gemm wheel, as jax_ep builds with) is launched here
+// without its JIT and torch, for a few tile shapes and clusters sized as its heuristics
+// (csrc/jit_kernels/heuristics/sm90.hpp) size them:
 //   gmm      out [M, N] = lhs [M, K] @ rhs[g] [K, N]     sm90_bf16_gemm, m-grouped, B N-major
 //   gmm_t    out [M, K] = lhs [M, N] @ rhs[g]^T          sm90_bf16_gemm, m-grouped, B K-major
 //   tgmm     out[g] [K, N] = lhs[g]^T @ rhs[g]            sm90_bf16_gemm, k-grouped, A, B M/N-major
@@ -20,9 +21,11 @@
 // (the groups' offsets, FP8's scale packing, the zeroing of rows no group covers); DeepGEMM's
 // group ends are made here once.
 //   nvcc -std=c++20 -O3 -DNDEBUG -gencode arch=compute_90a,code=sm_90a -I. \
-//     -I $DEEPGEMM/deep_gemm/include -isystem $CUTLASS/include \
-//     -isystem $CUTLASS/tools/util/include --expt-relaxed-constexpr -diag-suppress 174,177,20168 \
+//     -isystem $CUTLASS/include -isystem $CUTLASS/tools/util/include \
+//     -isystem $DEEPGEMM_HOME/include --expt-relaxed-constexpr -diag-suppress 174,177,20168 \
 //     bench/cuda/versus_deepgemm.cu -o versus_deepgemm
+// (CUTLASS's headers first: jax_ep's kernels as jax_ep builds them; DEEPGEMM_HOME: the
+// sgl-deep-gemm wheel's deep_gemm/ directory, whose include/ ships a CUTLASS of its own too.)
 //   ./versus_deepgemm gmm|gmm_t|tgmm|gmm_fp8|tgmm_fp8 K N uniform|zipf [i,j,...]
 // (K N: 7168 2048 or 2048 7168; i,j,...: the numbers of the DeepGEMM configurations to run, by
 // default all, for going on after one that failed: python -m bench.versus_deepgemm runs it so.)
@@ -40,12 +43,14 @@
 #include <vector>
 
 #include "bench/cuda/alone.cuh"
+#include "kernels/cuda/tma.h"
 
 namespace {
 
 using deep_gemm::GemmType;
 using jax_ep::alone::device_random;
 using jax_ep::cuda::GroupedProduct;
+using jax_ep::cuda::swizzle_bytes;
 using Major = cute::UMMA::Major;
 using Fp8 = __nv_fp8_e4m3;
 
@@ -119,62 +124,27 @@ __global__ void dequantize_transposed_kernel(const Fp8* t, const float* scales,
 
 // --- DeepGEMM's kernels, launched by hand ------------------------------------------------------
 
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiled encode_tiled() {  // the driver's entry point, without linking libcuda
-  static EncodeTiled fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
-                                           &found));
-    if (found != cudaDriverEntryPointSuccess) {
-      std::printf("cuTensorMapEncodeTiled not found\n");
-      std::exit(1);
-    }
-    return reinterpret_cast<EncodeTiled>(p);
-  }();
-  return fn;
-}
-
-// A 2-D TMA map over `inner` x `outer` elements, rows `row_bytes` apart, copied in boxes of
-// box_inner x box_outer; swizzle: 16 (none), 32, 64 or 128 bytes.
-CUtensorMap tensor_map(const void* base, CUtensorMapDataType type, uint64_t inner, uint64_t outer,
-                       uint64_t row_bytes, uint32_t box_inner, uint32_t box_outer, int swizzle) {
-  const cuuint64_t dims[2] = {inner, outer}, strides[1] = {row_bytes};
-  const cuuint32_t box[2] = {box_inner, box_outer}, element_strides[2] = {1, 1};
-  const auto mode = swizzle == 128  ? CU_TENSOR_MAP_SWIZZLE_128B
-                    : swizzle == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
-                    : swizzle == 32 ? CU_TENSOR_MAP_SWIZZLE_32B
-                                    : CU_TENSOR_MAP_SWIZZLE_NONE;
+// A TMA map `make` fills (kernels/cuda/tma.h); one that cannot be made ends the program.
+template <class Make>
+CUtensorMap made(Make&& make) {
   CUtensorMap map;
-  const CUresult status =
-      encode_tiled()(&map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides,
-                     CU_TENSOR_MAP_INTERLEAVE_NONE, mode, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (status != CUDA_SUCCESS) {
-    std::printf("cuTensorMapEncodeTiled failed (%d)\n", int(status));
+  const std::string error = make(map);
+  if (!error.empty()) {
+    std::printf("%s\n", error.c_str());
     std::exit(1);
   }
   return map;
 }
-
-// A map whose rows are `inner` elements of `elem_bytes`, copied in boxes one swizzle atom wide.
-CUtensorMap operand_map(const void* base, CUtensorMapDataType type, int elem_bytes, uint64_t inner,
-                        uint64_t outer, uint32_t box_outer, int swizzle) {
-  return tensor_map(base, type, inner, outer, inner * elem_bytes, swizzle / elem_bytes, box_outer,
-                    swizzle);
+template <class... Args>
+CUtensorMap tensor_map(Args... args) {
+  return made([&](CUtensorMap& map) { return jax_ep::cuda::tensor_map(map, args...); });
+}
+template <class... Args>
+CUtensorMap operand_map(Args... args) {
+  return made([&](CUtensorMap& map) { return jax_ep::cuda::operand_map(map, args...); });
 }
 
 constexpr uint32_t align_up(uint32_t x, uint32_t to) { return (x + to - 1) / to * to; }
-constexpr uint32_t swizzle_bytes(uint32_t row_bytes) {  // the widest swizzle dividing a row
-  for (uint32_t mode : {128u, 64u, 32u}) {
-    if (row_bytes % mode == 0) return mode;
-  }
-  return 16;
-}
 // Whether a BlockN-column FP8 tile that spans two weight-scale blocks splits where the kernel's
 // unrolled promotion can follow (DeepGEMM's 1D2D condition).
 constexpr bool two_scale_blocks_unroll(uint32_t block_n, uint32_t block_k) {
@@ -233,8 +203,7 @@ struct DeepGemm {
     if constexpr (kFp8)
       return &deep_gemm::sm90_fp8_gemm_1d2d_impl<
           Major::MN, 0, N, K, kGroups, BlockM, BlockN, kBlockK, kSwizzleA, kSwizzleB, kSwizzleD,
-          kStages, 128, kMathThreads, Cluster, SharedA, kSms, type, cutlass::bfloat16_t,
-          deep_gemm::epilogue::transform::EpilogueIdentity>;
+          kStages, 128, kMathThreads, Cluster, SharedA, kSms, type, cutlass::bfloat16_t>;
     else
       return &deep_gemm::sm90_bf16_gemm_impl<kMajorA, kMajorB, kDgM, kDgN, kDgK, kGroups, BlockM,
                                              BlockN, kBlockK, kSwizzleA, kSwizzleB, kSwizzleD,

@@ -54,7 +54,9 @@ class MoEConfig:
             argument), weights from the scores alone.
         combine_partial_dtype: each rank's sum of a token's expert rows (bf16: half the
             combine's bytes; needed with max_row_dtype=bf16).
-        grouped_matmul: the jax_ep.nn.grouped impl: "auto", "xla", "cutlass" or "mosaic".
+        grouped_matmul: the jax_ep.nn.grouped impl: "auto", "xla", "cutlass", "deepgemm" or
+            "mosaic" ("auto" takes DeepGEMM's kernels on an H100 or H200 where
+            expert_alignment is a multiple of 128).
     """
 
     num_experts: int

@@ -1,10 +1,14 @@
-"""The CUTLASS kernels of jax_ep.nn.grouped, as custom calls (kernels/cuda/grouped_gemm.cu):
-Hopper's persistent grouped GEMMs over row groups of any size, the sizes read on the device.
-grouped.py chooses between these, the Mosaic kernels and XLA, and makes them differentiable.
+"""The Hopper kernels of jax_ep.nn.grouped, as custom calls (kernels/cuda/grouped_gemm.cu):
+CUTLASS's persistent grouped GEMMs over row groups of any size, the sizes read on the device;
+with deep_gemm, DeepGEMM's kernels first (kernels/cuda/deep_gemm.h: gmm, gmm_t and FP8 gmm) for
+the groups that start and end on 128-row boundaries, decided on the device per group, and
+CUTLASS's for the others. grouped.py chooses between these, the Mosaic kernels and XLA, and makes
+them differentiable.
 
 They run on compute capability 9.0 in a jax_ep built with its CUDA backend and CUTLASS's
-headers (`jax_ep._native.has_grouped_gemm`). The output is complete: rows past the groups
-(gmm, gmm_t) and the weight gradients of empty groups (tgmm) are zeros."""
+headers (`jax_ep._native.has_grouped_gemm`; DeepGEMM's: `has_deep_gemm`, on GPUs of 132 SMs).
+The output is complete: rows past the groups (gmm, gmm_t) and the weight gradients of empty
+groups (tgmm) are zeros."""
 
 from __future__ import annotations
 
@@ -46,12 +50,18 @@ def built():
     return bool(getattr(_native, "has_grouped_gemm", False))
 
 
-def product(kind, a, b, group_sizes, group_stride=0, order=None):
+def deep_gemm_built():
+    """Whether this jax_ep has DeepGEMM's kernels too (built with its headers)."""
+    return bool(getattr(_native, "has_deep_gemm", False))
+
+
+def product(kind, a, b, group_sizes, group_stride=0, order=None, deep_gemm=False):
     """One of grouped.py's products ("gmm", "gmm_t", "tgmm"; shapes as in its docstring), in
     bfloat16 with a float32 sum. group_stride > 0 (gmm only): group g's rows start at row
     g * group_stride instead of after the group before (the expert_padded layout, at most
     group_stride rows each), and the rows past each group's are left unwritten. order: the
-    tiles' Order (default ORDERS[kind])."""
+    tiles' Order of CUTLASS's kernel (default ORDERS[kind]). deep_gemm (gmm and gmm_t, no
+    group_stride): DeepGEMM's kernel computes the groups on 128-row boundaries."""
     ffi_path.register_targets()
     if kind == "tgmm":
         shape = (group_sizes.shape[0], a.shape[1], b.shape[1])
@@ -66,15 +76,19 @@ def product(kind, a, b, group_sizes, group_stride=0, order=None):
         group_sizes,
         product=np.int32(PRODUCT_IDS[kind]),
         group_stride=np.int64(group_stride),
+        deep_gemm=np.bool_(deep_gemm),
         **(order or ORDERS[kind]).attributes(),
     )
 
 
-def gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, out_dtype, order=None):
+def gmm_fp8(
+    lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, out_dtype, order=None, deep_gemm=False
+):
     """gmm from FP8 operands -> [M, N] out_dtype (bfloat16): lhs_q [M, K] e4m3fn with scales
     [M, K/128], rhs_q [G, N, K] with scales [G, N/128, K/128] (jax_ep.fp8's formats). The
-    kernel applies each 128 of K's scales to that step's product in float32. It reads the
-    weights' scales with the N block index fastest: transposed here (a small array)."""
+    kernels apply each 128 of K's scales to that step's product in float32. They read the
+    weights' scales with the N block index fastest: transposed here (a small array). deep_gemm:
+    as in product()."""
     ffi_path.register_targets()
     m, n = lhs_q.shape[0], rhs_q.shape[1]
     call = jax.ffi.ffi_call(
@@ -88,6 +102,7 @@ def gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, out_dtype, order=
         rhs_q,
         jnp.swapaxes(rhs_scales.astype(jnp.float32), 1, 2),
         group_sizes,
+        deep_gemm=np.bool_(deep_gemm),
         **(order or ORDERS["gmm_fp8"]).attributes(),
     )
 

@@ -13,11 +13,14 @@ Three products make the matmul and its gradients, each the adjoint of the others
   gmm_t  out[i] = lhs[i] @ rhs[g(i)]^T        [M, N] x [G, K, N] -> [M, K]   (d lhs)
   tgmm   out[g] = sum_i lhs[i]^T rhs[i]       [M, K] x [M, N]    -> [G, K, N] (d rhs)
 
-Three implementations: "xla" (jax.lax.ragged_dot_general: the reference, and the path on CPU;
+Four implementations: "xla" (jax.lax.ragged_dot_general: the reference, and the path on CPU;
 XLA:GPU expands it to dense work), "cutlass" (CUTLASS's Hopper grouped GEMMs as custom calls,
-nn/cutlass.py: groups of any size, bfloat16) and "mosaic" (Pallas Mosaic GPU kernels for Hopper).
-impl="auto" takes the first of AUTO_ORDER that can run here on these operands (`cutlass_misfits`,
-`mosaic_misfits`), "xla" otherwise. The Mosaic kernels:
+nn/cutlass.py: groups of any size, bfloat16), "deepgemm" (the same calls with DeepGEMM's kernels
+computing gmm and gmm_t, 5-9% faster, FP8's forward 12-30%, for the groups that start and end on
+128-row boundaries, CUTLASS's the others and tgmm; it needs group_alignment a multiple of 128, so
+that the groups it cannot take are the exception) and "mosaic" (Pallas Mosaic GPU kernels for
+Hopper). impl="auto" takes the first of AUTO_ORDER that can run here on these operands
+(`deepgemm_misfits`, `cutlass_misfits`, `mosaic_misfits`), "xla" otherwise. The Mosaic kernels:
 
 - gmm, gmm_t with group_alignment a multiple of block_m (every group size a multiple of it, as
   a dispatch with that expert_alignment gives): `mosaic.aligned_gmm`, one output tile per row
@@ -58,8 +61,12 @@ from jax_ep.fp8 import (
 from jax_ep.nn import cutlass, mosaic
 from jax_ep.primitives import all_varying, varying_like
 
-IMPLS = ("auto", "xla", "mosaic", "cutlass")
-AUTO_ORDER = ("cutlass", "mosaic")  # what impl="auto" tries first: the faster on an H200
+IMPLS = ("auto", "xla", "mosaic", "cutlass", "deepgemm")
+AUTO_ORDER = (
+    "deepgemm",
+    "cutlass",
+    "mosaic",
+)  # what impl="auto" tries first: the faster on an H200
 PRODUCTS = ("gmm", "gmm_t", "tgmm")
 MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -97,10 +104,12 @@ MOSAIC_BLOCKS = MosaicBlocks()
 
 def grouped_matmul(lhs, rhs, group_sizes, *, impl="auto", group_alignment=1, blocks=MOSAIC_BLOCKS):
     """lhs [M, K] rows in groups of group_sizes [G] (int32, sum <= M), rhs [G, K, N] -> [M, N]
-    in lhs.dtype (rhs is cast to it). impl: "auto", "xla", "cutlass" or "mosaic" (ValueError
-    when the kernels cannot run here or these shapes do not fit them). group_alignment: a
-    number every group size is a multiple of (the caller's promise: wrong results otherwise),
-    e.g. the expert_alignment of the dispatch that made the rows."""
+    in lhs.dtype (rhs is cast to it). impl: "auto", "xla", "cutlass", "deepgemm" or "mosaic"
+    (ValueError when the kernels cannot run here or these shapes do not fit them).
+    group_alignment: a number every group size is a multiple of (the caller's promise: wrong
+    results otherwise from "mosaic"; "deepgemm" checks it on the device, and computes a group
+    that breaks it with CUTLASS's kernel, after its own), e.g. the expert_alignment of the
+    dispatch that made the rows."""
     _check_operands("grouped_matmul", ("M", "K"), lhs, rhs, "group_sizes", group_sizes)
     return product(
         "gmm", lhs, rhs, group_sizes, impl=impl, group_alignment=group_alignment, blocks=blocks
@@ -160,7 +169,7 @@ def product(kind, a, b, group_sizes, *, impl="auto", group_alignment=1, blocks=M
         "gmm_t": ((m, second[1]), second),
         "tgmm": ((m, first), (group_sizes.shape[0], first, second[1])),
     }[kind]
-    impl = resolve_impl(impl, lhs_shape, rhs_shape, a.dtype, blocks)
+    impl = resolve_impl(impl, lhs_shape, rhs_shape, a.dtype, blocks, group_alignment)
     # The backward's cotangents vary over the axes of all three operands: so must the operands.
     a, b, group_sizes = all_varying(a, b.astype(a.dtype), group_sizes.astype(jnp.int32))
     return _product(kind, _Plan(impl, group_alignment, blocks), a, b, group_sizes)
@@ -174,13 +183,14 @@ class _Plan(NamedTuple):
     blocks: MosaicBlocks
 
 
-def resolve_impl(impl, lhs_shape, rhs_shape, dtype, blocks=MOSAIC_BLOCKS):
-    """The implementation grouped_matmul takes for these operands: "xla", "cutlass" or
-    "mosaic" (for "auto", the first of AUTO_ORDER that can run)."""
+def resolve_impl(impl, lhs_shape, rhs_shape, dtype, blocks=MOSAIC_BLOCKS, group_alignment=1):
+    """The implementation grouped_matmul takes for these operands: "xla", "cutlass",
+    "deepgemm" or "mosaic" (for "auto", the first of AUTO_ORDER that can run)."""
     return _resolve(
         "grouped_matmul",
         impl,
         {
+            "deepgemm": lambda: deepgemm_misfits(lhs_shape, rhs_shape, dtype, group_alignment),
             "cutlass": lambda: cutlass_misfits(lhs_shape, rhs_shape, dtype),
             "mosaic": lambda: mosaic_misfits(lhs_shape, rhs_shape, dtype, blocks),
         },
@@ -213,6 +223,38 @@ def cutlass_misfits(lhs_shape, rhs_shape, dtype, fp8=False):
         problems.append(f"dtype {jnp.dtype(dtype).name} (needs bfloat16)")
     (_, k), (groups, _, n) = lhs_shape, rhs_shape
     return problems + cutlass.shape_misfits(k, n, groups, fp8)
+
+
+def deepgemm_misfits(lhs_shape, rhs_shape, dtype, group_alignment, fp8=False):
+    """Why DeepGEMM's kernels (with CUTLASS's for tgmm and the groups they cannot take) cannot
+    compute this grouped matmul and both its gradients (or with fp8, its FP8 forward) (empty
+    when they can): CUTLASS's conditions, a build with DeepGEMM's headers, a GPU of the SMs its
+    kernels were built for, K and N multiples of its alignment (FP8: 128), some rows, and
+    group_alignment a multiple of its 128-row tiles (the handlers check all but the last
+    again)."""
+    problems = cutlass_misfits(lhs_shape, rhs_shape, dtype, fp8)
+    if not cutlass.deep_gemm_built():
+        problems.append("this jax_ep was built without DeepGEMM's kernels")
+    limits = _native.limits()
+    rows, sms = limits["deep_gemm_rows"], limits["deep_gemm_sms"]
+    device = jax.devices()[0]
+    if device.platform == "gpu" and getattr(device, "core_count", sms) != sms:
+        problems.append(
+            f"deepgemm: its kernels are built for {sms} SMs, the GPU has {device.core_count}"
+        )
+    if group_alignment % rows:
+        problems.append(
+            f"deepgemm: group_alignment={group_alignment} is not a multiple of {rows} rows"
+        )
+    (m, k), (_, _, n) = lhs_shape, rhs_shape
+    if m == 0:
+        problems.append("deepgemm: no rows")
+    multiple = FP8_BLOCK if fp8 else limits["deep_gemm_alignment"]
+    return problems + [
+        f"deepgemm: {name}={size} is not a positive multiple of {multiple}"
+        for name, size in (("K", k), ("N", n))
+        if size <= 0 or size % multiple
+    ]
 
 
 def mosaic_misfits(lhs_shape, rhs_shape, dtype, blocks=MOSAIC_BLOCKS):
@@ -295,8 +337,10 @@ _XLA_DIMENSIONS = {  # ((lhs contracting, rhs contracting), (batch, batch)), rag
 
 
 def _compute(kind, plan, a, b, group_sizes):
-    if plan.impl == "cutlass":  # complete: zeros past the groups
-        return varying_like(cutlass.product(kind, a, b, group_sizes), a, b, group_sizes)
+    if plan.impl in ("cutlass", "deepgemm"):  # complete: zeros past the groups
+        deep_gemm = plan.impl == "deepgemm" and kind != "tgmm"
+        out = cutlass.product(kind, a, b, group_sizes, deep_gemm=deep_gemm)
+        return varying_like(out, a, b, group_sizes)
     if plan.impl == "xla":
         dot, ragged, group = _XLA_DIMENSIONS[kind]
         return jax.lax.ragged_dot_general(
@@ -353,12 +397,15 @@ def fp8_misfits(lhs_shape, rhs_shape, group_alignment):
 
 
 def resolve_fp8_impl(impl, lhs_shape, rhs_shape, group_alignment):
-    """The implementation fp8_grouped_matmul takes for these operands: "xla", "cutlass" or
-    "mosaic"."""
+    """The implementation fp8_grouped_matmul takes for these operands: "xla", "cutlass",
+    "deepgemm" or "mosaic"."""
     return _resolve(
         "fp8_grouped_matmul",
         impl,
         {
+            "deepgemm": lambda: deepgemm_misfits(
+                lhs_shape, rhs_shape, None, group_alignment, fp8=True
+            ),
             "cutlass": lambda: cutlass_misfits(lhs_shape, rhs_shape, None, fp8=True),
             "mosaic": lambda: fp8_misfits(lhs_shape, rhs_shape, group_alignment),
         },
@@ -410,7 +457,7 @@ def fp8_grouped_matmul(
     (m, k), (g, _, n) = lhs.shape, rhs.shape
     dgrad_impl = resolve_fp8_impl(impl, (m, n), (g, n, k), group_alignment) if fp8_dgrad else None
     backward = _Plan(
-        resolve_impl(impl if impl == "xla" else "auto", lhs.shape, rhs.shape, lhs.dtype, blocks),
+        _backward_impl(impl, lhs.shape, rhs.shape, lhs.dtype, blocks, group_alignment),
         group_alignment,
         blocks,
     )
@@ -426,6 +473,18 @@ def fp8_grouped_matmul(
     fp8 = (lhs_q, lhs_scales) + weights[: 4 if fp8_dgrad else 2]
     fp8 = [jax.lax.stop_gradient(a) for a in varying_like(fp8, lhs, rhs)]
     return _fp8_gmm(fp8_impl, backward, dgrad_impl, lhs, rhs, group_sizes, *fp8)
+
+
+def _backward_impl(impl, lhs_shape, rhs_shape, dtype, blocks, group_alignment):
+    """The implementation of an FP8 product's backward, in dtype: impl's own where it takes
+    them ("xla", or "cutlass" / "deepgemm" in bfloat16), else the first that can run."""
+    args = lhs_shape, rhs_shape, dtype, blocks, group_alignment
+    if impl in ("cutlass", "deepgemm"):
+        try:
+            return resolve_impl(impl, *args)
+        except ValueError:
+            pass
+    return resolve_impl(impl if impl == "xla" else "auto", *args)
 
 
 def _quantize_kernels_run(x):
@@ -471,8 +530,16 @@ def _fp8_product(impl, lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, like):
             jax.lax.RaggedDotDimensionNumbers(_XLA_DIMENSIONS["gmm_t"][0], [0], [0]),
             precision=jax.lax.Precision.HIGHEST,
         )
-    elif impl == "cutlass":  # complete: zeros past the groups
-        out = cutlass.gmm_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, group_sizes, jnp.bfloat16)
+    elif impl in ("cutlass", "deepgemm"):  # complete: zeros past the groups
+        out = cutlass.gmm_fp8(
+            lhs_q,
+            lhs_scales,
+            rhs_q,
+            rhs_scales,
+            group_sizes,
+            jnp.bfloat16,
+            deep_gemm=impl == "deepgemm",
+        )
         return varying_like(out.astype(like.dtype), like)
     else:
         out = varying_like(

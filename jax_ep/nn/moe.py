@@ -235,10 +235,10 @@ def moe_block(
 
 
 def grouped_matmul_path(cfg: MoEConfig, num_ranks, tokens_per_rank, dtype=jnp.bfloat16):
-    """The grouped-matmul implementations moe_block's experts take ("cutlass", "mosaic" or
-    "xla", with "_fp8" where the FP8 rows are multiplied as they come and "_fp8_dgrad" where
-    their row gradients are FP8 products too, for the gate/up and the down projection) with
-    tokens_per_rank tokens of `dtype` per rank."""
+    """The grouped-matmul implementations moe_block's experts take ("deepgemm", "cutlass",
+    "mosaic" or "xla", with "_fp8" where the FP8 rows are multiplied as they come and
+    "_fp8_dgrad" where their row gradients are FP8 products too, for the gate/up and the down
+    projection) with tokens_per_rank tokens of `dtype` per rank."""
     rows = expert_capacity(cfg, tokens_per_rank, num_ranks) or layout.default_capacity(
         "expert",
         num_ranks,
@@ -249,7 +249,13 @@ def grouped_matmul_path(cfg: MoEConfig, num_ranks, tokens_per_rank, dtype=jnp.bf
     )
     groups, h, f = cfg.num_experts // num_ranks, cfg.hidden, cfg.ffn_hidden
     paths = {
-        name: grouped.resolve_impl(cfg.grouped_matmul, (rows, k), (groups, k, n), dtype)
+        name: grouped.resolve_impl(
+            cfg.grouped_matmul,
+            (rows, k),
+            (groups, k, n),
+            dtype,
+            group_alignment=cfg.expert_alignment,
+        )
         for name, (k, n) in (("gate_up", (h, f)), ("down", (f, h)))
     }
     fp8 = {"gate_up": cfg.fp8 and cfg.fp8_experts}

@@ -6,7 +6,9 @@
 //
 // The group sizes live on the device: one small setup kernel turns them into each group's
 // problem shape and operand pointers (CUTLASS's "ptr-array" arguments) in the call's scratch,
-// and CUTLASS's tile scheduler reads them there. No host synchronisation.
+// and CUTLASS's tile scheduler reads them there. No host synchronisation. With deep_gemm,
+// DeepGEMM's kernel (deep_gemm.h) runs first, and the setup kernel leaves CUTLASS the groups it
+// cannot take.
 #include <cub/block/block_scan.cuh>
 
 #include <atomic>
@@ -21,6 +23,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "kernels/cuda/deep_gemm.h"
 #include "kernels/cuda/grouped_gemm.h"
 #include "kernels/fp8.h"
 
@@ -120,19 +123,17 @@ using Fp8Kernel =
 
 constexpr int kSetupThreads = 1024;
 
-// Each group's rows (clamped so that no group reaches past M), their offsets, and from them the
-// group's problem shape and operand pointers. One block: G is at most a few thousand.
+// Each group's rows (clamped so that no group reaches past M), their offsets and sum; then, once
+// the sum is known, each group's problem shape and operand pointers: none for a group that
+// DeepGEMM's kernel computes (with `deep`). One block: G is at most a few thousand.
 template <class K, GroupedProduct P>
 __global__ void __launch_bounds__(kSetupThreads)
     setup_kernel(GroupedGemmArgs a, typename K::Groups g, typename K::StrideA stride_a,
                  typename K::StrideB stride_b, typename K::StrideD stride_d,
-                 typename K::LayoutSFB layout_sfb) {
+                 typename K::LayoutSFB layout_sfb, bool deep) {
   using Scan = cub::BlockScan<int64_t, kSetupThreads>;
   __shared__ typename Scan::TempStorage scan;
-  using Element = std::remove_cv_t<std::remove_pointer_t<std::remove_pointer_t<decltype(g.a)>>>;
-  const auto* lhs = static_cast<const Element*>(a.lhs);
-  const auto* rhs = static_cast<const Element*>(a.rhs);
-  auto* out = static_cast<Bf16*>(a.out);
+  __shared__ int64_t total;
   int64_t carry = 0;
   for (int base = 0; base < a.groups; base += kSetupThreads) {
     const int e = base + threadIdx.x;
@@ -143,9 +144,20 @@ __global__ void __launch_bounds__(kSetupThreads)
     carry += chunk;
     __syncthreads();  // the scan's storage is reused by the next chunk
     if (e >= a.groups) continue;
-    const int rows = int(min(asked, a.group_stride ? a.group_stride : a.m - offset));
-    const int64_t k = a.k, n = a.n;
-    g.rows[e] = rows;
+    g.rows[e] = int(min(asked, a.group_stride ? a.group_stride : a.m - offset));
+    g.offsets[e] = offset;
+  }
+  if (threadIdx.x == 0) *g.total = total = a.group_stride ? a.m : min(carry, a.m);  // no tail
+  __syncthreads();
+
+  using Element = std::remove_cv_t<std::remove_pointer_t<std::remove_pointer_t<decltype(g.a)>>>;
+  const auto* lhs = static_cast<const Element*>(a.lhs);
+  const auto* rhs = static_cast<const Element*>(a.rhs);
+  auto* out = static_cast<Bf16*>(a.out);
+  const int64_t k = a.k, n = a.n;
+  for (int e = threadIdx.x; e < a.groups; e += kSetupThreads) {
+    const int64_t offset = g.offsets[e];
+    const int rows = deep && deep_gemm_takes_group(offset, g.rows[e], total) ? 0 : g.rows[e];
     g.stride_a[e] = stride_a;
     g.stride_b[e] = stride_b;
     g.stride_d[e] = stride_d;
@@ -165,7 +177,6 @@ __global__ void __launch_bounds__(kSetupThreads)
       g.b[e] = rhs + offset * n;
       g.d[e] = out + e * k * n;
     }
-    g.offsets[e] = offset;
     if constexpr (P == GroupedProduct::kGmmFp8) {
       // The kernel reads each group's scales packed (its own layout from the group's shape;
       // the layouts passed are not read): pack_scales_kernel rearranges A's.
@@ -175,13 +186,13 @@ __global__ void __launch_bounds__(kSetupThreads)
       g.layout_sfb[e] = layout_sfb;
     }
   }
-  if (threadIdx.x == 0) *g.total = a.group_stride ? a.m : min(carry, a.m);  // strided: no tail
 }
 
-// FP8: A's scales [M, K/128] as the kernel reads them, group by group [K/128, rows of g].
-__global__ void pack_scales_kernel(GroupedGemmArgs a, const int32_t* rows, const int64_t* offsets,
+// FP8: A's scales [M, K/128] as the kernel reads them, group by group [K/128, rows of g] (the
+// groups CUTLASS computes).
+__global__ void pack_scales_kernel(GroupedGemmArgs a, const Shape3* shapes, const int64_t* offsets,
                                    float* packed) {
-  const int e = blockIdx.y, blocks = int(a.k / kFp8Block), n = rows[e];
+  const int e = blockIdx.y, blocks = int(a.k / kFp8Block), n = get<0>(shapes[e]);
   const float* src = a.lhs_scales + offsets[e] * blocks;
   float* dst = packed + offsets[e] * blocks;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n * blocks; i += gridDim.x * blockDim.x)
@@ -229,10 +240,11 @@ DeviceInfo device_info(int device) {
   return {info / 2, info % 2 == 1};
 }
 
-// The scratch of one call: the per-group arrays, then CUTLASS's workspace.
+// The scratch of one call: the per-group arrays, DeepGEMM's, then CUTLASS's workspace.
 template <class K>
 struct Scratch {
   typename K::Groups groups;
+  void* deep_gemm_scratch;
   void* cutlass_workspace;
   size_t bytes;
 
@@ -251,6 +263,9 @@ struct Scratch {
               g.layout_sfa, g.layout_sfb, g.rows, g.offsets);
     take(g.total, 1);
     take(g.sfa_packed, K::kBlockScaled ? a.m * (a.k / kFp8Block) : 0);
+    uint8_t* deep_gemm_bytes;
+    take(deep_gemm_bytes, a.deep_gemm ? deep_gemm_scratch_bytes(a) : 0);
+    deep_gemm_scratch = deep_gemm_bytes;
     at = (at + 255) / 256 * 256;
     cutlass_workspace = bytes_base + at;
     bytes = at;
@@ -308,11 +323,16 @@ std::string run(const GroupedGemmArgs& a, int device, void* workspace, cudaStrea
   typename K::LayoutSFB layout_sfb{};
   if constexpr (K::kBlockScaled)
     layout_sfb = Fp8Scales::tile_atom_to_shape_SFB(make_shape(1, int(a.n), int(a.k), 1));
-  setup_kernel<K, P>
-      <<<1, kSetupThreads, 0, stream>>>(a, s.groups, stride_a, stride_b, stride_d, layout_sfb);
+  setup_kernel<K, P><<<1, kSetupThreads, 0, stream>>>(a, s.groups, stride_a, stride_b, stride_d,
+                                                      layout_sfb, a.deep_gemm);
   if (cudaPeekAtLastError() != cudaSuccess) return cuda_error("setup");
+  if (a.deep_gemm) {  // first: CUTLASS's kernel and the zeroing overwrite what its tiles wrote
+    const std::string error =
+        deep_gemm(a, s.groups.rows, s.groups.offsets, s.groups.total, s.deep_gemm_scratch, stream);
+    if (!error.empty()) return "grouped matmul: " + error;
+  }
   if constexpr (K::kBlockScaled) {
-    pack_scales_kernel<<<dim3(4, a.groups), 256, 0, stream>>>(a, s.groups.rows, s.groups.offsets,
+    pack_scales_kernel<<<dim3(4, a.groups), 256, 0, stream>>>(a, s.groups.shapes, s.groups.offsets,
                                                               s.groups.sfa_packed);
     if (cudaPeekAtLastError() != cudaSuccess) return cuda_error("scales");
   }

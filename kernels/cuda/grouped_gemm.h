@@ -24,6 +24,9 @@ struct GroupedGemmArgs {
   int32_t groups;              // G
   int32_t raster;              // output tiles in order down M first (0) or along N first (1),
   int32_t swizzle;             // this many (1, 2, 4, 8) side by side across that order
+  bool deep_gemm;              // gmm, gmm_t, gmm_fp8: DeepGEMM's kernels compute the groups they
+                               // take (deep_gemm.h; deep_gemm_misfit(...) must be ""),
+                               // CUTLASS's the others
   int64_t group_stride;        // gmm: 0, or group g's rows start at row g * group_stride (at
                                // most group_stride rows each; the rows past them unwritten)
   const void* lhs;             // bfloat16 (e4m3 for gmm_fp8)
