@@ -395,6 +395,8 @@ def test_masked_matmul_is_the_product_of_the_rows_of_data():
         grouped.masked_matmul(jnp.asarray(lhs[0]), jnp.asarray(rhs), jnp.asarray(rows))
     with pytest.raises(ValueError, match="rows_per_group must have shape"):
         grouped.masked_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(rows[:2]))
+    with pytest.raises(ValueError, match="DeepGEMM's kernels take consecutive groups"):
+        grouped.masked_matmul(jnp.asarray(lhs), jnp.asarray(rhs), rows, impl="deepgemm")
     if grouped._platform_misfits():
         with pytest.raises(ValueError, match="cannot run"):
             grouped.masked_matmul(jnp.asarray(lhs), jnp.asarray(rhs), rows, impl="mosaic")

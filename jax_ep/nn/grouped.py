@@ -124,6 +124,11 @@ def masked_matmul(lhs, rhs, rows_per_group, *, impl="auto", blocks=MOSAIC_BLOCKS
     only (clamped to C); "mosaic": the row blocks holding data only (mosaic.masked_gmm, gmm's
     blocks; C a multiple of block_m). Forward only."""
     _check_operands("masked_matmul", ("G", "C", "K"), lhs, rhs, "rows_per_group", rows_per_group)
+    if impl == "deepgemm":
+        raise ValueError(
+            "jax_ep.nn.masked_matmul: impl='deepgemm' cannot run: DeepGEMM's kernels take "
+            "consecutive groups (use 'cutlass', or 'auto')"
+        )
     groups, capacity, k = lhs.shape
     # Each group's rows start a row block: C is "M" of the forward's blocks.
     chosen = resolve_impl(impl, (capacity, k), rhs.shape, lhs.dtype, blocks)
