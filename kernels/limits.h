@@ -35,5 +35,7 @@ constexpr int kGroupedMatmulAlignment = 8;
 constexpr int kDeepGemmRows = 128;
 constexpr int kDeepGemmAlignment = 64;
 constexpr int kDeepGemmSms = 132;
+// Its FP8 kernels keep the weights' scales of a tile's K steps in shared memory: K up to this.
+constexpr int kDeepGemmMaxFp8K = 16384;
 
 }  // namespace jax_ep

@@ -81,10 +81,9 @@ def test_auto_takes_the_kernels_here():
     assert jax_ep._native.has_grouped_gemm, "the GPU tests need a build with CUTLASS's kernels"
     assert jax_ep._native.has_deep_gemm, "the GPU tests need a build with DeepGEMM's kernels"
     assert grouped.resolve_impl("auto", (1024, 256), (8, 256, 384), jnp.bfloat16) == "cutlass"
-    aligned = grouped.resolve_impl(
-        "auto", (1024, 256), (8, 256, 384), jnp.bfloat16, group_alignment=128
-    )
-    assert aligned == "deepgemm"
+    aligned = ((1024, 256), (8, 256, 384), jnp.bfloat16)
+    assert grouped.resolve_impl("auto", *aligned, group_alignment=128) == "cutlass"
+    assert grouped.resolve_impl("deepgemm", *aligned, group_alignment=128) == "deepgemm"
     with pytest.raises(ValueError, match="not a multiple of 128 rows"):
         grouped.resolve_impl("deepgemm", (1024, 256), (8, 256, 384), jnp.bfloat16)
     assert grouped.resolve_impl("auto", (1024, 256), (8, 256, 384), jnp.float16) == "mosaic"
@@ -341,11 +340,11 @@ def assert_fp8_like_xla(m, k, n, sizes, impl):
     alignment = group_alignment(impl)
     lhs, lhs_q, scales, rhs, ct = fp8_inputs(m, k, n, len(sizes))
     sizes = jnp.asarray(sizes, jnp.int32)
-    auto = grouped.resolve_fp8_impl("auto", (m, k), (len(sizes), k, n), alignment)
-    assert auto == ("cutlass" if alignment == 1 else "deepgemm")
+    assert grouped.resolve_fp8_impl("auto", (m, k), (len(sizes), k, n), alignment) == "cutlass"
     got = fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, impl, alignment)
     want = fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, "xla", alignment)
-    bf16 = forward_and_gradients(lhs, rhs, ct, sizes, group_alignment=alignment)
+    backward = impl if impl in ("cutlass", "deepgemm") else "auto"  # the FP8 call's backward
+    bf16 = forward_and_gradients(lhs, rhs, ct, sizes, impl=backward, group_alignment=alignment)
     past = int(np.sum(sizes))
     assert got[0].dtype == jnp.bfloat16 and not np.asarray(got[0])[past:].any()
     if past:  # the same FP8 values: equal up to float32 summation order and bf16 rounding
@@ -413,7 +412,7 @@ def test_fp8_layer_on_the_kernels():
     x = jax.random.normal(jax.random.key(1), (mesh.size * tokens, hidden), jnp.bfloat16)
     results = {}
     for name, fp8, matmul in (
-        ("fp8", True, "auto"),
+        ("fp8", True, "deepgemm"),
         ("fp8_xla", True, "xla"),
         ("bf16", False, "auto"),
     ):

@@ -193,9 +193,14 @@ def test_which_implementation():
         assert expected in problems, (expected, problems)
     assert not any(p.startswith("deepgemm: N=") for p in problems), problems
     problems = grouped.deepgemm_misfits((0, 256), (4, 256, 96), None, 256, fp8=True)
-    for expected in ("deepgemm: no rows", "deepgemm: N=96 is not a positive multiple of 128"):
+    for expected in (
+        "deepgemm: M=0 rows (its kernels take 1 to 2^31 - 1)",
+        "deepgemm: N=96 is not a positive multiple of 128",
+    ):
         assert expected in problems, (expected, problems)
     assert not any("group_alignment" in p or "K=" in p for p in problems), problems
+    problems = grouped.deepgemm_misfits((128, 32768), (4, 32768, 128), None, 128, fp8=True)
+    assert "deepgemm: K=32768 is more than 16384 (FP8)" in problems, problems
     with pytest.raises(ValueError, match="impl must be one of"):
         grouped.resolve_impl("cuBLAS", *shape, jnp.bfloat16)
 
@@ -395,7 +400,7 @@ def test_masked_matmul_is_the_product_of_the_rows_of_data():
         grouped.masked_matmul(jnp.asarray(lhs[0]), jnp.asarray(rhs), jnp.asarray(rows))
     with pytest.raises(ValueError, match="rows_per_group must have shape"):
         grouped.masked_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(rows[:2]))
-    with pytest.raises(ValueError, match="DeepGEMM's kernels take consecutive groups"):
+    with pytest.raises(ValueError, match="only DeepGEMM's kernels for consecutive groups"):
         grouped.masked_matmul(jnp.asarray(lhs), jnp.asarray(rhs), rows, impl="deepgemm")
     if grouped._platform_misfits():
         with pytest.raises(ValueError, match="cannot run"):

@@ -16,11 +16,13 @@ Three products make the matmul and its gradients, each the adjoint of the others
 Four implementations: "xla" (jax.lax.ragged_dot_general: the reference, and the path on CPU;
 XLA:GPU expands it to dense work), "cutlass" (CUTLASS's Hopper grouped GEMMs as custom calls,
 nn/cutlass.py: groups of any size, bfloat16), "deepgemm" (the same calls with DeepGEMM's kernels
-computing gmm and gmm_t, 5-9% faster, FP8's forward 12-30%, for the groups that start and end on
-128-row boundaries, CUTLASS's the others and tgmm; it needs group_alignment a multiple of 128, so
-that the groups it cannot take are the exception) and "mosaic" (Pallas Mosaic GPU kernels for
-Hopper). impl="auto" takes the first of AUTO_ORDER that can run here on these operands
-(`deepgemm_misfits`, `cutlass_misfits`, `mosaic_misfits`), "xla" otherwise. The Mosaic kernels:
+computing gmm and gmm_t for the groups that start and end on 128-row boundaries, CUTLASS's the
+others and tgmm: at EP8's V3 shapes 0-13% faster in bf16, the FP8 forward 8-26%; it needs
+group_alignment a multiple of 128, so that the groups it cannot take are the exception, and
+computes every 128-row tile of lhs, the rows past the groups too: asked for by name only, for
+lhs with few rows past sum(group_sizes)) and "mosaic" (Pallas Mosaic GPU kernels for Hopper).
+impl="auto" takes the first of AUTO_ORDER that can run here on these operands
+(`cutlass_misfits`, `mosaic_misfits`), "xla" otherwise. The Mosaic kernels:
 
 - gmm, gmm_t with group_alignment a multiple of block_m (every group size a multiple of it, as
   a dispatch with that expert_alignment gives): `mosaic.aligned_gmm`, one output tile per row
@@ -62,11 +64,9 @@ from jax_ep.nn import cutlass, mosaic
 from jax_ep.primitives import all_varying, varying_like
 
 IMPLS = ("auto", "xla", "mosaic", "cutlass", "deepgemm")
-AUTO_ORDER = (
-    "deepgemm",
-    "cutlass",
-    "mosaic",
-)  # what impl="auto" tries first: the faster on an H200
+# What impl="auto" tries first: the faster on an H200. Not "deepgemm": its kernels compute every
+# 128-row tile of lhs, and a dispatch's worst-case buffer at EP8 holds ~7x the rows in groups.
+AUTO_ORDER = ("cutlass", "mosaic")
 PRODUCTS = ("gmm", "gmm_t", "tgmm")
 MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -126,8 +126,8 @@ def masked_matmul(lhs, rhs, rows_per_group, *, impl="auto", blocks=MOSAIC_BLOCKS
     _check_operands("masked_matmul", ("G", "C", "K"), lhs, rhs, "rows_per_group", rows_per_group)
     if impl == "deepgemm":
         raise ValueError(
-            "jax_ep.nn.masked_matmul: impl='deepgemm' cannot run: DeepGEMM's kernels take "
-            "consecutive groups (use 'cutlass', or 'auto')"
+            "jax_ep.nn.masked_matmul: impl='deepgemm' cannot run: jax_ep builds only DeepGEMM's "
+            "kernels for consecutive groups (use 'cutlass', or 'auto')"
         )
     groups, capacity, k = lhs.shape
     # Each group's rows start a row block: C is "M" of the forward's blocks.
@@ -234,9 +234,9 @@ def deepgemm_misfits(lhs_shape, rhs_shape, dtype, group_alignment, fp8=False):
     """Why DeepGEMM's kernels (with CUTLASS's for tgmm and the groups they cannot take) cannot
     compute this grouped matmul and both its gradients (or with fp8, its FP8 forward) (empty
     when they can): CUTLASS's conditions, a build with DeepGEMM's headers, a GPU of the SMs its
-    kernels were built for, K and N multiples of its alignment (FP8: 128), some rows, and
-    group_alignment a multiple of its 128-row tiles (the handlers check all but the last
-    again)."""
+    kernels were built for, K and N multiples of its alignment (FP8: 128, K at most its limit),
+    1 to 2^31 - 1 rows, and group_alignment a multiple of its 128-row tiles (the handlers check
+    all but the last again)."""
     problems = cutlass_misfits(lhs_shape, rhs_shape, dtype, fp8)
     if not cutlass.deep_gemm_built():
         problems.append("this jax_ep was built without DeepGEMM's kernels")
@@ -252,8 +252,10 @@ def deepgemm_misfits(lhs_shape, rhs_shape, dtype, group_alignment, fp8=False):
             f"deepgemm: group_alignment={group_alignment} is not a multiple of {rows} rows"
         )
     (m, k), (_, _, n) = lhs_shape, rhs_shape
-    if m == 0:
-        problems.append("deepgemm: no rows")
+    if not 0 < m < 2**31:
+        problems.append(f"deepgemm: M={m} rows (its kernels take 1 to 2^31 - 1)")
+    if fp8 and k > limits["deep_gemm_max_fp8_k"]:
+        problems.append(f"deepgemm: K={k} is more than {limits['deep_gemm_max_fp8_k']} (FP8)")
     multiple = FP8_BLOCK if fp8 else limits["deep_gemm_alignment"]
     return problems + [
         f"deepgemm: {name}={size} is not a positive multiple of {multiple}"
@@ -445,7 +447,8 @@ def fp8_grouped_matmul(
     backward transposes them, a pass over the FP8 weights per call). impl: "auto" (the first of
     AUTO_ORDER that fits: "cutlass" on Hopper for K and N multiples of 128, any groups;
     "mosaic" when the shapes fit FP8_TILES and group_alignment is a multiple of its 64 rows),
-    "xla" (dequantized, float32 ragged_dot), "cutlass" or "mosaic"."""
+    "xla" (dequantized, float32 ragged_dot), "cutlass", "deepgemm" (group_alignment a multiple
+    of 128) or "mosaic"."""
     if (
         lhs_q.dtype != jnp.float8_e4m3fn
         or lhs_q.shape != lhs.shape

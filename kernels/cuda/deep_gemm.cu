@@ -1,7 +1,7 @@
 // DeepGEMM's SM90 kernels (deep_gemm.h), launched without DeepGEMM's JIT: one instance per
 // product and tile shape, compiled here, with the shapes given at run time. Their grouped layout
 // is DeepGEMM's "m-grouped contiguous" one: for each 128-row tile, the group whose weights it
-// takes (read at the tile's first row and at its 64th, one per math warpgroup), -1 for none.
+// takes (read at the tile's row 0, and by FP8 at its row 64: one per math warpgroup), -1 for none.
 #include <deep_gemm/impls/sm90_bf16_gemm.cuh>
 #include <deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh>
 
@@ -16,14 +16,14 @@ using deep_gemm::GemmType;
 using Major = cute::UMMA::Major;
 
 // DeepGEMM's kernels are persistent over a grid of this many CTAs, fixed at compile time: the
-// SMs of an H100 (SXM), H800 or H200. A device with another count runs CUTLASS's kernels.
+// SMs of an H100 (SXM), H800 or H200. They do not run on a device with another count.
 constexpr uint32_t kSms = kDeepGemmSms;
 constexpr uint32_t kTmaThreads = 128, kMathThreads = 256;  // one producer, two math warpgroups
 constexpr uint32_t kBlockM = kDeepGemmRows;
 constexpr uint32_t kSmemCapacity = 232448;  // shared memory per block of an sm_90 GPU, opted in
 // FP8: the weights' scales of a tile's K steps sit in shared memory, sized from K at run time;
-// the stages are sized for K up to this (larger K runs CUTLASS's kernel).
-constexpr uint32_t kMaxFp8K = 16384;
+// the stages are sized for K up to kDeepGemmMaxFp8K.
+constexpr uint32_t kMaxFp8K = kDeepGemmMaxFp8K;
 
 constexpr uint32_t align_up(uint32_t x, uint32_t to) { return (x + to - 1) / to * to; }
 
