@@ -111,8 +111,6 @@ ffi::Error run_grouped_gemm(const CudaContext& c, ffi::ScratchAllocator& scratch
   if (!cuda::grouped_gemm_available(c.device))
     return invalid("grouped matmul: the CUTLASS kernels run on compute capability 9.0 only");
   if (deep_gemm) {
-    if (a.product == cuda::GroupedProduct::kTgmm)
-      return invalid("grouped matmul: DeepGEMM's kernels compute gmm, gmm_t and FP8 gmm");
     const std::string misfit = cuda::deep_gemm_misfit(a, c.device);
     if (!misfit.empty()) return invalid("grouped matmul: " + misfit);
   }

@@ -66,6 +66,7 @@ NB_MODULE(_native, m) {
     d["deep_gemm_rows"] = kDeepGemmRows;
     d["deep_gemm_alignment"] = kDeepGemmAlignment;
     d["deep_gemm_sms"] = kDeepGemmSms;
+    d["deep_gemm_max_rows"] = kDeepGemmMaxRows;
     d["deep_gemm_max_fp8_k"] = kDeepGemmMaxFp8K;
     return d;
   });

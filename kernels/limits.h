@@ -35,6 +35,8 @@ constexpr int kGroupedMatmulAlignment = 8;
 constexpr int kDeepGemmRows = 128;
 constexpr int kDeepGemmAlignment = 64;
 constexpr int kDeepGemmSms = 132;
+// Rows of a call: its kernels take shapes as 32-bit numbers.
+constexpr int kDeepGemmMaxRows = 2147483647;
 // Its FP8 kernels keep the weights' scales of a tile's K steps in shared memory: K up to this.
 constexpr int kDeepGemmMaxFp8K = 16384;
 

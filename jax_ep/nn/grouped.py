@@ -235,8 +235,8 @@ def deepgemm_misfits(lhs_shape, rhs_shape, dtype, group_alignment, fp8=False):
     compute this grouped matmul and both its gradients (or with fp8, its FP8 forward) (empty
     when they can): CUTLASS's conditions, a build with DeepGEMM's headers, a GPU of the SMs its
     kernels were built for, K and N multiples of its alignment (FP8: 128, K at most its limit),
-    1 to 2^31 - 1 rows, and group_alignment a multiple of its 128-row tiles (the handlers check
-    all but the last again)."""
+    1 to 2^31 - 1 rows (the limits from kernels/limits.h), and group_alignment a multiple of its
+    128-row tiles (the handlers check all but the last again)."""
     problems = cutlass_misfits(lhs_shape, rhs_shape, dtype, fp8)
     if not cutlass.deep_gemm_built():
         problems.append("this jax_ep was built without DeepGEMM's kernels")
@@ -252,8 +252,10 @@ def deepgemm_misfits(lhs_shape, rhs_shape, dtype, group_alignment, fp8=False):
             f"deepgemm: group_alignment={group_alignment} is not a multiple of {rows} rows"
         )
     (m, k), (_, _, n) = lhs_shape, rhs_shape
-    if not 0 < m < 2**31:
-        problems.append(f"deepgemm: M={m} rows (its kernels take 1 to 2^31 - 1)")
+    if not 0 < m <= limits["deep_gemm_max_rows"]:
+        problems.append(
+            f"deepgemm: M={m} rows (its kernels take 1 to {limits['deep_gemm_max_rows']})"
+        )
     if fp8 and k > limits["deep_gemm_max_fp8_k"]:
         problems.append(f"deepgemm: K={k} is more than {limits['deep_gemm_max_fp8_k']} (FP8)")
     multiple = FP8_BLOCK if fp8 else limits["deep_gemm_alignment"]

@@ -133,14 +133,8 @@ std::string with_kernel(const GroupedGemmArgs& a, Fn&& fn) {
     case GroupedProduct::kGmmT:
       return fn(GmmT{});
     default:
-      return "DeepGEMM: no kernel for this product";
+      return "DeepGEMM's kernels compute gmm, gmm_t and FP8 gmm";
   }
-}
-
-int sm_count(int device) {
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return sms;
 }
 
 // The tiles' groups: tile t (rows from t * 128) takes group g's weights when it lies in g and g
@@ -194,11 +188,12 @@ struct Scratch {
 }  // namespace
 
 std::string deep_gemm_misfit(const GroupedGemmArgs& a, int device) {
-  if (sm_count(device) != int(kSms))
+  if (grouped_gemm_sms(device) != int(kSms))
     return "DeepGEMM's kernels are built for " + std::to_string(kSms) + " SMs, the device has " +
-           std::to_string(sm_count(device));
+           std::to_string(grouped_gemm_sms(device));
   if (a.group_stride) return "DeepGEMM's kernels take consecutive groups (no group_stride)";
-  if (a.m <= 0 || a.m >= (int64_t(1) << 31)) return "DeepGEMM's kernels take 1 to 2^31 - 1 rows";
+  if (a.m <= 0 || a.m > kDeepGemmMaxRows)
+    return "DeepGEMM's kernels take 1 to " + std::to_string(kDeepGemmMaxRows) + " rows";
   const int64_t multiple = a.product == GroupedProduct::kGmmFp8 ? kFp8Block : kDeepGemmAlignment;
   if (a.k % multiple || a.n % multiple)
     return "DeepGEMM's kernels take K and N multiples of " + std::to_string(multiple);

@@ -125,12 +125,12 @@ constexpr int kSetupThreads = 1024;
 
 // Each group's rows (clamped so that no group reaches past M), their offsets and sum; then, once
 // the sum is known, each group's problem shape and operand pointers: none for a group that
-// DeepGEMM's kernel computes (with `deep`). One block: G is at most a few thousand.
+// DeepGEMM's kernel computes (with a.deep_gemm). One block: G is at most a few thousand.
 template <class K, GroupedProduct P>
 __global__ void __launch_bounds__(kSetupThreads)
     setup_kernel(GroupedGemmArgs a, typename K::Groups g, typename K::StrideA stride_a,
                  typename K::StrideB stride_b, typename K::StrideD stride_d,
-                 typename K::LayoutSFB layout_sfb, bool deep) {
+                 typename K::LayoutSFB layout_sfb) {
   using Scan = cub::BlockScan<int64_t, kSetupThreads>;
   __shared__ typename Scan::TempStorage scan;
   __shared__ int64_t total;
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kSetupThreads)
   const int64_t k = a.k, n = a.n;
   for (int e = threadIdx.x; e < a.groups; e += kSetupThreads) {
     const int64_t offset = g.offsets[e];
-    const int rows = deep && deep_gemm_takes_group(offset, g.rows[e], total) ? 0 : g.rows[e];
+    const int rows = a.deep_gemm && deep_gemm_takes_group(offset, g.rows[e], total) ? 0 : g.rows[e];
     g.stride_a[e] = stride_a;
     g.stride_b[e] = stride_b;
     g.stride_d[e] = stride_d;
@@ -323,8 +323,8 @@ std::string run(const GroupedGemmArgs& a, int device, void* workspace, cudaStrea
   typename K::LayoutSFB layout_sfb{};
   if constexpr (K::kBlockScaled)
     layout_sfb = Fp8Scales::tile_atom_to_shape_SFB(make_shape(1, int(a.n), int(a.k), 1));
-  setup_kernel<K, P><<<1, kSetupThreads, 0, stream>>>(a, s.groups, stride_a, stride_b, stride_d,
-                                                      layout_sfb, a.deep_gemm);
+  setup_kernel<K, P>
+      <<<1, kSetupThreads, 0, stream>>>(a, s.groups, stride_a, stride_b, stride_d, layout_sfb);
   if (cudaPeekAtLastError() != cudaSuccess) return cuda_error("setup");
   if (a.deep_gemm) {  // first: CUTLASS's kernel and the zeroing overwrite what its tiles wrote
     const std::string error =
@@ -354,6 +354,8 @@ std::string run(const GroupedGemmArgs& a, int device, void* workspace, cudaStrea
 }  // namespace
 
 bool grouped_gemm_available(int device) { return device_info(device).sm90; }
+
+int grouped_gemm_sms(int device) { return device_info(device).sms; }
 
 size_t grouped_gemm_workspace_bytes(const GroupedGemmArgs& a, int device) {
   switch (a.product) {

@@ -40,6 +40,8 @@ struct GroupedGemmArgs {
 
 // Whether this build has the kernels, and the device can run them (compute capability 9.0).
 bool grouped_gemm_available(int device);
+// The device's SM count (asked once per device).
+int grouped_gemm_sms(int device);
 // Device scratch one call needs (its per-group arguments and CUTLASS's workspace).
 size_t grouped_gemm_workspace_bytes(const GroupedGemmArgs& args, int device);
 // "" once the kernels are enqueued on `stream`, else the error.
