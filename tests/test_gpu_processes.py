@@ -4,7 +4,8 @@ engine, on the one GPU a machine may have. A private MPS daemon, started and sto
 the processes' spin-waiting kernels run at once (without it they time-slice: milliseconds per
 wait). One group of processes per process count runs every case of
 tests/gpu_process_scenarios.py (process start-up and compiles are slow); each test below reads
-its case's verdict from every process. Run with bench/run_gpu.sh processes."""
+its case's verdict from every process; only the groups of the selected tests run (`-k
+4-processes`: the four processes' only). Run with bench/run_gpu.sh processes."""
 
 import os
 import shutil
@@ -55,10 +56,21 @@ def mps():
         shutil.rmtree(log, ignore_errors=True)
 
 
+def selected_counts(request):
+    """The process counts of this module's selected tests (`-k 4-processes` runs one group)."""
+    return sorted(
+        {
+            item.callspec.params["num_processes"]
+            for item in request.session.items
+            if item.module is request.module and hasattr(item, "callspec")
+        }
+    )
+
+
 @pytest.fixture(scope="module")
-def groups(mps):
-    """Every process's output of one suite() run per process count, all on GPU 0; the groups
-    run at once (each has its own Buffers, sockets and port)."""
+def groups(mps, request):
+    """Every process's output of one suite() run per selected process count, all on GPU 0; the
+    groups run at once (each has its own Buffers, sockets and port)."""
     from concurrent.futures import ThreadPoolExecutor
 
     env = dict(
@@ -69,10 +81,11 @@ def groups(mps):
         JAX_PLATFORMS="cuda,cpu",  # cpu: check_invalid's host callback
     )
     timeout = int(os.environ.get("JAX_EP_GROUP_TIMEOUT", 900))
-    with ThreadPoolExecutor(len(PROCESS_COUNTS)) as pool:
+    counts = selected_counts(request)
+    with ThreadPoolExecutor(len(counts)) as pool:
         runs = {
             n: pool.submit(launch, "gpu_process_scenarios:suite", n, 1, timeout, env)
-            for n in PROCESS_COUNTS
+            for n in counts
         }
         return {n: run.result() for n, run in runs.items()}
 
@@ -96,7 +109,7 @@ def assert_case(results, name):
 
 
 @pytest.mark.parametrize("name", case_names())
-@pytest.mark.parametrize("num_processes", PROCESS_COUNTS, ids=lambda n: f"{n} processes")
+@pytest.mark.parametrize("num_processes", PROCESS_COUNTS, ids=lambda n: f"{n}-processes")
 def test_gpu_processes(num_processes, name, groups):
     results = groups[num_processes]
     assert_case(results, name)
