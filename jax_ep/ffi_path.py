@@ -27,8 +27,11 @@ ROWS_DTYPES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1}  # kernels
 @functools.cache
 def register_targets():
     """Registers the custom-call targets, and the type of their state, of every backend built.
-    Called when the first Buffer is made: the backends exist then, and jaxlib registers what
-    comes after a backend's start in order (before it, CPU types would follow the targets)."""
+    The backends start first (jax.devices()): jaxlib registers what comes after a backend's
+    start in order, but replays what came before it with the targets ahead of their types,
+    which fails the CPU backend's start (a call traced before any device was asked for, e.g.
+    under jax.eval_shape)."""
+    jax.devices()
     backends = [("cpu", _native.cpu_targets(), _native.cpu_state_type())]
     if _native.has_cuda:
         backends.append(("CUDA", _native.cuda_targets(), _native.cuda_state_type()))

@@ -2,6 +2,8 @@
 dispatch bitwise equal, combine within calc_diff < 5e-6 and bitwise run to run."""
 
 import functools
+import os
+import subprocess
 import sys
 
 import jax
@@ -148,6 +150,26 @@ def test_the_native_side_keeps_no_python_object_alive():
     buf.close()
     assert sys.getrefcount(native) <= 2  # `native` and getrefcount's argument (C++ held: 3)
     np.testing.assert_array_equal(step(x, i), [2 * T, 0])  # the program still runs
+
+
+def test_targets_registered_before_any_device_leave_the_backends_working():
+    """A jax_ep call traced before any device was asked for (jax.eval_shape of the first use)
+    registers the targets; the backends must still start afterwards (jaxlib replays what came
+    before a backend's start with the targets ahead of their state's type)."""
+    code = (
+        "import jax; from jax_ep import ffi_path; ffi_path.register_targets(); "
+        "print(jax.devices()[0].platform)"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu"),
+        cwd=root,
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["cpu"], out.stderr[-2000:]
 
 
 def test_invalid_expert_ids_are_excluded_and_reported():
