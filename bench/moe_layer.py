@@ -62,7 +62,7 @@ from bench.harness import (
     save_record,
 )
 from bench.trace import device_kernels, kernel_summary, print_summary
-from jax_ep.nn import moe
+from jax_ep.nn import grouped, moe
 
 IMPLS = ("jax_ep", "maxtext", "lax_all_to_all")
 FP8_WEIGHTS = "fp8_weights"  # with --fp8-experts once: the params' entry of the FP8 weights
@@ -473,6 +473,12 @@ def main(argv=None):
     parser.add_argument("--ffn", type=int, default=2048)
     parser.add_argument("--shared-ffn", type=int, default=2048)
     parser.add_argument("--alignment", type=int, default=128, help="jax_ep's expert_alignment")
+    parser.add_argument(
+        "--grouped-matmul",
+        default="auto",
+        choices=grouped.IMPLS,
+        help="jax_ep's grouped-matmul impl (MoEConfig.grouped_matmul)",
+    )
     parser.add_argument("--fp8", action="store_true", help="jax_ep dispatches FP8 rows")
     parser.add_argument(
         "--fp8-experts",
@@ -522,6 +528,7 @@ def main(argv=None):
         ffn_hidden=args.ffn,
         shared_ffn_hidden=args.shared_ffn,
         expert_alignment=args.alignment,
+        grouped_matmul=args.grouped_matmul,
         fp8=args.fp8,
         fp8_experts=args.fp8_experts == "call",
         fp8_down=args.fp8_down,
@@ -585,7 +592,9 @@ def main(argv=None):
     per_group = args.tokens * args.topk // local
     balanced = np.full(local, -(-per_group // args.alignment) * args.alignment, np.int32)
     rows = int(balanced.sum())
-    rate, dense_rate = forward_rates(rows, args.hidden, args.ffn, balanced, "auto", args.alignment)
+    rate, dense_rate = forward_rates(
+        rows, args.hidden, args.ffn, balanced, args.grouped_matmul, args.alignment
+    )
     bf16 = dataclasses.replace(cfg, fp8=False, fp8_down=False, fp8_dgrad=False)
     bf16_impl = moe.grouped_matmul_path(bf16, num_ranks, args.tokens)
     matmul = dict(impl=bf16_impl["gate_up"], tflops=rate, dense_tflops=dense_rate)
@@ -623,6 +632,7 @@ def main(argv=None):
         ffn=args.ffn,
         shared_ffn=args.shared_ffn,
         expert_alignment=args.alignment,
+        grouped_matmul_impl=args.grouped_matmul,
         fp8=args.fp8,
         fp8_experts=args.fp8_experts if args.fp8 else None,
         fp8_down=args.fp8_down,
