@@ -332,7 +332,7 @@ def unavailable(impl, platform):
     return None
 
 
-def build(impl, mesh, cfg, tokens, capacity_factor, buffer_impl):
+def build(impl, mesh, cfg, tokens, capacity_factor, buffer_impl, num_sms=None):
     r = mesh.shape[AXIS]
     if impl == "jax_ep":
         buffer = jax_ep.Buffer(
@@ -343,6 +343,7 @@ def build(impl, mesh, cfg, tokens, capacity_factor, buffer_impl):
             num_topk=cfg.num_topk,
             max_tokens_per_rank=tokens,
             impl=buffer_impl,
+            **({} if num_sms is None else {"num_sms": num_sms}),
         )
         return JaxEpLayer(buffer, cfg)
     if impl == "maxtext":
@@ -508,6 +509,9 @@ def main(argv=None):
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--phases", default="forward,train")
     parser.add_argument("--buffer-impl", default="auto", help="jax_ep.Buffer impl")
+    parser.add_argument(
+        "--num-sms", type=int, default=None, help="jax_ep.Buffer num_sms (default: the Buffer's)"
+    )
     parser.add_argument("--counts", default="1,3", help="loop lengths timed (low,high)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
@@ -561,7 +565,9 @@ def main(argv=None):
             skipped[impl] = unavailable(impl, platform)
             print(f"  {impl}: skipped ({skipped[impl]})", flush=True)
             continue
-        layer = build(impl, mesh, cfg, args.tokens, args.capacity_factor, args.buffer_impl)
+        layer = build(
+            impl, mesh, cfg, args.tokens, args.capacity_factor, args.buffer_impl, args.num_sms
+        )
         layer_params = jax_ep_params if impl == "jax_ep" else params
         try:
             y = outputs(layer, mesh, x, layer_params)
@@ -639,6 +645,7 @@ def main(argv=None):
         fp8_dgrad=args.fp8_dgrad,
         capacity_factor=args.capacity_factor,
         buffer_impl=args.buffer_impl,
+        num_sms=args.num_sms,
         combine_partial_dtype=jnp.dtype(cfg.combine_partial_dtype).name,
         results=results,
         skipped=skipped,

@@ -48,10 +48,12 @@ def read_record(directory):
 
 def test_moe_layer_benchmark(tmp_path):
     argv = ["--machine", "cpu-test", "--out", str(tmp_path), "--grouped-matmul", "xla"]
+    argv += ["--num-sms", "8"]  # the Buffer takes it (the CPU backend ignores it)
     moe_layer.main(TINY_LAYER + argv)
     record = read_record(tmp_path)
     assert record["config"] == "moe_layer" and record["machine"] == "cpu-test"
     assert record["grouped_matmul_impl"] == "xla" and record["grouped_matmul"]["impl"] == "xla"
+    assert record["num_sms"] == 8
     assert record["num_ranks"] == 8
     assert record["skipped"] == {"maxtext": "XLA:CPU has no ragged_all_to_all"}
     assert sorted((r["impl"], r["phase"]) for r in record["results"]) == [
