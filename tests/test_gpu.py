@@ -38,7 +38,16 @@ def gpus():
 
 @functools.cache
 def steps(
-    tokens, hidden, lay, fp8, alignment, capacity, mode="normal", split=False, direct_local=True
+    tokens,
+    hidden,
+    lay,
+    fp8,
+    alignment,
+    capacity,
+    mode="normal",
+    split=False,
+    direct_local=True,
+    num_sms=24,
 ):
     mesh = make_mesh(len(gpus()), devices=gpus())
     bufs = buffers(
@@ -49,6 +58,7 @@ def steps(
         max_tokens_per_rank=tokens,
         timeout_s=20.0,
         direct_local=direct_local,
+        num_sms=num_sms,
     )
     return mesh, {
         impl: functools.partial(
@@ -80,6 +90,30 @@ def test_cuda_matches_reference(case, kind, direct_local):
     mesh, step = steps(tokens, hidden, lay, fp8, alignment, capacity, direct_local=direct_local)
     rng = np.random.default_rng(tokens + hidden)
     x, idx, w = random_inputs(rng, mesh.size, tokens, hidden, E, K, mesh.size, kind)
+    bias = jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+    x2 = jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+    assert_matches_reference(step, x, idx, w, bias, x2)
+
+
+@pytest.mark.parametrize("num_sms", [1, 5, "all"])
+@pytest.mark.parametrize(
+    "case,mode",
+    [
+        ((4096, 7168, "rank", True, 1, None), "normal"),
+        ((4096, 2048, "expert", True, 64, None), "normal"),
+        ((1536, 2048, "expert_padded", False, 1, None), "normal"),
+        ((128, 7168, "rank", False, 1, None), "low_latency"),
+    ],
+    ids=lambda c: "-".join(map(str, c)) if isinstance(c, tuple) else c,
+)
+def test_cuda_any_sm_count_matches_reference(case, mode, num_sms):
+    """The kernels on one block, an odd count of blocks and every SM of the GPU: the same rows
+    (no kernel relies on a count of blocks, or on blocks that run at once beyond those)."""
+    tokens, hidden, lay, fp8, alignment, capacity = case
+    sms = gpus()[0].core_count if num_sms == "all" else num_sms
+    mesh, step = steps(tokens, hidden, lay, fp8, alignment, capacity, mode, num_sms=sms)
+    rng = np.random.default_rng(tokens + hidden + 2)
+    x, idx, w = random_inputs(rng, mesh.size, tokens, hidden, E, K, mesh.size, "random")
     bias = jnp.asarray(rng.standard_normal(x.shape), x.dtype)
     x2 = jnp.asarray(rng.standard_normal(x.shape), x.dtype)
     assert_matches_reference(step, x, idx, w, bias, x2)
