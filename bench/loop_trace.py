@@ -49,11 +49,10 @@ def bare_calls_seconds(step, args, calls=20, repeats=5, warm_s=0.5):
 
 def step_and_args(impl, lhs, rhs, sizes):
     """The timed step of `impl` and its operands (the groups are multiples of 128 rows)."""
-    if impl == "dense":
-        return dense_step("gmm", GROUPS), (lhs, rhs, sizes)
     if impl.endswith("_fp8"):
         return fp8_step(128, True, impl.removesuffix("_fp8")), fp8_operands(lhs, rhs, sizes)
-    return grouped_step("gmm", impl, 128), (lhs, rhs, sizes)
+    step = dense_step("gmm", GROUPS) if impl == "dense" else grouped_step("gmm", impl, 128)
+    return step, (lhs, rhs, sizes)
 
 
 def main(argv=None):
