@@ -1,7 +1,9 @@
 """The JAX-native ways to do the same routing, end to end, for the benchmark:
 
-- AllToAll: MaxText's capacity path. Every rank sends a fixed [T, H] block to every peer
-  (capacity = T, so nothing drops), jax.lax.all_to_all, combine sends the blocks back.
+- AllToAll: a capacity-padded exchange in the manner of MaxText's capacity path, but routed
+  once per destination rank (MaxText pads per expert, which sends more). Every rank sends a
+  fixed [T, H] block to every peer (capacity = T, so nothing drops), jax.lax.all_to_all,
+  combine sends the blocks back.
 - RaggedAllToAll: MaxText's dropless path. Rows packed by destination rank,
   jax.lax.ragged_all_to_all with offsets from an all_gather of the counts, and back.
 

@@ -155,7 +155,6 @@ NB_MODULE(_native, m) {
   m.def("nccl_built_version", &nccl::built_version);
   m.def("nccl_library_version", &nccl::library_version, nb::arg("path"));
   m.def("cuda_device_uuid", &cuda_ipc::device_uuid, nb::arg("device"));
-  m.def("cuda_ipc_unsupported", &cuda_ipc::unsupported, nb::arg("device"));
   nb::class_<CudaIpcBuffer, NativeBuffer>(m, "CudaIpcBuffer")
       .def(nb::new_([](const Window& w, const std::string& prefix, uint64_t tag, double timeout_s,
                        int num_sms, const std::vector<std::tuple<int, int, int>>& local,

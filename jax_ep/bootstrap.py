@@ -263,7 +263,7 @@ def check_same_arguments(p: Plan, arguments: dict, timeout_s: float):
         try:
             verdict = client.blocking_key_value_get(f"{prefix}/verdict", int(timeout_s * 1000))
         except Exception:
-            verdict = f"process {first} did not check the Buffer's arguments within {timeout_s} s"
+            verdict = f"process {first} did not create the Buffer within {timeout_s} s"
     if verdict != "same":
         raise ValueError(f"jax_ep: {verdict}")
 

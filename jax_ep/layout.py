@@ -1,5 +1,5 @@
-"""The layout rules of docs/API.md (dispatch, its fused FP8 step) in plain JAX: the single
-statement every backend follows (the FP8 rule itself is jax_ep/fp8.py).
+"""The layout rules of docs/API.md (routing, row order, the expert layouts) in plain JAX: the
+single statement every backend follows (the FP8 rule is jax_ep/fp8.py).
 
 The CUDA and CPU kernels implement the same rules in kernels/; the tests compare them bitwise.
 """

@@ -44,12 +44,14 @@ class Handle:
 
 
 class DispatchResult(NamedTuple):
-    """What dispatch returns (docs/API.md). Padding rows hold zeros, expert -1 and weight 0."""
+    """What dispatch returns (docs/API.md, "The result, per layout"). Padding rows hold expert -1
+    and weight 0, and zeros in x and scales, except expert_padded's rows of x and scales past
+    tokens_per_expert[e]: those are unspecified."""
 
-    x: Array  # [C, H]
-    scales: Array | None  # [C, H / 128] float32 when fp8
-    topk_idx: Array  # rank: [C, K] local expert or -1; expert: [C] local expert or -1
-    topk_weights: Array | None  # rank: [C, K]; expert: [C]; None when dispatch got none
+    x: Array  # [C, H]; expert_padded: [E_l, C, H]
+    scales: Array | None  # x's shape with H / 128 float32 columns when fp8
+    topk_idx: Array  # rank: [C, K] local expert or -1; expert: [C]; expert_padded: [E_l, C]
+    topk_weights: Array | None  # topk_idx's shape, float32; None when dispatch got none
     tokens_per_expert: Array  # [E_l] int32
     group_sizes: Array  # [E_l] int32: tokens_per_expert rounded up to expert_alignment
     num_recv: Array  # [] int32

@@ -75,7 +75,6 @@ struct AbortRecord {
   uint64_t mine[2];  // kMismatch: the giver's signature and the peer's
   uint64_t theirs[2];
 };
-constexpr int kAbortWords = 1 + int(sizeof(AbortRecord) / 8);  // the state word, then the record
 enum AbortState : uint64_t { kNoAbort = 0, kAbortClaimed = 1, kAbortWritten = 2 };
 
 // Host only (the messages of errors).

@@ -115,17 +115,17 @@ __device__ uint32_t holds_experts(const int32_t* ids, int K, const int32_t* expe
 }
 
 // The rows of every chunk but the last holding each local expert, added into chunk_counts
-// (zeroed before): a thread per row, a block per kCountRows rows of a chunk, so that even a few
-// chunks spread over many SMs.
-constexpr int kCountRows = 128;
-static_assert(kExpertChunkRows % kCountRows == 0, "a chunk is whole count blocks");
-__global__ void __launch_bounds__(kCountRows) count_chunks_kernel(ExpertPaddedArgs args) {
+// (zeroed before): a thread per row, a block per kRowsPerCountBlock rows of a chunk, so that even a
+// few chunks spread over many SMs.
+constexpr int kRowsPerCountBlock = 128;
+static_assert(kExpertChunkRows % kRowsPerCountBlock == 0, "a chunk is whole count blocks");
+__global__ void __launch_bounds__(kRowsPerCountBlock) count_chunks_kernel(ExpertPaddedArgs args) {
   extern __shared__ int32_t block_count[];  // [E_l]
   const int El = args.experts_per_rank, K = args.num_topk;
-  const int chunk = blockIdx.x / (kExpertChunkRows / kCountRows);
-  for (int e = threadIdx.x; e < El; e += kCountRows) block_count[e] = 0;
+  const int chunk = blockIdx.x / (kExpertChunkRows / kRowsPerCountBlock);
+  for (int e = threadIdx.x; e < El; e += kRowsPerCountBlock) block_count[e] = 0;
   __syncthreads();
-  const int64_t row = int64_t(blockIdx.x) * kCountRows + threadIdx.x;
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerCountBlock + threadIdx.x;
   for (int k0 = 0; k0 < K; k0 += kIdsAtOnce) {
     int32_t v[kIdsAtOnce];
     load_distinct_ids(args.topk_rows + row * K, K, k0, 0, El, v);
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(kCountRows) count_chunks_kernel(ExpertPaddedAr
       if (v[i] >= 0) atomicAdd(&block_count[v[i]], 1);
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < El; e += kCountRows)
+  for (int e = threadIdx.x; e < El; e += kRowsPerCountBlock)
     if (block_count[e]) atomicAdd(&args.chunk_counts[int64_t(chunk) * El + e], block_count[e]);
 }
 
@@ -397,10 +397,10 @@ std::string expert_padded(cudaStream_t stream, const ExpertPaddedArgs& args) {
     if (chunk_smem > 48 * 1024)
       return "jax_ep: the expert_padded layout on GPUs takes at most 12288 local experts";
     const int full_chunks = args.chunks() - 1;
-    const int count_blocks = full_chunks * (kExpertChunkRows / kCountRows);
+    const int count_blocks = full_chunks * (kExpertChunkRows / kRowsPerCountBlock);
     JAX_EP_CUDA_TRY(
         cudaMemsetAsync(args.chunk_counts, 0, sizeof(int32_t) * int64_t(full_chunks) * El, stream));
-    count_chunks_kernel<<<count_blocks, kCountRows, chunk_smem, stream>>>(args);
+    count_chunks_kernel<<<count_blocks, kRowsPerCountBlock, chunk_smem, stream>>>(args);
   }
   const int expert_blocks = (El + kExpertsPerBlock - 1) / kExpertsPerBlock;
   padded_kernel<<<args.rows + expert_blocks, kPaddedThreads, 0, stream>>>(args);

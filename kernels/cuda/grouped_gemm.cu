@@ -125,7 +125,8 @@ constexpr int kSetupThreads = 1024;
 
 // Each group's rows (clamped so that no group reaches past M), their offsets and sum; then, once
 // the sum is known, each group's problem shape and operand pointers: none for a group that
-// DeepGEMM's kernel computes (with a.deep_gemm). One block: G is at most a few thousand.
+// DeepGEMM's kernel computes (with a.deep_gemm). One block, looping over the groups
+// (kMaxGroupedMatmulGroups at most).
 template <class K, GroupedProduct P>
 __global__ void __launch_bounds__(kSetupThreads)
     setup_kernel(GroupedGemmArgs a, typename K::Groups g, typename K::StrideA stride_a,
