@@ -18,7 +18,8 @@ waits for the peers. Backends that cannot split (Unsplit) do the whole op in the
 dispatch's low_latency picks the backend's single-kernel path where it has one (CUDA); results
 are identical.
 
-Two backends: reference.Reference (jax.lax.all_to_all) and ffi_path.Ffi (custom calls).
+Backends: reference.Reference (jax.lax.all_to_all) and ffi_path.Ffi (custom calls), and
+hierarchical.Hierarchical, which runs one of them inside a node after a node leg.
 """
 
 from __future__ import annotations
