@@ -343,7 +343,7 @@ class Ffi:
             buffer_key, BufferOrder(buffer_key), num_ranks, num_experts // num_ranks
         )
 
-    def _move(self, x, fp8=False, round_scale=False, low_latency=False):
+    def _dispatch_config(self, x, fp8=False, round_scale=False, low_latency=False):
         return self._cfg._replace(
             fp8=bool(fp8),
             round_scale=bool(round_scale),
@@ -351,7 +351,7 @@ class Ffi:
             x_dtype=x.dtype.name,
         )
 
-    def _sum(self, row_data, out_dtype, bias=None):
+    def _combine_config(self, row_data, out_dtype, bias=None):
         return self._cfg._replace(
             rows_dtype=row_data.dtype.name,
             out_dtype=jnp.dtype(out_dtype).name,
@@ -360,19 +360,21 @@ class Ffi:
 
     def dispatch(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):
         return _dispatch(
-            self._move(x, fp8, round_scale, low_latency),
+            self._dispatch_config(x, fp8, round_scale, low_latency),
             rows,
             *all_varying(x, topk_idx, topk_weights),
         )
 
     def dispatch_cached(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale):
         return _dispatch_cached(
-            self._move(x, fp8, round_scale), rows, *all_varying(x, send_pos, recv_counts, num_rows)
+            self._dispatch_config(x, fp8, round_scale),
+            rows,
+            *all_varying(x, send_pos, recv_counts, num_rows),
         )
 
     def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype):
         return _combine(
-            self._sum(row_data, out_dtype, bias),
+            self._combine_config(row_data, out_dtype, bias),
             *all_varying(row_data, send_pos, recv_counts, num_rows, bias),
         )
 
@@ -382,7 +384,7 @@ class Ffi:
     def dispatch_send(
         self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False
     ):
-        cfg = self._move(x, fp8, round_scale, low_latency)
+        cfg = self._dispatch_config(x, fp8, round_scale, low_latency)
         t, k = topk_idx.shape
         sent = _send(
             cfg,
@@ -401,7 +403,7 @@ class Ffi:
         return sent, finish
 
     def dispatch_cached_send(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale):
-        cfg = self._move(x, fp8, round_scale)
+        cfg = self._dispatch_config(x, fp8, round_scale)
         sent = _send(cfg, "dispatch_cached_send", (), *all_varying(x, send_pos))
 
         def finish(sent):
@@ -413,7 +415,7 @@ class Ffi:
         return sent, finish
 
     def combine_send(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype):
-        cfg = self._sum(row_data, out_dtype, bias)
+        cfg = self._combine_config(row_data, out_dtype, bias)
         row_data, send_pos, recv_counts, num_rows = all_varying(
             row_data, send_pos, recv_counts, num_rows
         )
