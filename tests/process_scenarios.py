@@ -11,7 +11,15 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import bits, buffers, calc_diff, pipeline, random_inputs, settle
+from helpers import (
+    assert_sums_equal,
+    bits,
+    buffers,
+    pipeline,
+    random_inputs,
+    relative_error,
+    settle,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -111,9 +119,7 @@ def matches_reference(mesh, bufs, cases):
                 assert_same_shards(out["ffi"][part], out["reference"][part], f"{what} {part}")
             for g, r in zip(local(out["ffi"]["y"]), local(out["reference"]["y"])):
                 for device in g:
-                    assert (
-                        calc_diff(g[device].astype(np.float32), r[device].astype(np.float32)) < 5e-6
-                    ), what
+                    assert_sums_equal(g[device], r[device], f"{what} y")
 
 
 def gradients(mesh, bufs):
@@ -135,8 +141,9 @@ def gradients(mesh, bufs):
                 *(shard(mesh, v) for v in (x, w, idx, cotangent))
             )
         for g, r in zip(local(grads["ffi"]), local(grads["reference"])):
-            for device in g:
-                assert calc_diff(g[device], r[device]) < 1e-6, f"gradient, {lay} layout"
+            for device in g:  # XLA fuses the two paths' backward sums differently
+                error = relative_error(g[device], r[device])
+                assert error < 1e-6, f"gradient, {lay} layout: {error}"
 
 
 def invalid_ids(mesh, bufs, axis):
