@@ -476,6 +476,20 @@ def _padded_call(capacity, experts_per_rank):
     )
 
 
+# The expert_padded call's cases that take the GPU kernel's other paths (the CPU backend runs
+# them too): (routing, capacity) over 2500 rank-level rows, three chunks of the kernel's count
+# (C=300 drops); and (routing, local experts, top-k, hidden) over 1500 rows.
+EXPERT_PADDED_CHUNKS = [
+    (kind, capacity) for kind in ("random", "duplicates", "one_expert") for capacity in (2500, 300)
+]
+EXPERT_PADDED_SHAPES = [
+    ("duplicates", 48, 40, 8),  # more than 32 slots a row: the slots in two groups
+    ("late_duplicates", 48, 40, 8),  # an expert named twice, both in the second group
+    ("duplicates", 6, 4, 5000),  # rows of 20000 bytes: staged in two pieces
+    ("duplicates", 6, 4, 4099),  # rows not a multiple of 16 bytes: copied byte by byte
+]
+
+
 def check_expert_padded_call(rng, kind, rows, capacity, num_local=6, k=4, hidden=8):
     """The expert_padded custom call alone, on the default device, against the oracle: maps,
     weights, counts, drops, and the rows ([rows, hidden] float32) and scales placed; the rows

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    EXPERT_PADDED_CHUNKS,
+    EXPERT_PADDED_SHAPES,
     ROUTINGS,
     assert_bitwise_equal,
     assert_matches_reference,
@@ -310,6 +312,18 @@ def test_expert_padded_call_many_slots(kind):
     """More than 32 slots a row (the GPUs' kernel takes them in groups of 32), with an expert
     named twice: first in the first group and again in the second, or twice in the second."""
     check_expert_padded_call(np.random.default_rng(0), kind, 60, 20, num_local=48, k=40)
+
+
+@pytest.mark.parametrize("kind,capacity", EXPERT_PADDED_CHUNKS)
+def test_expert_padded_call_over_chunks(kind, capacity):
+    """The GPU kernel's chunked cases (2500 rows, drops), on this backend."""
+    check_expert_padded_call(np.random.default_rng(capacity), kind, 2500, capacity)
+
+
+@pytest.mark.parametrize("kind,num_local,k,hidden", EXPERT_PADDED_SHAPES)
+def test_expert_padded_call_shapes(kind, num_local, k, hidden):
+    """The GPU kernel's slot counts and row sizes (wide and odd rows), on this backend."""
+    check_expert_padded_call(np.random.default_rng(k), kind, 1500, 300, num_local, k, hidden)
 
 
 def test_fp8_quantize_calls_are_the_fp8_rule():

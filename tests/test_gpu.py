@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    EXPERT_PADDED_CHUNKS,
+    EXPERT_PADDED_SHAPES,
     assert_bitwise_equal,
     assert_matches_reference,
     buffers,
@@ -693,23 +695,14 @@ def test_cuda_check_invalid_is_refused_between_halves_and_raises_after_them():
     assert "OK" in out.stdout.split() and "NO ERROR" not in out.stdout, f"exit {out.returncode}"
 
 
-@pytest.mark.parametrize("capacity", [2500, 300])
-@pytest.mark.parametrize("kind", ["random", "duplicates", "one_expert"])
+@pytest.mark.parametrize("kind,capacity", EXPERT_PADDED_CHUNKS)
 def test_cuda_expert_padded_call_over_chunks(kind, capacity):
     """The expert_padded call alone over 2500 rank-level rows: three chunks of the kernel's
     count, so a row's place adds the counts of the chunks before it; C=300 drops."""
     check_expert_padded_call(np.random.default_rng(capacity), kind, 2500, capacity)
 
 
-@pytest.mark.parametrize(
-    "kind,num_local,k,hidden",
-    [
-        ("duplicates", 48, 40, 8),  # more than 32 slots a row: the slots in two groups
-        ("late_duplicates", 48, 40, 8),  # an expert named twice, both in the second group
-        ("duplicates", 6, 4, 5000),  # rows of 20000 bytes: staged in two pieces
-        ("duplicates", 6, 4, 4099),  # rows not a multiple of 16 bytes: copied byte by byte
-    ],
-)
+@pytest.mark.parametrize("kind,num_local,k,hidden", EXPERT_PADDED_SHAPES)
 def test_cuda_expert_padded_call_shapes(kind, num_local, k, hidden):
     """The expert_padded call alone, with duplicate experts and drops, for slot counts and row
     sizes that take the kernel's other paths."""
