@@ -17,6 +17,13 @@ FP8_MAX = np.float32(448.0)  # kFp8Max
 FP8_MIN_AMAX = np.float32(1e-4)  # kMinAmax
 
 
+def block_amax(blocks, axis):
+    """A block's absolute maximum over `axis` (kept), its NaN values left out (all NaN: 0, then
+    clamped to 1e-4), as the kernels' max leaves them out: a NaN stays NaN, its block's other
+    values keep their scale."""
+    return jnp.max(jnp.where(jnp.isnan(blocks), 0, jnp.abs(blocks)), axis=axis, keepdims=True)
+
+
 def quantize_blocks(values, amax, round_scale=False):
     """The FP8 rule, one scale per block: values (float32) and amax, their blocks' absolute
     maxima shaped to broadcast against them -> (e4m3fn like values, float32 scales like amax).
@@ -100,9 +107,7 @@ def quantize_weights_fp8(w):
             f"multiples of {b}, got {w.shape}"
         )
     blocks = w.astype(jnp.float32).reshape(g, k // b, b, n // b, b)
-    q, scales = quantize_blocks(
-        blocks, jnp.max(jnp.abs(blocks), axis=(2, 4), keepdims=True)
-    )  # scales [G,K/b,1,N/b,1]
+    q, scales = quantize_blocks(blocks, block_amax(blocks, (2, 4)))  # scales [G,K/b,1,N/b,1]
     return jnp.swapaxes(q.reshape(g, k, n), 1, 2), jnp.swapaxes(scales[:, :, 0, :, 0], 1, 2)
 
 
@@ -118,9 +123,7 @@ def quantize_fp8(x, round_scale):
     blocks), as the backends make them; straight-through for gradients."""
     t, h = x.shape
     blocks = x.astype(jnp.float32).reshape(t, h // FP8_BLOCK, FP8_BLOCK)
-    q, scale = quantize_blocks(
-        blocks, jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), round_scale
-    )
+    q, scale = quantize_blocks(blocks, block_amax(blocks, -1), round_scale)
     return _with_gradient_to_x(x.dtype, x, q.reshape(t, h)), jax.lax.stop_gradient(scale[..., 0])
 
 

@@ -521,9 +521,10 @@ def check_expert_padded_call(rng, kind, rows, capacity, num_local=6, k=4, hidden
 def fp8_edge_values(rng, shape):
     """float32 values [..., R, C] (R, C multiples of 128) for the FP8 rule's edge cases: a
     block of zeros (amax clamped to 1e-4), a block 10^4 larger, one 10^-6 smaller (e4m3's
-    subnormals and zeros), the rest normal."""
+    subnormals and zeros), a NaN (left out of its block's amax), the rest normal."""
     x = rng.standard_normal(shape).astype(np.float32)
     corner = (0,) * (len(shape) - 2)
+    x[corner + (1, 200)] = np.nan
     x[corner + (slice(0, 128), slice(0, 128))] = 0
     x[corner + (slice(-128, None), slice(-128, None))] *= 1e4
     x[corner + (slice(0, 128), slice(-128, None))] *= 1e-6

@@ -326,6 +326,31 @@ def test_expert_padded_call_shapes(kind, num_local, k, hidden):
     check_expert_padded_call(np.random.default_rng(k), kind, 1500, 300, num_local, k, hidden)
 
 
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_fp8_dispatch_of_special_values_is_the_reference(round_scale):
+    """NaN (left out of its block's amax, and first in a block), +-inf, a block below the amax
+    clamp and signed zeros: an FP8 dispatch's rows and scales bitwise the reference path's."""
+    mesh = make_mesh(2)
+    bufs = buffers(mesh, num_experts=2, hidden=H, num_topk=1, max_tokens_per_rank=8)
+    x = np.random.default_rng(3).standard_normal((16, H)).astype(np.float32)
+    x[0, 5], x[1, 0], x[2, 7], x[3, 130] = np.nan, np.nan, np.inf, -np.inf
+    x[4, :128] = 1e-30
+    x[5, :128] = 0.0
+    x[5, 3] = -0.0
+    idx = (np.arange(16) % 2).astype(np.int32)[:, None]
+    got, want = (
+        run(
+            mesh,
+            lambda x, i, buf=bufs[impl]: buf.dispatch(x, i, fp8=True, round_scale=round_scale)[:2],
+            jnp.asarray(x),
+            jnp.asarray(idx),
+        )
+        for impl in ("ffi", "reference")
+    )
+    assert_bitwise_equal(got, want, "rows and scales")
+    assert np.isnan(np.asarray(got[0], np.float32)).sum() == 4  # the NaNs, and each inf's own
+
+
 def test_fp8_quantize_calls_are_the_fp8_rule():
     """The CPU backend's FP8 quantization calls: jax_ep.fp8's bytes (rows and weights); under a
     gradient they are constants (as the FP8 matmul's forward reads them)."""
