@@ -142,8 +142,9 @@ def padded_rows(make, experts_per_rank, capacity, topk_rows, weight_rows, rows):
 
 def _padded_rows_fwd(make, experts_per_rank, capacity, *args):
     topk_rows, weight_rows, rows = jax.custom_derivatives.custom_vjp_primal_tree_values(args)
-    maps, weights, placed = make(
-        topk_rows, weight_rows, rows, experts_per_rank=experts_per_rank, capacity=capacity
+    # Through padded_rows itself, so that a gradient of this gradient differentiates it too.
+    maps, weights, placed = padded_rows(
+        make, experts_per_rank, capacity, topk_rows, weight_rows, rows
     )
     res = (topk_rows, weight_rows, maps.expert_src, maps.expert_rows, maps.expert_of_row)
     return (maps, weights, placed), res
@@ -185,7 +186,8 @@ def _expert_rows(make, rank_rows, expert_src, expert_rows):
 
 def _expert_rows_fwd(make, *args):
     rank_rows, expert_src, expert_rows = jax.custom_derivatives.custom_vjp_primal_tree_values(args)
-    return make(rank_rows, expert_src, expert_rows), (expert_src, expert_rows)
+    # Through _expert_rows itself, so that a gradient of this gradient differentiates it too.
+    return _expert_rows(make, rank_rows, expert_src, expert_rows), (expert_src, expert_rows)
 
 
 def _expert_rows_bwd(make, res, ct):
@@ -282,8 +284,9 @@ def _reduce_bwd(res, ct):
     ct_rows = take(ct, expert_src)  # [C, W] float32
     ct_out = ct_rows if weights is None else ct_rows * weights[:, None]
     ct_weights = None
-    if weights is not None:
-        ct_weights = (ct_rows * expert_out.astype(jnp.float32)).sum(axis=1).astype(weights.dtype)
+    if weights is not None:  # padding rows of expert_out are unspecified: left out, NaN or not
+        ct_weights = (ct_rows * expert_out.astype(jnp.float32)).sum(axis=1)
+        ct_weights = jnp.where(expert_src >= 0, ct_weights, 0).astype(weights.dtype)
     return ct_out.astype(expert_out.dtype), ct_weights, None, None
 
 

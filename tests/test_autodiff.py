@@ -251,7 +251,7 @@ def test_remat_keeps_what_crossed_the_links(layout, fp8):
         assert checkpointed["jax_ep_expert_layout"] == plain["jax_ep_expert_layout"] + 1
 
 
-@pytest.mark.parametrize("layout", ["rank", "expert"])
+@pytest.mark.parametrize("layout", ["rank", "expert", "expert_padded"])
 def test_second_order_gradients(layout):
     """A Hessian-vector product through dispatch and combine: the custom-call path's forward
     rules are differentiable, and it matches the reference path's."""
@@ -261,6 +261,33 @@ def test_second_order_gradients(layout):
         relative_error(layer_gradients(mesh, "ffi", False, layout, second_order=True), want) < 1e-6
     )
     assert np.abs(want).max() > 0
+
+
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+def test_expert_padded_padding_rows_reach_no_gradient(impl):
+    """expert_padded's rows past tokens_per_expert are unspecified, and an expert function may
+    turn them into anything: made NaN here, they reach neither the result nor any gradient
+    (x's, the routing weights', and that of a scale applied to the dispatched weights, whose
+    padding entries are 0: 0 * NaN would be NaN)."""
+    mesh = make_mesh(4)
+    x, idx, w = random_inputs(np.random.default_rng(12), 4, T, 64, E, K, 4, "random")
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=64, num_topk=K, max_tokens_per_rank=T, impl=impl
+    )
+
+    def layer(x, idx, w, scale):
+        d = buf.dispatch(x, idx, w, layout="expert_padded")
+        out = jnp.where((d.topk_idx >= 0)[..., None], jnp.tanh(d.x), jnp.nan)
+        return buf.combine(out, d.handle, topk_weights=d.topk_weights * scale)
+
+    f = jax.shard_map(layer, mesh=mesh, in_specs=(P("ep"),) * 3 + (P(),), out_specs=P("ep"))
+    loss = lambda x, w, scale: jnp.sum(f(x, idx, w, scale) ** 2)  # noqa: E731
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
+        *put(mesh, x, w), jnp.float32(1.5)
+    )
+    assert np.isfinite(float(value))
+    for g in grads:
+        assert np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).max() > 0
 
 
 @pytest.mark.parametrize("layout,combines", [("rank", 2), ("expert", 3)])
