@@ -90,10 +90,11 @@ if _missing:
 
 class BufferOrder(effects.Effect):
     """The order of one Buffer's calls: an ordered effect of its own, so that two Buffers'
-    calls do not wait for each other."""
+    calls do not wait for each other. mesh: the mesh the Buffer numbers its ranks by (not part
+    of the effect's identity), which the shard_map around each call must be."""
 
-    def __init__(self, key: int):
-        self.key = key
+    def __init__(self, key: int, mesh=None):
+        self.key, self.mesh = key, mesh
 
     def __eq__(self, other):
         return isinstance(other, BufferOrder) and other.key == self.key
@@ -274,6 +275,7 @@ def _abstract_eval(*avals_in, result_avals, order, **_):
 
 def _lowering(ctx, *operands, target, result_avals, order, halves, attributes):
     del result_avals
+    _check_mesh(ctx, order)
     token = ctx.tokens_in.get(order)
     inner = ctx.replace(
         avals_in=[core.abstract_token, *ctx.avals_in],
@@ -283,6 +285,26 @@ def _lowering(ctx, *operands, target, result_avals, order, halves, attributes):
     op = call(inner, token, *_barrier(operands), **dict(attributes))
     ctx.set_tokens_out(mlir.TokenSet({order: op.results[0]}))
     return _barrier(op.results[1:])
+
+
+def _check_mesh(ctx, order):
+    """A Buffer numbers its ranks by its own mesh's devices; a shard_map over the same axes and
+    devices in another order would hand each device another rank's rows, without an error. The
+    mesh is known here, where the call is lowered inside the shard_map (trace time knows only
+    the axes' names and sizes)."""
+    used = getattr(ctx.module_context.axis_context, "mesh", None)
+    if order.mesh is None or not hasattr(used, "devices"):
+        return
+    own = order.mesh
+    if used.axis_names != own.axis_names or not np.array_equal(
+        np.vectorize(lambda d: d.id)(used.devices), np.vectorize(lambda d: d.id)(own.devices)
+    ):
+        raise ValueError(
+            f"jax_ep: a Buffer's ops run inside a shard_map over the Buffer's own mesh, the same "
+            f"devices in the same order (it numbers its ranks by that order); this shard_map's "
+            f"mesh is {used.axis_names} over devices {used.device_ids.tolist()}, the Buffer's "
+            f"{own.axis_names} over {own.device_ids.tolist()}"
+        )
 
 
 def _barrier(values):

@@ -312,7 +312,9 @@ class Buffer:
         self._key, self._plan = plan.key, plan
         self.engine = bootstrap.engines[plan.key]  # "nccl", "cuda_ipc" or "shm" (CPUs)
         ffi_path.register_targets()
-        return ffi_path.Ffi(plan.key, self._ranks_per_node, self.num_experts // self.num_nodes)
+        return ffi_path.Ffi(
+            plan.key, self._ranks_per_node, self.num_experts // self.num_nodes, self.mesh
+        )
 
     def status(self):
         """The error that stopped this Buffer on this process (a wait that timed out, a peer
@@ -842,6 +844,16 @@ class Buffer:
             _fail(
                 f"axis {self.axis_name!r} has size {size} here but the Buffer was built for "
                 f"{self.num_ranks} ranks"
+            )
+        # XLA's partitioner cannot place an ordered custom call among automatic axes.
+        automatic = set(self.mesh.axis_names) - set(
+            getattr(jax.sharding.get_abstract_mesh(), "manual_axes", self.mesh.axis_names)
+        )
+        if self.impl == "ffi" and automatic:
+            _fail(
+                f"the custom calls run in a shard_map manual over every axis of the Buffer's "
+                f"mesh; axes {sorted(automatic)} are automatic here (leave shard_map's "
+                f"axis_names out, or use impl='reference')"
             )
 
     def _check_row_dtype(self, rows, name):

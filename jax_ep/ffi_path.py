@@ -338,9 +338,9 @@ def _recv(cfg: _Config, target, shapes, ticket, *operands):
 class Ffi:
     """Custom-call implementations of the primitives (see primitives.py), on one Buffer."""
 
-    def __init__(self, buffer_key, num_ranks, num_experts):
+    def __init__(self, buffer_key, num_ranks, num_experts, mesh=None):
         self._cfg = _Config(
-            buffer_key, BufferOrder(buffer_key), num_ranks, num_experts // num_ranks
+            buffer_key, BufferOrder(buffer_key, mesh), num_ranks, num_experts // num_ranks
         )
 
     def _dispatch_config(self, x, fp8=False, round_scale=False, low_latency=False):

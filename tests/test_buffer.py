@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import all_axes, make_mesh, put, random_inputs, run
+from jax.sharding import PartitionSpec as P
 
 import jax_ep
 
@@ -210,6 +211,41 @@ def test_wrong_axis_size(setup):
     other = make_mesh(2)
     with pytest.raises(ValueError, match="has size 2 here but the Buffer was built for 4"):
         run(other, lambda x, i: buf.dispatch(x, i), x[: 2 * T], idx[: 2 * T])
+
+
+def test_a_mesh_of_the_same_devices_in_another_order_is_refused():
+    """The Buffer numbers its ranks by its mesh's device order: the same devices in another
+    order would give each device another rank's rows."""
+    mesh = make_mesh(4)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
+    x, idx, w = random_inputs(np.random.default_rng(0), 4, T, H, E, K, 4, "random")
+    reordered = jax.sharding.Mesh(mesh.devices[::-1], mesh.axis_names)
+    with pytest.raises(ValueError, match="the same devices in the same order"):
+        run(reordered, lambda x, i: buf.dispatch(x, i).x, x, idx)
+    assert run(mesh, lambda x, i: buf.dispatch(x, i).x, x, idx).shape[0] > 0  # still works
+
+
+def test_a_partly_manual_shard_map_is_refused_on_the_custom_calls():
+    mesh = make_mesh(4, dp=2)
+    x, idx, w = random_inputs(np.random.default_rng(0), 8, T, H, E, K, 4, "random")
+    for impl in ("ffi", "reference"):
+        buf = jax_ep.Buffer(
+            mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl=impl
+        )
+        step = jax.jit(
+            jax.shard_map(
+                lambda x, i, buf=buf: buf.combine(*(lambda d: (d.x, d.handle))(buf.dispatch(x, i))),
+                mesh=mesh,
+                in_specs=P("ep"),
+                out_specs=P("ep"),
+                axis_names={"ep"},
+            )
+        )
+        if impl == "ffi":
+            with pytest.raises(ValueError, match=r"axes \['dp'\] are automatic here"):
+                step(x[: 4 * T], idx[: 4 * T])
+        else:  # jax.lax's collectives take it
+            assert step(x[: 4 * T], idx[: 4 * T]).shape == (4 * T, H)
 
 
 def twice(recv, pending):
