@@ -56,21 +56,21 @@ class NodeRoutes(NamedTuple):
 def _pack_fp8(x, round_scale):
     """[T, H] -> [T, 33 H / 128] uint32: the e4m3 bytes, then the float32 scales' bytes."""
     q, scales = quantize_fp8(jax.lax.stop_gradient(x), round_scale)
-    t = x.shape[0]
+    t, h = x.shape  # sizes spelled out: t may be 0
     as_bytes = jnp.concatenate(
         [
             jax.lax.bitcast_convert_type(q, jnp.uint8),
-            jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(t, -1),
+            jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(t, h // FP8_BLOCK * 4),
         ],
         axis=1,
     )
-    return jax.lax.bitcast_convert_type(as_bytes.reshape(t, -1, 4), jnp.uint32)
+    return jax.lax.bitcast_convert_type(as_bytes.reshape(t, as_bytes.shape[1] // 4, 4), jnp.uint32)
 
 
 def _unpack_fp8(words, hidden):
     """The inverse of _pack_fp8: (e4m3 [rows, H], float32 scales [rows, H / 128])."""
     rows = words.shape[0]
-    as_bytes = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(rows, -1)
+    as_bytes = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(rows, words.shape[1] * 4)
     q = jax.lax.bitcast_convert_type(as_bytes[:, :hidden], jnp.float8_e4m3fn)
     scales = as_bytes[:, hidden:].reshape(rows, hidden // FP8_BLOCK, 4)
     return q, jax.lax.bitcast_convert_type(scales, jnp.float32)
@@ -146,7 +146,7 @@ class Hierarchical:
         # Rows each local rank gets of each source node's tokens, gathered by the receiver:
         # the rank-level order is by source node first, the fast leg's by local source.
         goes = layout.dest_ranks(fast_idx, self.ranks_per_node, self.node_experts)
-        per_local = goes.reshape(m, t, -1).sum(axis=1, dtype=jnp.int32)  # [M, L]
+        per_local = goes.reshape(m, t, self.ranks_per_node).sum(axis=1, dtype=jnp.int32)  # [M, L]
         counts = jax.lax.all_to_all(per_local.T, self.fast_axis, 0, 0)  # [L source, M]
         inner = self.inner
         fast_rows = self.ranks_per_node * m * t
@@ -259,7 +259,7 @@ class Hierarchical:
         def finish(arrays):
             fast, node_goes, bias = arrays
             partial = summed(fast)  # [M * T, W] float32: this node's sum for each token it got
-            back = self._across_nodes(partial.reshape((m, -1) + partial.shape[1:]))
+            back = self._across_nodes(partial.reshape((m, len(partial) // m) + partial.shape[1:]))
             acc = jnp.zeros(back.shape[1:], jnp.float32) if bias is None else bias
             acc = acc.astype(jnp.float32)
             for n in range(m):  # fixed order: node 0 first

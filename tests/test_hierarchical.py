@@ -127,6 +127,29 @@ def test_bad_tuple_axes_are_refused(axis, message):
         jax_ep.Buffer(node_mesh(), axis, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
 
 
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+@pytest.mark.parametrize("layout,fp8", [("rank", True), ("expert", False), ("expert_padded", True)])
+def test_no_tokens_on_any_rank(layout, fp8, impl):
+    """T = 0 on every rank of both nodes: nothing dispatched or combined, the gradient zero."""
+    mesh = node_mesh()
+    buf = jax_ep.Buffer(
+        mesh, AXIS, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl=impl
+    )
+
+    def fn(x, i, w):
+        d = buf.dispatch(x, i, w, layout=layout, fp8=fp8)
+        rows = buf.dequantize(d, x) if fp8 else d.x
+        return buf.combine(
+            rows, d.handle, topk_weights=None if layout == "rank" else d.topk_weights
+        )
+
+    step = runner(mesh, fn)
+    x, i, w = jnp.zeros((0, H), jnp.float32), jnp.zeros((0, K), jnp.int32), jnp.zeros((0, K))
+    assert step(x, i, w).shape == (0, H)
+    grad = jax.grad(lambda x: step(x, i, w).sum())(x)
+    assert grad.shape == (0, H)
+
+
 def test_called_over_one_axis_of_the_two_is_refused():
     mesh = node_mesh()
     buf = jax_ep.Buffer(
