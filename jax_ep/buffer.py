@@ -549,7 +549,7 @@ class Buffer:
         arrays, moved = self._send_tokens(spec, capacity)
 
         def finish(arrays):
-            rows, routing = self._checked(*moved(arrays))
+            rows, routing = self._checked(spec, *moved(arrays))
             result = (
                 rows.topk_idx,
                 rows.topk_weights if spec.has_weights else None,
@@ -585,7 +585,7 @@ class Buffer:
         ops = self._ops_for(staging)
 
         def finish(arrays):
-            rows, routing = self._checked(*moved(arrays))
+            rows, routing = self._checked(spec, *moved(arrays))
             if padded:  # one call: the maps, the weights and the rows in their places
                 maps, weights, (x, scales) = layouts.padded_rows(
                     ops.expert_padded,
@@ -636,8 +636,8 @@ class Buffer:
 
         return arrays, finish
 
-    def _checked(self, rows, routing):
-        if not self.check_invalid:
+    def _checked(self, spec, rows, routing):
+        if not self.check_invalid or spec.topk_idx.shape[0] == 0:  # no tokens, no invalid ids
             return rows, routing
         if Receipt.open():
             _fail(

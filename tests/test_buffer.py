@@ -352,3 +352,29 @@ def test_no_tokens_on_any_rank(layout, impl):
     x = jnp.zeros((0, H), jnp.bfloat16)
     y, per_expert = run(mesh, fn, x, jnp.zeros((0, K), jnp.int32), jnp.zeros((0, K), jnp.float32))
     assert y.shape == (0, H) and not np.asarray(per_expert).any()
+
+
+@pytest.mark.parametrize("impl", ["reference", "ffi"])
+def test_no_tokens_with_check_invalid_under_a_gradient(impl):
+    """check_invalid=True and T = 0: no ids to check, so no callback (XLA refused one whose
+    operands did not vary over the mesh, under a gradient)."""
+    mesh = make_mesh(4)
+    buf = jax_ep.Buffer(
+        mesh,
+        "ep",
+        num_experts=E,
+        hidden=H,
+        num_topk=K,
+        max_tokens_per_rank=T,
+        impl=impl,
+        check_invalid=True,
+    )
+    i = jnp.zeros((0, K), jnp.int32)
+    f = jax.shard_map(
+        lambda x: buf.combine(*(lambda d: (d.x, d.handle))(buf.dispatch(x, i))),
+        mesh=mesh,
+        in_specs=P("ep"),
+        out_specs=P("ep"),
+    )
+    grad = jax.jit(jax.grad(lambda x: f(x).sum()))(jnp.zeros((0, H), jnp.float32))
+    assert grad.shape == (0, H)
