@@ -58,7 +58,8 @@ NB_MODULE(_native, m) {
     d["max_gpu_ranks"] = kMaxGpuRanks;
     d["max_cpu_ranks"] = kMaxCpuRanks;
     d["max_in_block_tokens"] = kMaxInBlockTokens;
-    d["max_tokens_per_rank"] = kMaxTokensPerRank;
+    d["max_rank_rows"] = kMaxRankRows;
+    d["max_timeout_s"] = kMaxTimeoutSeconds;
     d["max_scales_per_row"] = kMaxScalesPerRow;
     d["expert_chunk_rows"] = kExpertChunkRows;
     d["max_grouped_matmul_groups"] = kMaxGroupedMatmulGroups;

@@ -34,6 +34,7 @@ def _is_integer(value):
         return False
 
 
+@functools.cache
 def limits():
     """The backends' limits (kernels/limits.h)."""
     from jax_ep import _native
@@ -182,6 +183,11 @@ class Buffer:
                 f"num_experts={num_experts} must be divisible by the {num_ranks} ranks of "
                 f"axis {axis_name!r}"
             )
+        if num_ranks * max_tokens_per_rank > layouts.MAX_RANK_ROWS:
+            _fail(
+                f"the rows a rank can receive, {num_ranks} ranks x max_tokens_per_rank="
+                f"{max_tokens_per_rank}, must be at most {layouts.MAX_RANK_ROWS}"
+            )
         if low_latency_tokens is None:
             low_latency_tokens = min(num_nodes * max_tokens_per_rank, 256)
         if impl not in ("auto", "ffi", "reference"):
@@ -212,6 +218,7 @@ class Buffer:
         self._native = None
         self.engine = None  # what makes the windows reachable (set by _connect)
         self._low_latency_tokens = None  # the single-kernel routing is the CUDA backend's
+        self._platform = None  # where the custom calls run (set by _connect)
         # The fast leg: the last axis, with the experts of one node and the tokens the node
         # leg can bring (all of it when there is one node).
         reference = Reference(fast_axis, ranks_per_node, num_experts // num_nodes)
@@ -259,11 +266,8 @@ class Buffer:
         bounds = limits()
         fast_tokens = self._fast_tokens(self.max_tokens_per_rank)
         nodes = f"{self.num_nodes} nodes x " if self.num_nodes > 1 else ""
-        if fast_tokens > bounds["max_tokens_per_rank"]:
-            _fail(
-                f"{nodes}max_tokens_per_rank must be at most {bounds['max_tokens_per_rank']}, "
-                f"got {nodes}{self.max_tokens_per_rank}"
-            )
+        if timeout_s > bounds["max_timeout_s"]:
+            _fail(f"timeout_s must be at most {bounds['max_timeout_s']:g}, got {timeout_s!r}")
         if not _is_integer(low_latency_tokens) or not 0 <= low_latency_tokens <= min(
             fast_tokens, bounds["max_in_block_tokens"]
         ):
@@ -283,6 +287,7 @@ class Buffer:
                 f"axis {self._fast_axis!r} has {self._ranks_per_node} ranks; the {plan.platform} "
                 f"backend takes at most {bound} in one group"
             )
+        self._platform = plan.platform
         if plan.platform == "cuda":
             self._low_latency_tokens = int(low_latency_tokens)
         arguments = dict(
@@ -875,6 +880,9 @@ class Buffer:
             )
         if fp8 and self.hidden % FP8_BLOCK:
             _fail(f"fp8 needs hidden % 128 == 0, got hidden={self.hidden}")
+        widest = limits()["max_scales_per_row"] * FP8_BLOCK if self._platform == "cuda" else None
+        if fp8 and widest and self.hidden > widest:  # the CUDA dispatch stages a row's scales
+            _fail(f"fp8 rows on GPUs take hidden up to {widest}, got hidden={self.hidden}")
         if round_scale and not fp8:
             _fail("round_scale=True needs fp8=True")
         return tokens
@@ -895,7 +903,7 @@ class Buffer:
 
     def _capacity(self, layout_name, alignment, capacity):
         if capacity is None:
-            return layouts.default_capacity(
+            capacity = layouts.default_capacity(
                 layout_name,
                 self.num_ranks,
                 self.max_tokens_per_rank,
@@ -909,5 +917,11 @@ class Buffer:
             _fail(
                 f"capacity={capacity} must be a multiple of expert_alignment={alignment} in the "
                 f"expert layout"
+            )
+        rows = capacity * (self.num_local_experts if layout_name == "expert_padded" else 1)
+        if rows > layouts.MAX_RANK_ROWS:
+            _fail(
+                f"the {layout_name} layout's {rows} rows (capacity={capacity}) exceed "
+                f"{layouts.MAX_RANK_ROWS}: give a smaller capacity"
             )
         return int(capacity)

@@ -11,8 +11,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ep.primitives import varying_like
+
+# Rows of one op's arrays on a rank (what it receives, R * N; a layout's rows): indexed by
+# int32 here and in the kernels (kernels/limits.h kMaxRankRows, the same number).
+MAX_RANK_ROWS = int(np.iinfo(np.int32).max)
 
 
 def align_up(value, alignment):

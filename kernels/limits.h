@@ -13,8 +13,13 @@ constexpr int kMaxCpuRanks = 1024;
 // low-latency path); larger batches are routed by a kernel of their own first.
 constexpr int kMaxInBlockTokens = 1024;
 
-// Rows per source in one slot of a window: counts travel in 28 bits of a tagged word.
-constexpr int kMaxTokensPerRank = (1 << 28) - 1;
+// Rows of one op's arrays on a rank: what it receives (R * max_tokens_per_rank) and what a
+// dispatch's layout holds (the expert layout's capacity, expert_padded's E_l * capacity). The
+// kernels count and index rows, and count records and signatures carry them, as 32-bit ints.
+constexpr int kMaxRankRows = 2147483647;
+
+// A Buffer's timeout_s: the waits count nanoseconds in 64 bits (2^63 ns is 292 years).
+constexpr double kMaxTimeoutSeconds = 1e9;
 
 // Rank-level rows per block of the GPUs' expert_padded placement: a row's place among its
 // expert's rows is counted within its chunk, plus the counts of the chunks before it.

@@ -39,6 +39,8 @@ def test_attributes():
         (dict(num_experts=-4), "num_experts must be a positive integer"),
         (dict(num_experts=None), "num_experts must be a positive integer"),
         (dict(timeout_s=0), "timeout_s must be positive"),
+        (dict(timeout_s=float("inf")), "timeout_s must be at most 1e"),
+        (dict(max_tokens_per_rank=1 << 29), "the rows a rank can receive, 4 ranks x"),
         (dict(impl="nccl"), "impl"),
         (dict(hidden=0), "hidden"),
         (dict(max_tokens_per_rank=2.5), "max_tokens_per_rank"),
@@ -189,6 +191,39 @@ def test_too_many_tokens(setup):
             jnp.concatenate([idx, idx]),
             jnp.concatenate([w, w]),
         )
+
+
+def test_layouts_past_the_rows_limit_are_refused():
+    """Both paths index a rank's rows in 32 bits: a capacity past that is refused at trace
+    time."""
+    mesh = make_mesh(2)
+    bufs = {
+        impl: jax_ep.Buffer(
+            mesh, "ep", num_experts=4, hidden=8, num_topk=1, max_tokens_per_rank=4, impl=impl
+        )
+        for impl in ("ffi", "reference")
+    }
+    x, idx = jnp.zeros((8, 8), jnp.float32), jnp.zeros((8, 1), jnp.int32)
+    for layout, capacity, rows in (
+        ("expert", 1 << 31, 1 << 31),
+        ("expert_padded", 1 << 30, 1 << 31),
+    ):
+        steps = {
+            impl: jax.jit(
+                jax.shard_map(
+                    lambda x, i, b=buf, c=capacity, lay=layout: (
+                        b.dispatch(x, i, layout=lay, capacity=c).x
+                    ),
+                    mesh=mesh,
+                    in_specs=P("ep"),
+                    out_specs=P("ep"),
+                )
+            )
+            for impl, buf in bufs.items()
+        }
+        for step in steps.values():
+            with pytest.raises(ValueError, match=f"the {layout} layout's {rows} rows"):
+                step.lower(x, idx)
 
 
 def test_fp8_needs_hidden_multiple_of_128():

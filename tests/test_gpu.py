@@ -189,6 +189,20 @@ def test_cuda_fp8_wide_rows(mode):
     assert_matches_reference(step, x, idx, w, bias, x)
 
 
+def test_cuda_fp8_rows_past_the_staged_scales_are_refused():
+    """FP8 rows wider than the CUDA dispatch stages scales for: refused when traced, not when
+    run."""
+    widest = jax_ep.limits()["max_scales_per_row"] * 128
+    mesh = make_mesh(len(gpus()), devices=gpus())
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=widest + 128, num_topk=K, max_tokens_per_rank=2
+    )
+    x = jnp.zeros((2 * mesh.size, widest + 128), jnp.bfloat16)
+    idx = jnp.zeros((2 * mesh.size, K), jnp.int32)
+    with pytest.raises(ValueError, match=f"fp8 rows on GPUs take hidden up to {widest}"):
+        run(mesh, lambda x, i: buf.dispatch(x, i, fp8=True).x, x, idx)
+
+
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 def test_cuda_inside_loops_and_gradients(mode):
     """Many ops in one jitted fori_loop (sequence numbers live on device), and a gradient."""

@@ -155,3 +155,8 @@ def test_divide_rounded_is_ieee_division():
     b[:8] = [1e-4, 1.0, 2.0, 448.0, 3.0, 0.1, 7.0, 1.5]  # exact and inexact quotients
     got = np.asarray(jax.jit(divide_rounded)(a, b))
     np.testing.assert_array_equal(got, a / b)
+
+
+def test_the_kernels_take_the_rows_the_reference_path_states():
+    """One limit on a rank's rows, stated by the reference path and followed by the kernels."""
+    assert jax_ep.limits()["max_rank_rows"] == layout.MAX_RANK_ROWS
