@@ -318,7 +318,11 @@ class Buffer:
         self.engine = bootstrap.engines[plan.key]  # "nccl", "cuda_ipc" or "shm" (CPUs)
         ffi_path.register_targets()
         return ffi_path.Ffi(
-            plan.key, self._ranks_per_node, self.num_experts // self.num_nodes, self.mesh
+            plan.key,
+            self._ranks_per_node,
+            self.num_experts // self.num_nodes,
+            self.mesh,
+            self.max_row_dtype,
         )
 
     def status(self):
@@ -736,8 +740,16 @@ class Buffer:
         if d.scales is None:
             _fail("dequantize needs the result of an fp8 dispatch")
         return _dequantize_with_combined_grad(
-            self.combine, *all_varying(x, d.x, d.scales), d.handle
+            self._combine_cotangent, *all_varying(x, d.x, d.scales), d.handle
         )
+
+    def _combine_cotangent(self, ct, handle):
+        """x's gradient from its rows' cotangents: one combine, the rows sent in x's dtype or
+        the Buffer's where those are narrower (float32 x in FP8 on a bf16-row Buffer)."""
+        narrow = (
+            ct.dtype if ct.dtype.itemsize <= self.max_row_dtype.itemsize else self.max_row_dtype
+        )
+        return self.combine(ct.astype(narrow), handle).astype(ct.dtype)
 
     def combine_send(self, expert_out, handle, topk_weights=None, bias=None, *, partial_dtype=None):
         """The first half of combine: returns once the rows are on their way back. Run other

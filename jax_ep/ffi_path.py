@@ -91,6 +91,13 @@ class _Config(NamedTuple):
     rows_dtype: str = "float32"  # a combine's rows
     out_dtype: str = "float32"  # a combine's result
     bias_dtype: str | None = None  # a combine's bias, if any
+    max_row_dtype: str = "float32"  # the widest rows the Buffer's window takes (not decoded)
+
+    def cotangent_dtype(self):
+        """What a dispatch's row cotangents travel back in: x's dtype, or the Buffer's rows
+        where those are narrower (a bf16-row Buffer dispatching float32 x in FP8)."""
+        x, widest = jnp.dtype(self.x_dtype), jnp.dtype(self.max_row_dtype)
+        return (x if x.itemsize <= widest.itemsize else widest).name
 
     def attributes(self):
         """What the instantiate stage decodes (the same for every target)."""
@@ -204,17 +211,22 @@ def _dispatch_bwd(cfg, rows, res, ct):
     if has_w:  # each (token, slot) weight lives in exactly one rank's row; elsewhere it is -1
         ct_w = jnp.where(topk_rows >= 0, ct_rows.topk_weights, 0.0)
     if has_x:
-        ct_x = ct_rows.x.astype(cfg.x_dtype)
-    if has_x and has_w:
+        ct_x = ct_rows.x.astype(cfg.cotangent_dtype())
+    if has_x and has_w and ct_x.dtype == jnp.dtype(cfg.x_dtype):
         grad_x, grad_w = _adjoint(cfg, ct_x, ct_w, *handle)
-    elif has_x:
-        grad_x = _combine(
-            cfg._replace(rows_dtype=cfg.x_dtype, out_dtype=cfg.x_dtype), ct_x, *handle, None
-        )
-    elif has_w:
-        grad_w = _combine(
-            cfg._replace(rows_dtype="float32", out_dtype="float32"), ct_w, *handle, None
-        )
+    else:  # rows narrower than x (a bf16-row Buffer): their sum comes back in float32
+        if has_x:
+            grad_x = _combine(
+                cfg._replace(rows_dtype=ct_x.dtype.name, out_dtype="float32"), ct_x, *handle, None
+            )
+        if has_w:
+            grad_w = _combine(
+                cfg._replace(rows_dtype="float32", out_dtype="float32"), ct_w, *handle, None
+            )
+    if has_x:
+        # The float8 rows' own cotangent (dequantize_fp8 of d.x): its sum is rounded to float8,
+        # as the reference path's combine of the float8 rows rounds it; else a no-op.
+        grad_x = grad_x.astype(ct_rows.x.dtype).astype(cfg.x_dtype)
     return grad_x, None, grad_w
 
 
@@ -338,9 +350,13 @@ def _recv(cfg: _Config, target, shapes, ticket, *operands):
 class Ffi:
     """Custom-call implementations of the primitives (see primitives.py), on one Buffer."""
 
-    def __init__(self, buffer_key, num_ranks, num_experts, mesh=None):
+    def __init__(self, buffer_key, num_ranks, num_experts, mesh=None, max_row_dtype="float32"):
         self._cfg = _Config(
-            buffer_key, BufferOrder(buffer_key, mesh), num_ranks, num_experts // num_ranks
+            buffer_key,
+            BufferOrder(buffer_key, mesh),
+            num_ranks,
+            num_experts // num_ranks,
+            max_row_dtype=jnp.dtype(max_row_dtype).name,
         )
 
     def _dispatch_config(self, x, fp8=False, round_scale=False, low_latency=False):

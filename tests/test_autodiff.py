@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from jax_ep.fp8 import dequantize_fp8
 
 T, H, E, K = 8, 128, 16, 4
 
@@ -311,3 +312,43 @@ def test_fp8_backward_sends_no_zero_cotangents(layout, combines):
     )
     text = grad.lower(*put(mesh, x, w)).as_text()
     assert text.count("custom_call @jax_ep_combine(") == combines
+
+
+@pytest.mark.parametrize(
+    "layout,through",
+    [("rank", "dequantize"), ("expert", "dequantize"), ("rank", "dequantize_fp8")],
+)
+@pytest.mark.parametrize("row_dtype", [jnp.bfloat16, jnp.float32])
+def test_gradients_of_fp8_rows_of_float32_x(layout, through, row_dtype):
+    """float32 x dispatched in FP8, also on a Buffer of bf16 rows (the FP8 rows fit): the
+    backward sends the rows' cotangents in the Buffer's rows, and both paths agree, through
+    Buffer.dequantize and through the float8 rows' own cotangent (dequantize_fp8)."""
+    mesh = make_mesh(4)
+    x, idx, w = random_inputs(np.random.default_rng(13), 4, T, 128, E, K, 4, "random", jnp.float32)
+    grads = {}
+    for impl in ("ffi", "reference"):
+        buf = jax_ep.Buffer(
+            mesh,
+            "ep",
+            num_experts=E,
+            hidden=128,
+            num_topk=K,
+            max_tokens_per_rank=T,
+            impl=impl,
+            max_row_dtype=row_dtype,
+        )
+
+        def layer(x, idx, w, buf=buf):
+            d = buf.dispatch(x, idx, w, layout=layout, fp8=True)
+            rows = dequantize_fp8(d.x, d.scales) if through == "dequantize_fp8" else None
+            rows = buf.dequantize(d, x) if rows is None else rows
+            weights = d.topk_weights if layout == "expert" else None
+            return buf.combine(jnp.tanh(rows).astype(jnp.bfloat16), d.handle, topk_weights=weights)
+
+        f = jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        loss = lambda x, w: jnp.sum(f(x, idx, w).astype(jnp.float32) ** 2)  # noqa: E731
+        grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1)))(*put(mesh, x, w))
+    for name, got, want in zip(("x", "topk_weights"), grads["ffi"], grads["reference"]):
+        if name == "x" or layout == "expert":  # the rank layout's combine takes no weights
+            assert np.abs(np.asarray(want)).max() > 0, name
+        assert relative_error(got, want) < 1e-6, name
