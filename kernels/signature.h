@@ -115,8 +115,9 @@ inline const char* what_waited(int64_t code) {
       return "its rows";
     case kWaitCounts:
       return "its row counts";
-    case kWaitRelease:
-      return "it to release the window";
+    case kWaitRelease:  // it has not received an earlier op of this rank's
+      return "it to release the window: it has not received an earlier op (a *_send whose "
+             "*_recv never ran?)";
     case kWaitLower:
       return "its row counts (rows placed after its)";
   }

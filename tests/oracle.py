@@ -120,3 +120,29 @@ def combine(expert_out_per_rank, send_pos, bias=None, ranks_per_node=None):
                 acc = acc + partial
             y[s, t] = acc
     return y
+
+
+def layer_gradients(x, idx, w, c, layout, fp8, num_experts, num_ranks):
+    """d/dx and d/dw of vdot(combine(tanh(dispatch(x))), c) in closed form, for [R * T, ...]
+    inputs: every token's rows come back unchanged but for tanh, so y = S * tanh(x') with S its
+    destination ranks (rank layout: the combine takes no weights) or its valid weights' sum
+    (the expert layouts), x' = x (FP8: its dequantized value; the gradient straight through)."""
+    E, R = num_experts, num_ranks
+    xq = x  # what the rows hold
+    if fp8:
+        xq = np.stack(
+            [
+                (q.astype(np.float32).reshape(-1, 128) * s[:, None]).reshape(-1)
+                for q, s in (quantize(row, False) for row in x)
+            ]
+        )
+    valid = (idx >= 0) & (idx < E)
+    if layout == "rank":
+        scale = np.array(
+            [len({e // (E // R) for e in row[ok]}) for row, ok in zip(idx, valid)], np.float32
+        )
+        want_w = np.zeros_like(w)
+    else:
+        scale = (w * valid).sum(1)
+        want_w = valid * (c * np.tanh(xq)).sum(1, keepdims=True)
+    return c * scale[:, None] * (1 - np.tanh(xq) ** 2), want_w

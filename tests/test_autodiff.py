@@ -7,6 +7,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracle
 import pytest
 from helpers import layer_gradients, make_mesh, put, random_inputs, relative_error
 from jax.sharding import NamedSharding
@@ -352,3 +353,39 @@ def test_gradients_of_fp8_rows_of_float32_x(layout, through, row_dtype):
         if name == "x" or layout == "expert":  # the rank layout's combine takes no weights
             assert np.abs(np.asarray(want)).max() > 0, name
         assert relative_error(got, want) < 1e-6, name
+
+
+@pytest.mark.parametrize(
+    "ranks,impl",
+    [(8, "ffi"), (8, "reference"), (1, "ffi")],
+)
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("layout", ["rank", "expert", "expert_padded"])
+def test_gradients_are_the_closed_form(layout, fp8, ranks, impl):
+    """d/dx and d/d topk_weights of combine(tanh(dispatch(x))) against their closed form
+    (tests/oracle.py), not against the other path: every layout, FP8 straight through."""
+    mesh = make_mesh(ranks)
+    rng = np.random.default_rng(21)
+    x, idx, w = (
+        np.asarray(a) for a in random_inputs(rng, ranks, T, 256, E, K, ranks, "random", jnp.float32)
+    )
+    c = rng.standard_normal(x.shape).astype(np.float32)
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=256, num_topk=K, max_tokens_per_rank=T, impl=impl
+    )
+
+    def layer(x, idx, w):
+        d = buf.dispatch(x, idx, w, layout=layout, fp8=fp8)
+        rows = buf.dequantize(d, x) if fp8 else d.x
+        weights = d.topk_weights if layout != "rank" else None
+        return buf.combine(jnp.tanh(rows), d.handle, topk_weights=weights)
+
+    f = jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    loss = lambda x, w: jnp.vdot(f(x, idx, w), c)  # noqa: E731
+    got_x, got_w = jax.jit(jax.grad(loss, argnums=(0, 1)))(*put(mesh, x, w))
+    want_x, want_w = oracle.layer_gradients(x, idx, w, c, layout, fp8, E, ranks)
+    assert relative_error(got_x, want_x) < 1e-5
+    if layout == "rank":
+        assert not np.abs(np.asarray(got_w)).max()
+    else:
+        assert relative_error(got_w, want_w) < 1e-5

@@ -47,6 +47,8 @@ CONFIGS = [  # num_ranks, dp, layout, alignment, fp8, round_scale, capacity, dty
     (8, 1, "rank", 1, False, False, 60, jnp.float32),
     (8, 1, "expert", 8, True, True, 48, jnp.bfloat16),
     (8, 1, "expert", 1, False, False, None, jnp.bfloat16),
+    (4, 1, "rank", 1, True, False, 50, jnp.float32),
+    (2, 1, "expert", 2, True, False, None, jnp.float32),
 ]
 
 
@@ -75,23 +77,32 @@ def test_ffi_matches_reference(config, seed, kind):
     assert_matches_reference(step, x, idx, w, bias, x2)
 
 
-SPLIT_CONFIGS = [  # num_ranks, dp, layout, fp8, capacity (rows per expert when padded), dtype
-    (2, 1, "expert_padded", True, None, jnp.bfloat16),
-    (4, 2, "expert_padded", False, 7, jnp.float32),
-    (8, 1, "expert_padded", True, 3, jnp.bfloat16),
-    (8, 1, "rank", True, None, jnp.bfloat16),
-    (4, 1, "expert", False, 40, jnp.bfloat16),
+SPLIT_CONFIGS = [  # num_ranks, dp, layout, fp8 (True, or "round": round_scale too),
+    # capacity (rows per expert when padded), dtype, weighted
+    (1, 1, "expert_padded", "round", None, jnp.float32, True),
+    (2, 1, "expert_padded", True, None, jnp.bfloat16, False),
+    (4, 2, "expert_padded", False, 7, jnp.float32, True),
+    (8, 1, "expert_padded", True, 3, jnp.bfloat16, True),
+    (8, 1, "rank", True, None, jnp.bfloat16, True),
+    (4, 1, "expert", False, 40, jnp.bfloat16, True),
+    (2, 1, "expert", "round", None, jnp.float32, False),
 ]
 
 
-@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=lambda c: "-".join(map(str, c[:5])))
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 def test_padded_layout_and_split_ops_match_reference(config, split):
-    num_ranks, dp, lay, fp8, capacity, dtype = config
+    """Also without weights (the expert layouts' weights are then 1) and with round_scale."""
+    num_ranks, dp, lay, fp8, capacity, dtype, weighted = config
     mesh = make_mesh(num_ranks, dp)
     bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
     step = {
-        impl: runner(mesh, pipeline(buf, lay, 1, fp8, False, capacity, split=split))
+        impl: runner(
+            mesh,
+            pipeline(
+                buf, lay, 1, bool(fp8), fp8 == "round", capacity, weighted=weighted, split=split
+            ),
+        )
         for impl, buf in bufs.items()
     }  # one compile per path, shared by the three routings
     for seed, kind in enumerate(("random", "one_expert", "sparse")):

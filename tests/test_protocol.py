@@ -103,10 +103,13 @@ def test_a_corrupted_handle_cannot_write_outside_the_window():
         num_rows = jnp.array(1 << 30, jnp.int32)
         return buf._ops.combine(data, send_pos, num_rows, counts, None, out_dtype=jnp.float32)
 
-    y = run(mesh, bad_combine, jnp.ones((2 * rows, H), jnp.float32))
-    # Each rank kept all of its rows for source 0 (clamped to T) and sent row 0 back to every
-    # token: every token of every rank gets one row from each rank that kept one for it.
-    assert np.isfinite(np.asarray(y)).all()
+    data = jnp.arange(1, 2 * rows + 1, dtype=jnp.float32)[:, None] * jnp.ones((1, H))
+    y = np.asarray(run(mesh, bad_combine, data))
+    # Each rank kept its rows for source 0 (2^30 clamped to T) and none for source 1 (-5 to 0),
+    # and send_pos names row 0 everywhere: rank 0's tokens get row 0 of each rank (1 + 17),
+    # rank 1's get nothing.
+    np.testing.assert_array_equal(y[:T], np.full((T, H), 1 + (rows + 1), np.float32))
+    np.testing.assert_array_equal(y[T:], np.zeros((T, H), np.float32))
     assert buf.status() is None
     x = jnp.ones((2 * T, H), jnp.float32)
     i = jnp.zeros((2 * T, K), jnp.int32)
