@@ -296,9 +296,7 @@ def _check_mesh(ctx, order):
     if order.mesh is None or not hasattr(used, "devices"):
         return
     own = order.mesh
-    if used.axis_names != own.axis_names or not np.array_equal(
-        np.vectorize(lambda d: d.id)(used.devices), np.vectorize(lambda d: d.id)(own.devices)
-    ):
+    if used.axis_names != own.axis_names or not np.array_equal(used.device_ids, own.device_ids):
         raise ValueError(
             f"jax_ep: a Buffer's ops run inside a shard_map over the Buffer's own mesh, the same "
             f"devices in the same order (it numbers its ranks by that order); this shard_map's "
