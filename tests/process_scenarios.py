@@ -445,6 +445,7 @@ def missing_node(mesh, buf):
     step = runner(mesh, lambda x, i, w: buf.dispatch(x, i, w).x)
     jax.block_until_ready(step(x, idx, w))
     if jax.process_index() == 1:
+        print("CHECKS OK", flush=True)  # its own checks passed: it stops on purpose
         os._exit(0)
     start = time.perf_counter()
     try:
