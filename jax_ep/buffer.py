@@ -218,7 +218,7 @@ class Buffer:
         self._native = None
         self.engine = None  # what makes the windows reachable (set by _connect)
         self._low_latency_tokens = None  # the single-kernel routing is the CUDA backend's
-        self._platform = None  # where the custom calls run (set by _connect)
+        self._plan = None  # how the Buffer came up on the processes (set by _connect)
         # The fast leg: the last axis, with the experts of one node and the tokens the node
         # leg can bring (all of it when there is one node).
         reference = Reference(fast_axis, ranks_per_node, num_experts // num_nodes)
@@ -287,7 +287,6 @@ class Buffer:
                 f"axis {self._fast_axis!r} has {self._ranks_per_node} ranks; the {plan.platform} "
                 f"backend takes at most {bound} in one group"
             )
-        self._platform = plan.platform
         if plan.platform == "cuda":
             self._low_latency_tokens = int(low_latency_tokens)
         arguments = dict(
@@ -746,10 +745,8 @@ class Buffer:
     def _combine_cotangent(self, ct, handle):
         """x's gradient from its rows' cotangents: one combine, the rows sent in x's dtype or
         the Buffer's where those are narrower (float32 x in FP8 on a bf16-row Buffer)."""
-        narrow = (
-            ct.dtype if ct.dtype.itemsize <= self.max_row_dtype.itemsize else self.max_row_dtype
-        )
-        return self.combine(ct.astype(narrow), handle).astype(ct.dtype)
+        rows = ct.astype(layouts.travel_dtype(ct.dtype, self.max_row_dtype))
+        return self.combine(rows, handle).astype(ct.dtype)
 
     def combine_send(self, expert_out, handle, topk_weights=None, bias=None, *, partial_dtype=None):
         """The first half of combine: returns once the rows are on their way back. Run other
@@ -892,7 +889,8 @@ class Buffer:
             )
         if fp8 and self.hidden % FP8_BLOCK:
             _fail(f"fp8 needs hidden % 128 == 0, got hidden={self.hidden}")
-        widest = limits()["max_scales_per_row"] * FP8_BLOCK if self._platform == "cuda" else None
+        on_gpus = self._plan is not None and self._plan.platform == "cuda"
+        widest = limits()["max_scales_per_row"] * FP8_BLOCK if on_gpus else None
         if fp8 and widest and self.hidden > widest:  # the CUDA dispatch stages a row's scales
             _fail(f"fp8 rows on GPUs take hidden up to {widest}, got hidden={self.hidden}")
         if round_scale and not fp8:

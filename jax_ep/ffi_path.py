@@ -93,12 +93,6 @@ class _Config(NamedTuple):
     bias_dtype: str | None = None  # a combine's bias, if any
     max_row_dtype: str = "float32"  # the widest rows the Buffer's window takes (not decoded)
 
-    def cotangent_dtype(self):
-        """What a dispatch's row cotangents travel back in: x's dtype, or the Buffer's rows
-        where those are narrower (a bf16-row Buffer dispatching float32 x in FP8)."""
-        x, widest = jnp.dtype(self.x_dtype), jnp.dtype(self.max_row_dtype)
-        return (x if x.itemsize <= widest.itemsize else widest).name
-
     def attributes(self):
         """What the instantiate stage decodes (the same for every target)."""
         return dict(
@@ -211,7 +205,7 @@ def _dispatch_bwd(cfg, rows, res, ct):
     if has_w:  # each (token, slot) weight lives in exactly one rank's row; elsewhere it is -1
         ct_w = jnp.where(topk_rows >= 0, ct_rows.topk_weights, 0.0)
     if has_x:
-        ct_x = ct_rows.x.astype(cfg.cotangent_dtype())
+        ct_x = ct_rows.x.astype(layout.travel_dtype(cfg.x_dtype, cfg.max_row_dtype))
     if has_x and has_w and ct_x.dtype == jnp.dtype(cfg.x_dtype):
         grad_x, grad_w = _adjoint(cfg, ct_x, ct_w, *handle)
     else:  # rows narrower than x (a bf16-row Buffer): their sum comes back in float32

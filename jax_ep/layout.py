@@ -20,6 +20,14 @@ from jax_ep.primitives import varying_like
 MAX_RANK_ROWS = int(np.iinfo(np.int32).max)
 
 
+def travel_dtype(dtype, max_row_dtype):
+    """The dtype rows of `dtype` cross ranks in on a Buffer of max_row_dtype rows: their own, or
+    the Buffer's where that is narrower (a dispatch's cotangents, float32 x sent in FP8 on a
+    bf16-row Buffer)."""
+    dtype, widest = jnp.dtype(dtype), jnp.dtype(max_row_dtype)
+    return dtype if dtype.itemsize <= widest.itemsize else widest
+
+
 def align_up(value, alignment):
     return (value + alignment - 1) // alignment * alignment
 
