@@ -15,8 +15,8 @@ grouped GEMMs (nn/cutlass.py; "cutlass_fp8" and "cutlass_fp8_kernel" its FP8 for
 Mosaic ones below, with the same block scales, and "cutlass_fp8_dgrad_kernel" its FP8 d lhs as
 fp8_dgrad runs it, the operands quantized and transposed beforehand); "deepgemm" and
 "deepgemm_fp8", "deepgemm_fp8_kernel", "deepgemm_fp8_dgrad_kernel" the same with DeepGEMM's
-kernels for gmm, gmm_t and the FP8 ones (the groups aligned: tgmm is CUTLASS's, not timed
-again); "mosaic" the kernels of
+kernels (the groups aligned; with --buffer also "<impl>_buffer" and "<impl>_fp8_kernel_buffer":
+the forward on a dispatch's worst-case expert buffer, R times the rows); "mosaic" the kernels of
 jax_ep.nn.grouped (its kernels for aligned groups), and "mosaic_unaligned" the products with
 group_alignment=1 (jax's ragged_dot_mgpu and transposed_ragged_dot_mgpu); "mosaic_fp8" the FP8
 forward of the MoE layer (grouped.fp8_grouped_matmul: rows quantized 1 x 128 beforehand, as
@@ -376,11 +376,11 @@ def run_case(case, plan, sweep, timing, results):
             if kind == "gmm_t":
                 dgrad_args = fp8_dgrad_operands(ct, rhs, jnp.asarray(sizes))
                 timed(kind, "cutlass_fp8_dgrad_kernel", fp8_dgrad_step(False), dgrad_args)
-            if not deepgemm_misfits and kind != "tgmm":
+            if not deepgemm_misfits:
                 timed(kind, "deepgemm", grouped_step(kind, "deepgemm", alignment), args)
                 if kind == "gmm":
                     fp8_forwards("deepgemm", alignment)
-                else:
+                elif kind == "gmm_t":
                     timed(kind, "deepgemm_fp8_dgrad_kernel", fp8_dgrad_step(True), dgrad_args)
             for order in ORDER_SWEEP if "cutlass" in sweep else ():
                 step = lambda a, b, sizes, order=order: cutlass.product(
@@ -426,6 +426,53 @@ def run_case(case, plan, sweep, timing, results):
                 list(blocks),
             )
     return best
+
+
+def buffer_case(ranks, rows, groups, buffer_rows, k, n, projection, timing, results):
+    """The forward on a dispatch's worst-case expert buffer: lhs of buffer_rows rows of which the
+    first `rows` are in uniform groups (multiples of 128). CUTLASS's and DeepGEMM's kernels (bf16,
+    and FP8 with the weights made beforehand), which must not pay for the rows past the groups.
+    TFLOP/s count the rows in groups."""
+    sizes = jnp.asarray(group_sizes("uniform", rows, groups, 128))
+    lhs, rhs, _ = operands(buffer_rows, k, n, groups)
+    fp8_args = fp8_operands(lhs, rhs, sizes)
+    for impl in ("cutlass", "deepgemm"):
+        for name, step, args in (
+            ("", grouped_step("gmm", impl, 128), (lhs, rhs, sizes)),
+            ("_fp8_kernel", fp8_step(128, True, impl), fp8_args),
+        ):
+            seconds = error = None
+            try:
+                seconds = timing.seconds(step, args)
+            except Exception as e:  # noqa: BLE001  (e.g. a build without DeepGEMM's kernels)
+                error = str(e).splitlines()[0][:200]
+            rate = None if error else tflops(rows, k, n, seconds)
+            results.append(
+                dict(
+                    ranks=ranks,
+                    groups=groups,
+                    rows=rows,
+                    buffer_rows=buffer_rows,
+                    projection=projection,
+                    k=k,
+                    n=n,
+                    distribution="uniform",
+                    product="gmm",
+                    impl=impl + name + "_buffer",
+                    blocks=None,
+                    error=error,
+                    time_ms=None if error else seconds * 1e3,
+                    tflops=rate,
+                )
+            )
+            print(
+                f"  R={ranks} {projection:7s} {rows} rows in a buffer of {buffer_rows} "
+                f"{impl + name:20s}: "
+                + (
+                    f"failed ({error})" if error else f"{seconds * 1e3:8.3f} ms {rate:7.1f} TFLOP/s"
+                ),
+                flush=True,
+            )
 
 
 def decode_case(ranks, tokens, topk, experts, k, n, projection, timing, results, seed=0):
@@ -524,6 +571,12 @@ def main(argv=None):
         "(comma-separated; empty: the defaults only)",
     )
     parser.add_argument(
+        "--buffer",
+        action="store_true",
+        help="also the forward on a dispatch's worst-case expert buffer (ranks * tokens * topk "
+        "rows, of which tokens * topk in groups): CUTLASS's and DeepGEMM's kernels",
+    )
+    parser.add_argument(
         "--decode-tokens",
         type=int,
         default=128,
@@ -560,6 +613,14 @@ def main(argv=None):
             results,
         )
         blocks.setdefault(projection, found)
+    for ranks in (int(r) for r in args.ranks.split(",")) if args.buffer else ():
+        for projection, (k, n) in (
+            ("gate_up", (args.hidden, args.ffn)),
+            ("down", (args.ffn, args.hidden)),
+        ):
+            buffer_case(
+                ranks, rows, args.experts // ranks, ranks * rows, k, n, projection, timing, results
+            )
     for ranks in (int(r) for r in args.ranks.split(",")) if args.decode_tokens else ():
         for projection, (k, n) in (
             ("gate_up", (args.hidden, args.ffn)),

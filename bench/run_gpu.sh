@@ -10,7 +10,8 @@
 # deepgemm: bench.versus_deepgemm (jax_ep's grouped matmuls against DeepGEMM's) with the program
 # of bench/cuda/versus_deepgemm.cu built beforehand (its header gives the build line), at
 # $VERSUS_DEEPGEMM or build/versus_deepgemm.
-set -u
+set -u -o pipefail  # a stage's status is its command's, not the tee's or tail's after it
+failed=0  # the exit status: 1 when any test or benchmark stage failed or ran out of time
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 gpus=$(nvidia-smi -L | wc -l)
 export JAX_EP_MACHINE=${JAX_EP_MACHINE:-nvidia-h200$([ "$gpus" -gt 1 ] && echo "-x$gpus")}
@@ -40,28 +41,29 @@ if [ "$what" != tests ] && [ "$what" != processes ] && [ "$what" != deepgemm ]; 
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --timeout 200 -rA \
-    2>&1 | tee "$results/gpu_tests.log" | tail -40
+    2>&1 | tee "$results/gpu_tests.log" | tail -40 || failed=1
 fi
 if [ "$what" = processes ]; then  # this process keeps little GPU memory: its children need it
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-900} python3 -m pytest \
-    tests/test_gpu_processes.py -q -p no:cacheprovider -rA "$@" 2>&1 | tee "$results/gpu_processes.log" | tail -60
+    tests/test_gpu_processes.py -q -p no:cacheprovider -rA "$@" 2>&1 | tee "$results/gpu_processes.log" | tail -60 || failed=1
 fi
 if [ "$what" = probe ]; then
-  timeout ${BENCH_TIMEOUT:-480} python3 -m bench.probe "$@" 2>&1 | tee "$results/probe.log"
+  timeout ${BENCH_TIMEOUT:-480} python3 -m bench.probe "$@" 2>&1 | tee "$results/probe.log" || failed=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout ${BENCH_TIMEOUT:-480} python3 -m bench.ep --machine "$JAX_EP_MACHINE" "$@" 2>&1 | tee "$results/bench.log" | tail -60
+  timeout ${BENCH_TIMEOUT:-480} python3 -m bench.ep --machine "$JAX_EP_MACHINE" "$@" 2>&1 | tee "$results/bench.log" | tail -60 || failed=1
   cp bench/results/*"$JAX_EP_MACHINE"* "$results/" 2>/dev/null
 fi
 if [ "$what" = layer ]; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest tests/test_gpu_grouped.py -q -p no:cacheprovider --timeout 200 -rA \
-    2>&1 | tee "$results/gpu_grouped_tests.log" | tail -20
-  timeout ${BENCH_TIMEOUT:-480} python3 -m bench.grouped_matmul --machine "$JAX_EP_MACHINE" 2>&1 | tee "$results/grouped_matmul.log" | tail -40
-  timeout ${BENCH_TIMEOUT:-600} python3 -m bench.moe_layer --machine "$JAX_EP_MACHINE" "$@" 2>&1 | tee "$results/moe_layer.log" | tail -30
+    2>&1 | tee "$results/gpu_grouped_tests.log" | tail -20 || failed=1
+  timeout ${BENCH_TIMEOUT:-480} python3 -m bench.grouped_matmul --machine "$JAX_EP_MACHINE" 2>&1 | tee "$results/grouped_matmul.log" | tail -40 || failed=1
+  timeout ${BENCH_TIMEOUT:-600} python3 -m bench.moe_layer --machine "$JAX_EP_MACHINE" "$@" 2>&1 | tee "$results/moe_layer.log" | tail -30 || failed=1
   cp bench/results/*"$JAX_EP_MACHINE"* "$results/" 2>/dev/null
 fi
 if [ "$what" = deepgemm ]; then
   timeout ${BENCH_TIMEOUT:-480} python3 -m bench.versus_deepgemm --machine "$JAX_EP_MACHINE" \
-    --program "${VERSUS_DEEPGEMM:-build/versus_deepgemm}" "$@" 2>&1 | tee "$results/versus_deepgemm.log"
+    --program "${VERSUS_DEEPGEMM:-build/versus_deepgemm}" "$@" 2>&1 | tee "$results/versus_deepgemm.log" || failed=1
   cp bench/results/versus-deepgemm-"$JAX_EP_MACHINE"* "$results/" 2>/dev/null
 fi
+exit $failed

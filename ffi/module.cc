@@ -69,6 +69,8 @@ NB_MODULE(_native, m) {
     d["deep_gemm_sms"] = kDeepGemmSms;
     d["deep_gemm_max_rows"] = kDeepGemmMaxRows;
     d["deep_gemm_max_fp8_k"] = kDeepGemmMaxFp8K;
+    d["deep_gemm_tgmm_k"] = kDeepGemmTgmmK;
+    d["deep_gemm_max_groups"] = kDeepGemmMaxGroups;
     return d;
   });
 

@@ -40,9 +40,14 @@ constexpr int kGroupedMatmulAlignment = 8;
 constexpr int kDeepGemmRows = 128;
 constexpr int kDeepGemmAlignment = 64;
 constexpr int kDeepGemmSms = 132;
-// Rows of a call: its kernels take shapes as 32-bit numbers.
-constexpr int kDeepGemmMaxRows = 2147483647;
 // Its FP8 kernels keep the weights' scales of a tile's K steps in shared memory: K up to this.
 constexpr int kDeepGemmMaxFp8K = 16384;
+// Its kernels walk the groups, a compile-time count: at most this many groups (instances for a
+// few counts up to it). Rows of a call: its kernels take shapes and each group's end rounded up
+// to 128 rows as 32-bit numbers.
+constexpr int kDeepGemmMaxGroups = 256;
+constexpr int kDeepGemmMaxRows = (1u << 31) - kDeepGemmRows;
+// Its weight gradient (tgmm): K a multiple of its tiles' 256 rows.
+constexpr int kDeepGemmTgmmK = 256;
 
 }  // namespace jax_ep

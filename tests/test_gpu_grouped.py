@@ -82,7 +82,7 @@ def test_auto_takes_the_kernels_here():
     assert jax_ep._native.has_deep_gemm, "the GPU tests need a build with DeepGEMM's kernels"
     assert grouped.resolve_impl("auto", (1024, 256), (8, 256, 384), jnp.bfloat16) == "cutlass"
     aligned = ((1024, 256), (8, 256, 384), jnp.bfloat16)
-    assert grouped.resolve_impl("auto", *aligned, group_alignment=128) == "cutlass"
+    assert grouped.resolve_impl("auto", *aligned, group_alignment=128) == "deepgemm"
     assert grouped.resolve_impl("deepgemm", *aligned, group_alignment=128) == "deepgemm"
     with pytest.raises(ValueError, match="not a multiple of 128 rows"):
         grouped.resolve_impl("deepgemm", (1024, 256), (8, 256, 384), jnp.bfloat16)
@@ -140,13 +140,14 @@ def clamped_sizes(asked, m):
     return np.minimum(asked, m - offsets).astype(np.int32)
 
 
-@pytest.mark.parametrize("m", [1024, 1000])
+@pytest.mark.parametrize("m", [1024, 1000, 4096])  # 4096: most rows past the groups
 @pytest.mark.parametrize("name", sorted(DEEP_GEMM_SIZES))
 def test_deep_gemm_computes_the_groups_it_takes_and_cutlass_the_others(name, m):
     """With deep_gemm the calls take any group sizes (the promise of 128-row groups broken
     too): DeepGEMM's kernel computes the groups on 128-row boundaries, CUTLASS's the others
-    (gmm, gmm_t and the FP8 gmm), as the XLA path on the clamped sizes, and rows past the groups
-    are zero even where lhs holds NaN there."""
+    (gmm, gmm_t and the FP8 gmm; tgmm: DeepGEMM's every group or none), as the XLA path on the
+    clamped sizes; rows past the groups and empty groups' weight gradients are zero even where
+    the operands hold NaN past the groups."""
     asked = jnp.asarray(DEEP_GEMM_SIZES[name], jnp.int32)
     sizes = clamped_sizes(asked, m)
     past = int(sizes.sum())
@@ -165,6 +166,17 @@ def test_deep_gemm_computes_the_groups_it_takes_and_cutlass_the_others(name, m):
         assert not np.asarray(got)[past:].any(), kind
         if past:
             assert relative_error(got[:past], want[:past]) < TOLERANCE, kind
+    # tgmm: DeepGEMM's where every group has a multiple of 128 rows, else CUTLASS's
+    got = jax.jit(functools.partial(cutlass.product, "tgmm", deep_gemm=True))(lhs, ct, asked)
+    want = jax.lax.ragged_dot_general(
+        jnp.nan_to_num(lhs).astype(jnp.float32),
+        jnp.nan_to_num(ct).astype(jnp.float32),
+        jnp.asarray(sizes),
+        jax.lax.RaggedDotDimensionNumbers(*grouped._XLA_DIMENSIONS["tgmm"]),
+    )
+    assert not np.asarray(got)[sizes == 0].any()
+    if past:
+        assert relative_error(got, want) < TOLERANCE
     lhs, lhs_q, scales, _, _ = fp8_inputs(m, 256, 384, len(sizes))
     rhs_q, rhs_scales = jax.jit(grouped.quantize_weights_fp8)(rhs)
     fp8 = jax.jit(cutlass.gmm_fp8, static_argnames=("out_dtype", "deep_gemm"))
@@ -175,6 +187,27 @@ def test_deep_gemm_computes_the_groups_it_takes_and_cutlass_the_others(name, m):
     assert not np.asarray(got)[past:].any()
     if past:
         assert relative_error(got, cutlass_only) < TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["uniform", "skewed", "unaligned"])
+def test_deep_gemm_weight_gradient_over_several_k_tiles_and_a_partial_n_tile(name):
+    """tgmm with K = 768 (three of DeepGEMM's 256-row output tiles per group) and N = 320 (a last
+    tile of 64 columns): DeepGEMM's where every group has a multiple of 128 rows, else CUTLASS's,
+    as the XLA path computes; an empty group's gradient is zero."""
+    sizes = np.asarray(SIZES[name], np.int32)
+    lhs, _, ct = operands(1024, 768, 320, len(sizes), seed=7)
+    got = jax.jit(functools.partial(cutlass.product, "tgmm", deep_gemm=True))(
+        lhs, ct, jnp.asarray(sizes)
+    )
+    want = jax.lax.ragged_dot_general(
+        lhs.astype(jnp.float32),
+        ct.astype(jnp.float32),
+        jnp.asarray(sizes),
+        jax.lax.RaggedDotDimensionNumbers(*grouped._XLA_DIMENSIONS["tgmm"]),
+    )
+    assert got.shape == (len(sizes), 768, 320)
+    assert not np.asarray(got)[sizes == 0].any()
+    assert relative_error(got, want) < TOLERANCE
 
 
 @pytest.mark.parametrize(
@@ -340,10 +373,11 @@ def assert_fp8_like_xla(m, k, n, sizes, impl):
     alignment = group_alignment(impl)
     lhs, lhs_q, scales, rhs, ct = fp8_inputs(m, k, n, len(sizes))
     sizes = jnp.asarray(sizes, jnp.int32)
-    assert grouped.resolve_fp8_impl("auto", (m, k), (len(sizes), k, n), alignment) == "cutlass"
+    auto = grouped.resolve_fp8_impl("auto", (m, k), (len(sizes), k, n), alignment)
+    assert auto == ("cutlass" if alignment == 1 else "deepgemm")
     got = fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, impl, alignment)
     want = fp8_forward_and_gradients(lhs, lhs_q, scales, rhs, ct, sizes, "xla", alignment)
-    backward = impl if impl in ("cutlass", "deepgemm") else "auto"  # the FP8 call's backward
+    backward = impl if impl in ("cutlass", "deepgemm") else auto  # the FP8 call's backward
     bf16 = forward_and_gradients(lhs, rhs, ct, sizes, impl=backward, group_alignment=alignment)
     past = int(np.sum(sizes))
     assert got[0].dtype == jnp.bfloat16 and not np.asarray(got[0])[past:].any()

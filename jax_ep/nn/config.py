@@ -55,9 +55,8 @@ class MoEConfig:
         combine_partial_dtype: each rank's sum of a token's expert rows (bf16: half the
             combine's bytes; needed with max_row_dtype=bf16).
         grouped_matmul: the jax_ep.nn.grouped impl: "auto", "xla", "cutlass", "deepgemm" or
-            "mosaic" ("deepgemm": DeepGEMM's kernels on an H100 or H200, expert_alignment a
-            multiple of 128, best with a capacity_factor: they compute every row of the
-            buffer).
+            "mosaic" ("auto" takes DeepGEMM's kernels on an H100 or H200 where
+            expert_alignment is a multiple of 128).
     """
 
     num_experts: int

@@ -55,13 +55,20 @@ def deep_gemm_built():
     return bool(getattr(_native, "has_deep_gemm", False))
 
 
+def deep_gemm_takes_tgmm(k):
+    """Whether DeepGEMM's weight gradient takes tgmm's K (kernels/limits.h); where it does not,
+    CUTLASS's computes it."""
+    return k % _native.limits()["deep_gemm_tgmm_k"] == 0
+
+
 def product(kind, a, b, group_sizes, group_stride=0, order=None, deep_gemm=False):
     """One of grouped.py's products ("gmm", "gmm_t", "tgmm"; shapes as in its docstring), in
     bfloat16 with a float32 sum. group_stride > 0 (gmm only): group g's rows start at row
     g * group_stride instead of after the group before (the expert_padded layout, at most
     group_stride rows each), and the rows past each group's are left unwritten. order: the
-    tiles' Order of CUTLASS's kernel (default ORDERS[kind]). deep_gemm (gmm and gmm_t, no
-    group_stride): DeepGEMM's kernel computes the groups on 128-row boundaries."""
+    tiles' Order of CUTLASS's kernel (default ORDERS[kind]). deep_gemm (no group_stride):
+    DeepGEMM's kernel computes the groups on 128-row boundaries (tgmm: every group, where each
+    has a multiple of 128 rows, and K as deep_gemm_takes_tgmm says)."""
     ffi_path.register_targets()
     if kind == "tgmm":
         shape = (group_sizes.shape[0], a.shape[1], b.shape[1])

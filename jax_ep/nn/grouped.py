@@ -16,13 +16,12 @@ Three products make the matmul and its gradients, each the adjoint of the others
 Four implementations: "xla" (jax.lax.ragged_dot_general: the reference, and the path on CPU;
 XLA:GPU expands it to dense work), "cutlass" (CUTLASS's Hopper grouped GEMMs as custom calls,
 nn/cutlass.py: groups of any size, bfloat16), "deepgemm" (the same calls with DeepGEMM's kernels
-computing gmm and gmm_t for the groups that start and end on 128-row boundaries, CUTLASS's the
-others and tgmm: at EP8's V3 shapes 0-13% faster in bf16, the FP8 forward 8-26%; it needs
-group_alignment a multiple of 128, so that the groups it cannot take are the exception, and
-computes every 128-row tile of lhs, the rows past the groups too: asked for by name only, for
-lhs with few rows past sum(group_sizes)) and "mosaic" (Pallas Mosaic GPU kernels for Hopper).
-impl="auto" takes the first of AUTO_ORDER that can run here on these operands
-(`cutlass_misfits`, `mosaic_misfits`), "xla" otherwise. The Mosaic kernels:
+computing gmm and gmm_t for the groups that start and end on 128-row boundaries, tgmm where every
+group has a multiple of 128 rows, CUTLASS's the others: at EP8's V3 shapes 0-13% faster in bf16,
+the FP8 forward 8-26%; it needs group_alignment a multiple of 128, so that the groups it cannot
+take are the exception) and "mosaic" (Pallas Mosaic GPU kernels for Hopper). impl="auto" takes
+the first of AUTO_ORDER that can run here on these operands (`deepgemm_misfits`,
+`cutlass_misfits`, `mosaic_misfits`), "xla" otherwise. The Mosaic kernels:
 
 - gmm, gmm_t with group_alignment a multiple of block_m (every group size a multiple of it, as
   a dispatch with that expert_alignment gives): `mosaic.aligned_gmm`, one output tile per row
@@ -64,9 +63,8 @@ from jax_ep.nn import cutlass, mosaic
 from jax_ep.primitives import all_varying, varying_like
 
 IMPLS = ("auto", "xla", "mosaic", "cutlass", "deepgemm")
-# What impl="auto" tries first: the faster on an H200. Not "deepgemm": its kernels compute every
-# 128-row tile of lhs, and a dispatch's worst-case buffer at EP8 holds ~7x the rows in groups.
-AUTO_ORDER = ("cutlass", "mosaic")
+# What impl="auto" tries first: the faster on an H200.
+AUTO_ORDER = ("deepgemm", "cutlass", "mosaic")
 PRODUCTS = ("gmm", "gmm_t", "tgmm")
 MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -231,7 +229,7 @@ def cutlass_misfits(lhs_shape, rhs_shape, dtype, fp8=False):
 
 
 def deepgemm_misfits(lhs_shape, rhs_shape, dtype, group_alignment, fp8=False):
-    """Why DeepGEMM's kernels (with CUTLASS's for tgmm and the groups they cannot take) cannot
+    """Why DeepGEMM's kernels (with CUTLASS's for the groups they cannot take) cannot
     compute this grouped matmul and both its gradients (or with fp8, its FP8 forward) (empty
     when they can): CUTLASS's conditions, a build with DeepGEMM's headers, a GPU of the SMs its
     kernels were built for, K and N multiples of its alignment (FP8: 128, K at most its limit),
@@ -251,10 +249,14 @@ def deepgemm_misfits(lhs_shape, rhs_shape, dtype, group_alignment, fp8=False):
         problems.append(
             f"deepgemm: group_alignment={group_alignment} is not a multiple of {rows} rows"
         )
-    (m, k), (_, _, n) = lhs_shape, rhs_shape
+    (m, k), (groups, _, n) = lhs_shape, rhs_shape
     if not 0 < m <= limits["deep_gemm_max_rows"]:
         problems.append(
             f"deepgemm: M={m} rows (its kernels take 1 to {limits['deep_gemm_max_rows']})"
+        )
+    if groups > limits["deep_gemm_max_groups"]:
+        problems.append(
+            f"deepgemm: G={groups} is more than {limits['deep_gemm_max_groups']} groups"
         )
     if fp8 and k > limits["deep_gemm_max_fp8_k"]:
         problems.append(f"deepgemm: K={k} is more than {limits['deep_gemm_max_fp8_k']} (FP8)")
@@ -347,7 +349,9 @@ _XLA_DIMENSIONS = {  # ((lhs contracting, rhs contracting), (batch, batch)), rag
 
 def _compute(kind, plan, a, b, group_sizes):
     if plan.impl in ("cutlass", "deepgemm"):  # complete: zeros past the groups
-        deep_gemm = plan.impl == "deepgemm" and kind != "tgmm"
+        deep_gemm = plan.impl == "deepgemm" and (
+            kind != "tgmm" or cutlass.deep_gemm_takes_tgmm(a.shape[1])
+        )
         out = cutlass.product(kind, a, b, group_sizes, deep_gemm=deep_gemm)
         return varying_like(out, a, b, group_sizes)
     if plan.impl == "xla":
@@ -447,10 +451,11 @@ def fp8_grouped_matmul(
     float32; rhs's gradient stays in lhs.dtype. rhs_fp8 may then also hold those weights
     transposed, (q, scales) + transpose_weights_fp8(q, scales), made once with them (else the
     backward transposes them, a pass over the FP8 weights per call). impl: "auto" (the first of
-    AUTO_ORDER that fits: "cutlass" on Hopper for K and N multiples of 128, any groups;
-    "mosaic" when the shapes fit FP8_TILES and group_alignment is a multiple of its 64 rows),
-    "xla" (dequantized, float32 ragged_dot), "cutlass", "deepgemm" (group_alignment a multiple
-    of 128) or "mosaic"."""
+    AUTO_ORDER that fits: "deepgemm" on 132-SM Hopper GPUs for group_alignment a multiple of
+    128; "cutlass" on Hopper for K and N multiples of 128, any groups; "mosaic" when the
+    shapes fit FP8_TILES and group_alignment is a multiple of its 64 rows), "xla"
+    (dequantized, float32 ragged_dot), "cutlass", "deepgemm" (group_alignment a multiple of
+    128) or "mosaic"."""
     if (
         lhs_q.dtype != jnp.float8_e4m3fn
         or lhs_q.shape != lhs.shape

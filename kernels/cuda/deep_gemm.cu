@@ -1,7 +1,8 @@
 // DeepGEMM's SM90 kernels (deep_gemm.h), launched without DeepGEMM's JIT: one instance per
-// product and tile shape, compiled here, with the shapes given at run time. Their grouped layout
-// is DeepGEMM's "m-grouped contiguous" one: for each 128-row tile, the group whose weights it
-// takes (read at the tile's row 0, and by FP8 at its row 64: one per math warpgroup), -1 for none.
+// product, tile shape and group count, compiled here, with the shapes given at run time. Their
+// grouped layout is DeepGEMM's "psum" one, each group's end row: its scheduler walks the groups
+// (a compile-time count: the groups are padded with empty ones) and stops after the last, so no
+// tile of the rows past the groups is computed. tgmm's is each group's rows.
 #include <deep_gemm/impls/sm90_bf16_gemm.cuh>
 #include <deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh>
 
@@ -19,7 +20,6 @@ using Major = cute::UMMA::Major;
 // SMs of an H100 (SXM), H800 or H200. They do not run on a device with another count.
 constexpr uint32_t kSms = kDeepGemmSms;
 constexpr uint32_t kTmaThreads = 128, kMathThreads = 256;  // one producer, two math warpgroups
-constexpr uint32_t kBlockM = kDeepGemmRows;
 constexpr uint32_t kSmemCapacity = 232448;  // shared memory per block of an sm_90 GPU, opted in
 // FP8: the weights' scales of a tile's K steps sit in shared memory, sized from K at run time;
 // the stages are sized for K up to kDeepGemmMaxFp8K.
@@ -27,17 +27,23 @@ constexpr uint32_t kMaxFp8K = kDeepGemmMaxFp8K;
 
 constexpr uint32_t align_up(uint32_t x, uint32_t to) { return (x + to - 1) / to * to; }
 
-// One kernel: product P in BlockN-wide tiles (ShapeN: DeepGEMM's N fixed at compile time, 0:
-// given at run time), as many pipeline stages as fit (DeepGEMM's own sizing: the output tile, the
-// stages' operand tiles, FP8's row scales per stage and the weight scales of every K step, the
-// barriers).
-template <GroupedProduct P, uint32_t BlockN, uint32_t ShapeN = 0>
+// One kernel: product P in BlockM x BlockN tiles (ShapeN: DeepGEMM's N fixed at compile time, 0:
+// given at run time; Groups: tgmm's groups, padded with empty ones), as many pipeline stages as
+// fit (DeepGEMM's own sizing: the output tile, the stages' operand tiles, FP8's row scales per
+// stage and the weight scales of every K step, the barriers).
+template <GroupedProduct P, uint32_t BlockM, uint32_t BlockN, uint32_t ShapeN = 0,
+          uint32_t Groups = 1>
 struct Kernel {
   static constexpr bool kFp8 = P == GroupedProduct::kGmmFp8;
+  // tgmm is DeepGEMM's "k-grouped" product: each group's rows are the sum's steps.
+  static constexpr bool kKGrouped = P == GroupedProduct::kTgmm;
+  static constexpr uint32_t kBlockM = BlockM;
   static constexpr uint32_t kElem = kFp8 ? 1 : 2, kBlockK = 128 / kElem;
-  // gmm reads the weights [G, K, N] N-major; gmm_t and FP8 read [G, N, K] K-major.
-  static constexpr Major kMajorB = P == GroupedProduct::kGmm ? Major::MN : Major::K;
-  static constexpr uint32_t kSwizzleA = 128;
+  // gmm reads the weights [G, K, N] N-major; gmm_t and FP8 read [G, N, K] K-major; tgmm reads
+  // both operands' rows [M, K] and [M, N], K and N innermost.
+  static constexpr Major kMajorA = kKGrouped ? Major::MN : Major::K;
+  static constexpr Major kMajorB = P == GroupedProduct::kGmm || kKGrouped ? Major::MN : Major::K;
+  static constexpr uint32_t kSwizzleA = kMajorA == Major::K ? 128 : swizzle_bytes(BlockM * kElem);
   static constexpr uint32_t kSwizzleB = kMajorB == Major::K ? 128 : swizzle_bytes(BlockN * kElem);
   static constexpr uint32_t kSwizzleD = swizzle_bytes(BlockN * 2);
   // FP8: a tile reads one weight-scale block per K step, or two where BlockN spans two.
@@ -58,34 +64,49 @@ struct Kernel {
     return kOutput + kBarriers + weight_scales + kStages * kPerStage;
   }
 
+  static constexpr GemmType kLayout =
+      kKGrouped ? GemmType::KGroupedContiguous : GemmType::MGroupedContiguousWithPsumLayout;
+
   static auto function() {
     if constexpr (kFp8)
-      return &deep_gemm::sm90_fp8_gemm_1d2d_impl<Major::MN, 0, ShapeN, 0, 1, kBlockM, BlockN,
+      return &deep_gemm::sm90_fp8_gemm_1d2d_impl<Major::MN, 0, ShapeN, 0, Groups, kBlockM, BlockN,
                                                  kBlockK, kSwizzleA, kSwizzleB, kSwizzleD, kStages,
-                                                 kTmaThreads, kMathThreads, 1, false, kSms,
-                                                 GemmType::MGroupedContiguous, cutlass::bfloat16_t>;
+                                                 kTmaThreads, kMathThreads, 1, false, kSms, kLayout,
+                                                 cutlass::bfloat16_t>;
     else
-      return &deep_gemm::sm90_bf16_gemm_impl<
-          Major::K, kMajorB, 0, ShapeN, 0, 1, kBlockM, BlockN, kBlockK, kSwizzleA, kSwizzleB,
-          kSwizzleD, kStages, kTmaThreads, kMathThreads, 1, false, kSms,
-          GemmType::MGroupedContiguous, false, cutlass::bfloat16_t>;
+      return &deep_gemm::sm90_bf16_gemm_impl<kMajorA, kMajorB, 0, ShapeN, 0, Groups, kBlockM,
+                                             BlockN, kBlockK, kSwizzleA, kSwizzleB, kSwizzleD,
+                                             kStages, kTmaThreads, kMathThreads, 1, false, kSms,
+                                             kLayout, false, cutlass::bfloat16_t>;
   }
 
-  // DeepGEMM's m, n, k: out [rows, n] = lhs [rows, k] times group g's [k, n].
+  // DeepGEMM's m, n, k: out [rows, n] = lhs [rows, k] times group g's [k, n]; tgmm: out[g]
+  // [K, N] = lhs [rows of g, K]^T times rhs [rows of g, N] (m = K, k = the group's rows).
+  // layout: each tile's group (m-grouped), or each group's rows (tgmm).
   static std::string launch(const GroupedGemmArgs& a, int* layout, const float* lhs_scales_t,
                             cudaStream_t stream) {
-    const uint64_t rows = a.m, n = P == GroupedProduct::kGmmT ? a.k : a.n,
-                   k = P == GroupedProduct::kGmmT ? a.n : a.k, groups = a.groups;
+    const uint64_t rows = a.m, groups = a.groups;
+    const uint64_t m = kKGrouped ? a.k : rows, n = P == GroupedProduct::kGmmT ? a.k : a.n,
+                   k = kKGrouped                    ? rows
+                       : P == GroupedProduct::kGmmT ? a.n
+                                                    : a.k;
     const auto element = kFp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    const auto bf16 = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
     CUtensorMap lhs, rhs, out, scales{};
-    std::string error = operand_map(lhs, a.lhs, element, kElem, k, rows, kBlockM, kSwizzleA);
-    if (error.empty())
-      error = kMajorB == Major::MN
-                  ? operand_map(rhs, a.rhs, element, kElem, n, k * groups, kBlockK, kSwizzleB)
-                  : operand_map(rhs, a.rhs, element, kElem, k, n * groups, BlockN, kSwizzleB);
-    if (error.empty())
-      error =
-          operand_map(out, a.out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, n, rows, kBlockM, kSwizzleD);
+    std::string error;
+    if constexpr (kKGrouped) {  // lhs [rows, K], rhs [rows, N], out [G, K, N]
+      error = operand_map(lhs, a.lhs, bf16, 2, m, rows, kBlockK, kSwizzleA);
+      if (error.empty()) error = operand_map(rhs, a.rhs, bf16, 2, n, rows, kBlockK, kSwizzleB);
+      if (error.empty())
+        error = operand_map(out, a.out, bf16, 2, n, m * groups, kBlockM, kSwizzleD);
+    } else {
+      error = operand_map(lhs, a.lhs, element, kElem, k, rows, kBlockM, kSwizzleA);
+      if (error.empty())
+        error = kMajorB == Major::MN
+                    ? operand_map(rhs, a.rhs, element, kElem, n, k * groups, kBlockK, kSwizzleB)
+                    : operand_map(rhs, a.rhs, element, kElem, k, n * groups, BlockN, kSwizzleB);
+      if (error.empty()) error = operand_map(out, a.out, bf16, 2, n, rows, kBlockM, kSwizzleD);
+    }
     const uint64_t rows_padded = (rows + 3) / 4 * 4;
     if (error.empty() && kFp8)
       error = tensor_map(scales, lhs_scales_t, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, rows_padded,
@@ -102,7 +123,7 @@ struct Kernel {
                                                              layout, uint32_t(rows), uint32_t(n),
                                                              uint32_t(k), lhs, rhs, out, scales);
     else
-      fn<<<kSms, kTmaThreads + kMathThreads, smem, stream>>>(layout, uint32_t(rows), uint32_t(n),
+      fn<<<kSms, kTmaThreads + kMathThreads, smem, stream>>>(layout, uint32_t(m), uint32_t(n),
                                                              uint32_t(k), lhs, rhs, out);
     if (cudaPeekAtLastError() != cudaSuccess)
       return std::string("DeepGEMM's kernel: ") + cudaGetErrorString(cudaGetLastError());
@@ -114,51 +135,90 @@ struct Kernel {
 // shapes (bench/results/versus-deepgemm-*.json): the best single-CTA tile of each projection,
 // gate/up (N < K) and down (N > K), TFLOP/s there. FP8 tiles wider than 128 straddle the
 // weights' 128-column scale blocks, and that kernel keeps its registers (no spills) only with N
-// fixed at compile time: instances for V3's two N, 128-wide tiles for any other.
-using Fp8GateUp = Kernel<GroupedProduct::kGmmFp8, 192, 2048>;  // 1202-1205
-using Fp8Down = Kernel<GroupedProduct::kGmmFp8, 160, 7168>;    // 1081-1168
-using Fp8AnyN = Kernel<GroupedProduct::kGmmFp8, 128>;          // 1038-1149
-using GmmNarrow = Kernel<GroupedProduct::kGmm, 256>;           // 694-697
-using GmmWide = Kernel<GroupedProduct::kGmm, 192>;             // 657-680
-using GmmT = Kernel<GroupedProduct::kGmmT, 256>;               // 661-696
+// fixed at compile time: instances for V3's two N, 128-wide tiles for any other. Each comes for
+// every group count of kGroupCounts.
+template <uint32_t Groups>
+struct Kernels {
+  using Fp8GateUp = Kernel<GroupedProduct::kGmmFp8, 128, 192, 2048, Groups>;   // 1202-1205
+  using Fp8Down = Kernel<GroupedProduct::kGmmFp8, 128, 160, 7168, Groups>;     // 1081-1168
+  using Fp8AnyN = Kernel<GroupedProduct::kGmmFp8, 128, 128, 0, Groups>;        // 1038-1149
+  using GmmNarrow = Kernel<GroupedProduct::kGmm, 128, 256, 0, Groups>;         // 694-697
+  using GmmWide = Kernel<GroupedProduct::kGmm, 128, 192, 0, Groups>;           // 657-680
+  using GmmT = Kernel<GroupedProduct::kGmmT, 128, 256, 0, Groups>;             // 661-696
+  using Tgmm = Kernel<GroupedProduct::kTgmm, kDeepGemmTgmmK, 128, 0, Groups>;  // 619-647
+};
 
-template <class Fn>
-std::string with_kernel(const GroupedGemmArgs& a, Fn&& fn) {
+// The group counts the kernels are built for: a call's groups are padded to the next, with empty
+// groups, which its scheduler passes over at the end (at most 4x the groups).
+constexpr uint32_t kGroupCounts[] = {16, 64, kDeepGemmMaxGroups};
+
+// The group count of a call's kernel (0: more groups than any takes).
+int group_count(int groups) {
+  for (uint32_t count : kGroupCounts)
+    if (groups <= int(count)) return int(count);
+  return 0;
+}
+
+template <uint32_t Groups, class Fn>
+std::string with_kernel_of(const GroupedGemmArgs& a, Fn&& fn) {
+  using K = Kernels<Groups>;
   const bool wide = a.n > a.k;
   switch (a.product) {
+    case GroupedProduct::kTgmm:
+      return fn(typename K::Tgmm{});
     case GroupedProduct::kGmmFp8:
-      return a.n == 2048 ? fn(Fp8GateUp{}) : a.n == 7168 ? fn(Fp8Down{}) : fn(Fp8AnyN{});
+      return a.n == 2048   ? fn(typename K::Fp8GateUp{})
+             : a.n == 7168 ? fn(typename K::Fp8Down{})
+                           : fn(typename K::Fp8AnyN{});
     case GroupedProduct::kGmm:
-      return wide ? fn(GmmWide{}) : fn(GmmNarrow{});
+      return wide ? fn(typename K::GmmWide{}) : fn(typename K::GmmNarrow{});
     case GroupedProduct::kGmmT:
-      return fn(GmmT{});
+      return fn(typename K::GmmT{});
     default:
-      return "DeepGEMM's kernels compute gmm, gmm_t and FP8 gmm";
+      return "DeepGEMM: no kernel for this product";
   }
 }
 
-// The tiles' groups: tile t (rows from t * 128) takes group g's weights when it lies in g and g
-// is DeepGEMM's, else -1. One thread per tile, a binary search over the groups' ends.
-__global__ void tile_groups_kernel(int64_t m, int32_t groups, const int32_t* rows,
-                                   const int64_t* offsets, const int64_t* total, int* layout) {
-  const int64_t tiles = (m + kDeepGemmRows - 1) / kDeepGemmRows, all = *total;
-  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < tiles;
-       t += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = t * kDeepGemmRows;
-    int lo = 0, hi = groups;  // the first group ending past `row`
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (offsets[mid] + rows[mid] <= row)
-        lo = mid + 1;
-      else
-        hi = mid;
-    }
-    const bool taken =
-        row < all && lo < groups && deep_gemm_takes_group(offsets[lo], rows[lo], all);
-    const int group = taken ? lo : -1;
-    layout[row] = group;
-    if (row + kDeepGemmRows / 2 < m) layout[row + kDeepGemmRows / 2] = group;
+template <class Fn>
+std::string with_kernel(const GroupedGemmArgs& a, Fn&& fn) {
+  switch (group_count(a.groups)) {
+    case kGroupCounts[0]:
+      return with_kernel_of<kGroupCounts[0]>(a, fn);
+    case kGroupCounts[1]:
+      return with_kernel_of<kGroupCounts[1]>(a, fn);
+    case kGroupCounts[2]:
+      return with_kernel_of<kGroupCounts[2]>(a, fn);
+    default:
+      return "DeepGEMM's kernels take at most " + std::to_string(kDeepGemmMaxGroups) + " groups";
   }
+}
+
+// The groups' ends as DeepGEMM's psum layout takes them. Its group g's tiles run from the end of
+// g - 1 rounded up to 128 rows to g's end; end'_g = max(end_g, end_{g-1} rounded up) keeps that
+// range non-negative, makes it exactly the rows of a group DeepGEMM takes (deep_gemm_takes_group:
+// the group before it ends on a boundary), and keeps every other group's tiles on rows that
+// CUTLASS's kernel or the zeroing overwrite. Padding groups end where the last one's tiles end.
+__global__ void psum_ends_kernel(int32_t groups, int32_t count, const int32_t* rows,
+                                 const int64_t* offsets, int* ends) {
+  const auto end = [&](int g) {  // a padding group's: the last group's
+    const int e = min(g, groups - 1);
+    return offsets[e] + rows[e];
+  };
+  for (int g = blockIdx.x * blockDim.x + threadIdx.x; g < count; g += gridDim.x * blockDim.x) {
+    const int64_t own = end(g), before = g ? end(g - 1) : 0;
+    ends[g] = int(max(own, (before + kDeepGemmRows - 1) / kDeepGemmRows * kDeepGemmRows));
+  }
+}
+
+// tgmm: each group's rows for DeepGEMM's k-grouped kernel, padded with empty groups; all zero
+// (nothing for it to compute) unless it takes every group (deep_gemm_takes_k_group).
+__global__ void k_group_sizes_kernel(int32_t groups, int32_t count, const int32_t* rows,
+                                     int* sizes) {
+  bool misaligned = false;
+  for (int e = threadIdx.x; e < groups; e += blockDim.x)
+    misaligned |= !deep_gemm_takes_k_group(rows[e]);
+  const bool all = !__syncthreads_or(misaligned);
+  for (int e = threadIdx.x; e < count; e += blockDim.x) sizes[e] = all && e < groups ? rows[e] : 0;
 }
 
 // FP8: the rows' scales [M, K/128] as DeepGEMM's TMA reads them, [K/128, M rounded up to 4].
@@ -176,9 +236,8 @@ struct Scratch {
   size_t bytes;
 
   Scratch(void* base, const GroupedGemmArgs& a) {
-    const int64_t rows = (a.m + kDeepGemmRows - 1) / kDeepGemmRows * kDeepGemmRows;
     layout = static_cast<int*>(base);
-    const size_t layout_bytes = (rows * sizeof(int) + 255) / 256 * 256;
+    const size_t layout_bytes = (group_count(a.groups) * sizeof(int) + 255) / 256 * 256;
     lhs_scales_t = reinterpret_cast<float*>(static_cast<uint8_t*>(base) + layout_bytes);
     const bool fp8 = a.product == GroupedProduct::kGmmFp8;
     bytes = layout_bytes + (fp8 ? (a.m + 3) / 4 * 4 * (a.k / kFp8Block) * sizeof(float) : 0);
@@ -199,17 +258,23 @@ std::string deep_gemm_misfit(const GroupedGemmArgs& a, int device) {
     return "DeepGEMM's kernels take K and N multiples of " + std::to_string(multiple);
   if (a.product == GroupedProduct::kGmmFp8 && a.k > kMaxFp8K)
     return "DeepGEMM's FP8 kernels take K up to " + std::to_string(kMaxFp8K);
+  // tgmm's output tiles are 256 rows of one group's [K, N] block: K must not split one.
+  if (a.product == GroupedProduct::kTgmm && a.k % kDeepGemmTgmmK)
+    return "DeepGEMM's weight gradient takes K multiples of " + std::to_string(kDeepGemmTgmmK);
   return with_kernel(a, [](auto) { return std::string(); });
 }
 
 size_t deep_gemm_scratch_bytes(const GroupedGemmArgs& a) { return Scratch(nullptr, a).bytes; }
 
 std::string deep_gemm(const GroupedGemmArgs& a, const int32_t* rows, const int64_t* offsets,
-                      const int64_t* total, void* scratch, cudaStream_t stream) {
+                      void* scratch, cudaStream_t stream) {
   Scratch s(scratch, a);
-  const int64_t tiles = (a.m + kDeepGemmRows - 1) / kDeepGemmRows;
-  tile_groups_kernel<<<int((tiles + 255) / 256), 256, 0, stream>>>(a.m, a.groups, rows, offsets,
-                                                                   total, s.layout);
+  const int count = group_count(a.groups);
+  if (a.product == GroupedProduct::kTgmm)
+    k_group_sizes_kernel<<<1, 1024, 0, stream>>>(a.groups, count, rows, s.layout);
+  else
+    psum_ends_kernel<<<(count + 255) / 256, 256, 0, stream>>>(a.groups, count, rows, offsets,
+                                                              s.layout);
   if (a.product == GroupedProduct::kGmmFp8)
     transpose_scales_kernel<<<2 * kSms, 256, 0, stream>>>(a.lhs_scales, a.m, a.k / kFp8Block,
                                                           s.lhs_scales_t);

@@ -136,6 +136,7 @@ __global__ void __launch_bounds__(kSetupThreads)
   __shared__ typename Scan::TempStorage scan;
   __shared__ int64_t total;
   int64_t carry = 0;
+  bool misaligned = false;  // a group DeepGEMM's weight gradient cannot take
   for (int base = 0; base < a.groups; base += kSetupThreads) {
     const int e = base + threadIdx.x;
     const int64_t asked = e < a.groups ? max(a.group_sizes[e], 0) : 0;
@@ -147,9 +148,10 @@ __global__ void __launch_bounds__(kSetupThreads)
     if (e >= a.groups) continue;
     g.rows[e] = int(min(asked, a.group_stride ? a.group_stride : a.m - offset));
     g.offsets[e] = offset;
+    misaligned |= !deep_gemm_takes_k_group(g.rows[e]);
   }
   if (threadIdx.x == 0) *g.total = total = a.group_stride ? a.m : min(carry, a.m);  // no tail
-  __syncthreads();
+  const bool all_k_groups = !__syncthreads_or(misaligned);  // and `total` seen by every thread
 
   using Element = std::remove_cv_t<std::remove_pointer_t<std::remove_pointer_t<decltype(g.a)>>>;
   const auto* lhs = static_cast<const Element*>(a.lhs);
@@ -158,7 +160,9 @@ __global__ void __launch_bounds__(kSetupThreads)
   const int64_t k = a.k, n = a.n;
   for (int e = threadIdx.x; e < a.groups; e += kSetupThreads) {
     const int64_t offset = g.offsets[e];
-    const int rows = a.deep_gemm && deep_gemm_takes_group(offset, g.rows[e], total) ? 0 : g.rows[e];
+    const bool deep_gemm_takes =
+        P == GroupedProduct::kTgmm ? all_k_groups : deep_gemm_takes_group(offset, g.rows[e], total);
+    const int rows = a.deep_gemm && deep_gemm_takes ? 0 : g.rows[e];
     g.stride_a[e] = stride_a;
     g.stride_b[e] = stride_b;
     g.stride_d[e] = stride_d;
@@ -329,7 +333,7 @@ std::string run(const GroupedGemmArgs& a, int device, void* workspace, cudaStrea
   if (cudaPeekAtLastError() != cudaSuccess) return cuda_error("setup");
   if (a.deep_gemm) {  // first: CUTLASS's kernel and the zeroing overwrite what its tiles wrote
     const std::string error =
-        deep_gemm(a, s.groups.rows, s.groups.offsets, s.groups.total, s.deep_gemm_scratch, stream);
+        deep_gemm(a, s.groups.rows, s.groups.offsets, s.deep_gemm_scratch, stream);
     if (!error.empty()) return "grouped matmul: " + error;
   }
   if constexpr (K::kBlockScaled) {
