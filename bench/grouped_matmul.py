@@ -294,33 +294,12 @@ def run_case(case, plan, sweep, timing, results):
 
     def timed(kind, impl, step, args, blocks=None, repeats=5):
         """Seconds per call, recorded and printed (None, with the error, if it fails)."""
-        seconds = error = None
-        try:
-            seconds = timing.seconds(step, args, repeats)
-        except Exception as e:  # noqa: BLE001  (e.g. blocks the kernel cannot fit in memory)
-            error = str(e).splitlines()[0][:200]
-        results.append(
-            dict(
-                base,
-                product=kind,
-                impl=impl,
-                blocks=blocks,
-                error=error,
-                time_ms=None if error else seconds * 1e3,
-                tflops=None if error else tflops(rows, k, n, seconds),
-            )
+        label = (
+            f"R={ranks} {projection:7s} {distribution:7s} {kind:5s} {impl:16s} "
+            f"{'' if blocks is None else blocks}"
         )
-        print(
-            f"  R={ranks} {projection:7s} {distribution:7s} {kind:5s} {impl:16s} "
-            f"{'' if blocks is None else blocks}: "
-            + (
-                f"failed ({error})"
-                if error
-                else f"{seconds * 1e3:8.3f} ms {tflops(rows, k, n, seconds):7.1f} TFLOP/s"
-            ),
-            flush=True,
-        )
-        return seconds
+        record = dict(base, product=kind, impl=impl, blocks=blocks)
+        return measure(timing, step, args, results, record, label, repeats)
 
     for impl, value in torch_forwards(rows, k, n, sizes, timing).items():
         measured = not isinstance(value, str)
@@ -428,6 +407,24 @@ def run_case(case, plan, sweep, timing, results):
     return best
 
 
+def measure(timing, step, args, results, record, label, repeats=5, unit="ms"):
+    """Times step(*args); appends record with the outcome (error, time_ms, and tflops over
+    record["rows"] rows) to results and prints it after label. A step that cannot run here (a
+    build without DeepGEMM's kernels, blocks that do not fit) records its error. Returns the
+    seconds per call, or None."""
+    seconds = error = None
+    try:
+        seconds = timing.seconds(step, args, repeats)
+    except Exception as e:  # noqa: BLE001
+        error = str(e).splitlines()[0][:200]
+    rate = None if error else tflops(record["rows"], record["k"], record["n"], seconds)
+    results.append(dict(record, error=error, time_ms=None if error else seconds * 1e3, tflops=rate))
+    scale, width = {"ms": (1e3, "8.3f"), "us": (1e6, "8.1f")}[unit]
+    outcome = f"{seconds * scale:{width}} {unit} {rate:7.1f} TFLOP/s" if seconds else ""
+    print(f"  {label}: " + (f"failed ({error})" if error else outcome), flush=True)
+    return seconds
+
+
 def buffer_case(ranks, rows, groups, buffer_rows, k, n, projection, timing, results):
     """The forward on a dispatch's worst-case expert buffer: lhs of buffer_rows rows of which the
     first `rows` are in uniform groups (multiples of 128). CUTLASS's and DeepGEMM's kernels (bf16,
@@ -441,38 +438,24 @@ def buffer_case(ranks, rows, groups, buffer_rows, k, n, projection, timing, resu
             ("", grouped_step("gmm", impl, 128), (lhs, rhs, sizes)),
             ("_fp8_kernel", fp8_step(128, True, impl), fp8_args),
         ):
-            seconds = error = None
-            try:
-                seconds = timing.seconds(step, args)
-            except Exception as e:  # noqa: BLE001  (e.g. a build without DeepGEMM's kernels)
-                error = str(e).splitlines()[0][:200]
-            rate = None if error else tflops(rows, k, n, seconds)
-            results.append(
-                dict(
-                    ranks=ranks,
-                    groups=groups,
-                    rows=rows,
-                    buffer_rows=buffer_rows,
-                    projection=projection,
-                    k=k,
-                    n=n,
-                    distribution="uniform",
-                    product="gmm",
-                    impl=impl + name + "_buffer",
-                    blocks=None,
-                    error=error,
-                    time_ms=None if error else seconds * 1e3,
-                    tflops=rate,
-                )
+            record = dict(
+                ranks=ranks,
+                groups=groups,
+                rows=rows,
+                buffer_rows=buffer_rows,
+                projection=projection,
+                k=k,
+                n=n,
+                distribution="uniform",
+                product="gmm",
+                impl=impl + name + "_buffer",
+                blocks=None,
             )
-            print(
-                f"  R={ranks} {projection:7s} {rows} rows in a buffer of {buffer_rows} "
-                f"{impl + name:20s}: "
-                + (
-                    f"failed ({error})" if error else f"{seconds * 1e3:8.3f} ms {rate:7.1f} TFLOP/s"
-                ),
-                flush=True,
+            label = (
+                f"R={ranks} {projection:7s} {rows} rows in a buffer of {buffer_rows} "
+                f"{impl + name:20s}"
             )
+            measure(timing, step, args, results, record, label)
 
 
 def decode_case(ranks, tokens, topk, experts, k, n, projection, timing, results, seed=0):
@@ -488,38 +471,24 @@ def decode_case(ranks, tokens, topk, experts, k, n, projection, timing, results,
     lhs = jax.random.normal(keys[0], (groups, capacity, k), jnp.bfloat16)
     rhs = (jax.random.normal(keys[1], (groups, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
     for impl in ("cutlass", "mosaic", "xla"):
-        seconds = error = None
-        try:
-            seconds = timing.seconds(
-                lambda a, b, r, impl=impl: grouped.masked_matmul(a, b, r, impl=impl),
-                (lhs, rhs, jnp.asarray(rows)),
-            )
-        except Exception as e:  # noqa: BLE001
-            error = str(e).splitlines()[0][:200]
-        rate = None if error else tflops(int(rows.sum()), k, n, seconds)
-        results.append(
-            dict(
-                ranks=ranks,
-                groups=groups,
-                rows=int(rows.sum()),
-                capacity=capacity,
-                projection=projection,
-                k=k,
-                n=n,
-                distribution="decode",
-                product="masked",
-                impl="batched_einsum" if impl == "xla" else "masked_" + impl,
-                error=error,
-                time_ms=None if error else seconds * 1e3,
-                tflops=rate,
-            )
+        record = dict(
+            ranks=ranks,
+            groups=groups,
+            rows=int(rows.sum()),
+            capacity=capacity,
+            projection=projection,
+            k=k,
+            n=n,
+            distribution="decode",
+            product="masked",
+            impl="batched_einsum" if impl == "xla" else "masked_" + impl,
         )
-        print(
-            f"  R={ranks} {projection:7s} decode {groups} x {capacity} rows "
-            f"({int(rows.sum())} of data) {impl:7s}: "
-            + (f"failed ({error})" if error else f"{seconds * 1e6:8.1f} us {rate:7.1f} TFLOP/s"),
-            flush=True,
+        label = (
+            f"R={ranks} {projection:7s} decode {groups} x {capacity} rows "
+            f"({int(rows.sum())} of data) {impl:7s}"
         )
+        step = lambda a, b, r, impl=impl: grouped.masked_matmul(a, b, r, impl=impl)  # noqa: E731
+        measure(timing, step, (lhs, rhs, jnp.asarray(rows)), results, record, label, unit="us")
 
 
 def table(results):

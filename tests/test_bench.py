@@ -115,11 +115,12 @@ def test_peer_bandwidth_is_not_measured_without_the_probe():
 
 def test_grouped_matmul_bench_records_every_case(tmp_path):
     """bench.grouped_matmul on tiny shapes: the XLA products and the decode MLP's batched einsum
-    are timed, the Mosaic kernels recorded as failed where they cannot run."""
+    are timed, the Mosaic kernels and the worst-case buffer's kernels recorded as failed where
+    they cannot run."""
     from bench import grouped_matmul
 
     grouped_matmul.main(
-        "--ranks 2 --tokens 32 --experts 4 --hidden 128 --ffn 128 --alignment 8 --sweep= "
+        "--ranks 2 --tokens 32 --experts 4 --hidden 128 --ffn 128 --alignment 8 --sweep= --buffer "
         f"--decode-tokens 8 --counts 1,2 --warm-s 0.01 --machine test --out {tmp_path}".split()
     )
     (path,) = tmp_path.glob("grouped-matmul-test-*.json")
@@ -131,6 +132,10 @@ def test_grouped_matmul_bench_records_every_case(tmp_path):
         assert {(projection, "dense"), (projection, "xla"), (projection, "batched_einsum")} <= timed
     decode = [r for r in results if r["distribution"] == "decode"]
     assert len(decode) == 6 and all(r["capacity"] == 16 for r in decode)
+    buffer = [r for r in results if r["impl"].endswith("_buffer")]
+    assert len(buffer) == 8 and all(r["buffer_rows"] == 2 * 32 * 8 for r in buffer)
+    if jax.devices()[0].platform != "gpu":
+        assert all(r["error"] and r["tflops"] is None for r in buffer)
 
 
 def test_expert_padded_bench_records_every_row_count(tmp_path):
