@@ -63,7 +63,7 @@ from jax_ep.nn import cutlass, mosaic
 from jax_ep.primitives import all_varying, varying_like
 
 IMPLS = ("auto", "xla", "mosaic", "cutlass", "deepgemm")
-# What impl="auto" tries first: the faster on an H200.
+# What impl="auto" tries, fastest first (H200 and H100 at EP8's V3 shapes: docs/PERFORMANCE.md).
 AUTO_ORDER = ("deepgemm", "cutlass", "mosaic")
 PRODUCTS = ("gmm", "gmm_t", "tgmm")
 MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
