@@ -889,10 +889,10 @@ class Buffer:
             )
         if fp8 and self.hidden % FP8_BLOCK:
             _fail(f"fp8 needs hidden % 128 == 0, got hidden={self.hidden}")
-        on_gpus = self._plan is not None and self._plan.platform == "cuda"
-        widest = limits()["max_scales_per_row"] * FP8_BLOCK if on_gpus else None
-        if fp8 and widest and self.hidden > widest:  # the CUDA dispatch stages a row's scales
-            _fail(f"fp8 rows on GPUs take hidden up to {widest}, got hidden={self.hidden}")
+        if fp8 and self._plan is not None and self._plan.platform == "cuda":
+            widest = limits()["max_scales_per_row"] * FP8_BLOCK  # the dispatch stages the scales
+            if self.hidden > widest:
+                _fail(f"fp8 rows on GPUs take hidden up to {widest}, got hidden={self.hidden}")
         if round_scale and not fp8:
             _fail("round_scale=True needs fp8=True")
         return tokens

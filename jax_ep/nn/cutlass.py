@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _native, ffi_path
+from jax_ep.buffer import limits
 from jax_ep.fp8 import FP8_BLOCK
 
 PRODUCT_IDS = {"gmm": 0, "gmm_t": 1, "tgmm": 2}  # kernels/cuda/grouped_gemm.h GroupedProduct
@@ -58,7 +59,7 @@ def deep_gemm_built():
 def deep_gemm_takes_tgmm(k):
     """Whether DeepGEMM's weight gradient takes tgmm's K (kernels/limits.h); where it does not,
     CUTLASS's computes it."""
-    return k % _native.limits()["deep_gemm_tgmm_k"] == 0
+    return k % limits()["deep_gemm_tgmm_k"] == 0
 
 
 def product(kind, a, b, group_sizes, group_stride=0, order=None, deep_gemm=False):
@@ -118,9 +119,8 @@ def shape_misfits(k, n, groups, fp8):
     """Why the kernels cannot take K, N and this many groups (empty when they can): K and N
     multiples of the TMA's alignment (FP8: of the scale blocks), groups within the limit
     (kernels/limits.h; the handlers check both again)."""
-    limits = _native.limits()
-    multiple = FP8_BLOCK if fp8 else limits["grouped_matmul_alignment"]
-    most = limits["max_grouped_matmul_groups"]
+    multiple = FP8_BLOCK if fp8 else limits()["grouped_matmul_alignment"]
+    most = limits()["max_grouped_matmul_groups"]
     problems = [
         f"cutlass: {name}={size} is not a positive multiple of {multiple}"
         for name, size in (("K", k), ("N", n))

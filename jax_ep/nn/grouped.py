@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import _native, ffi_path
+from jax_ep.buffer import limits
 from jax_ep.fp8 import (
     FP8_BLOCK,
     dequantize_fp8,
@@ -238,8 +239,8 @@ def deepgemm_misfits(lhs_shape, rhs_shape, dtype, group_alignment, fp8=False):
     problems = cutlass_misfits(lhs_shape, rhs_shape, dtype, fp8)
     if not cutlass.deep_gemm_built():
         problems.append("this jax_ep was built without DeepGEMM's kernels")
-    limits = _native.limits()
-    rows, sms = limits["deep_gemm_rows"], limits["deep_gemm_sms"]
+    bounds = limits()
+    rows, sms = bounds["deep_gemm_rows"], bounds["deep_gemm_sms"]
     device = jax.devices()[0]
     if device.platform == "gpu" and getattr(device, "core_count", sms) != sms:
         problems.append(
@@ -250,17 +251,17 @@ def deepgemm_misfits(lhs_shape, rhs_shape, dtype, group_alignment, fp8=False):
             f"deepgemm: group_alignment={group_alignment} is not a multiple of {rows} rows"
         )
     (m, k), (groups, _, n) = lhs_shape, rhs_shape
-    if not 0 < m <= limits["deep_gemm_max_rows"]:
+    if not 0 < m <= bounds["deep_gemm_max_rows"]:
         problems.append(
-            f"deepgemm: M={m} rows (its kernels take 1 to {limits['deep_gemm_max_rows']})"
+            f"deepgemm: M={m} rows (its kernels take 1 to {bounds['deep_gemm_max_rows']})"
         )
-    if groups > limits["deep_gemm_max_groups"]:
+    if groups > bounds["deep_gemm_max_groups"]:
         problems.append(
-            f"deepgemm: G={groups} is more than {limits['deep_gemm_max_groups']} groups"
+            f"deepgemm: G={groups} is more than {bounds['deep_gemm_max_groups']} groups"
         )
-    if fp8 and k > limits["deep_gemm_max_fp8_k"]:
-        problems.append(f"deepgemm: K={k} is more than {limits['deep_gemm_max_fp8_k']} (FP8)")
-    multiple = FP8_BLOCK if fp8 else limits["deep_gemm_alignment"]
+    if fp8 and k > bounds["deep_gemm_max_fp8_k"]:
+        problems.append(f"deepgemm: K={k} is more than {bounds['deep_gemm_max_fp8_k']} (FP8)")
+    multiple = FP8_BLOCK if fp8 else bounds["deep_gemm_alignment"]
     return problems + [
         f"deepgemm: {name}={size} is not a positive multiple of {multiple}"
         for name, size in (("K", k), ("N", n))
