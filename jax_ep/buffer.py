@@ -227,7 +227,15 @@ class Buffer:
             fast = self._connect(num_sms, float(timeout_s), low_latency_tokens, bool(direct_local))
         if num_nodes > 1:
             reference, fast = (
-                Hierarchical(ops, outer_axes, num_nodes, fast_axis, ranks_per_node, num_experts)
+                Hierarchical(
+                    ops,
+                    outer_axes,
+                    num_nodes,
+                    fast_axis,
+                    ranks_per_node,
+                    num_experts,
+                    self.max_row_dtype,
+                )
                 for ops in (reference, fast)
             )
         self._reference, self._ops = reference, fast

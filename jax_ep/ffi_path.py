@@ -204,24 +204,31 @@ def _dispatch_bwd(cfg, rows, res, ct):
     grad_x = grad_w = None
     if has_w:  # each (token, slot) weight lives in exactly one rank's row; elsewhere it is -1
         ct_w = jnp.where(topk_rows >= 0, ct_rows.topk_weights, 0.0)
-    if has_x:
-        ct_x = ct_rows.x.astype(layout.travel_dtype(cfg.x_dtype, cfg.max_row_dtype))
-    if has_x and has_w and ct_x.dtype == jnp.dtype(cfg.x_dtype):
-        grad_x, grad_w = _adjoint(cfg, ct_x, ct_w, *handle)
-    else:  # rows narrower than x (a bf16-row Buffer): their sum comes back in float32
+    travel = layout.travel_dtype(cfg.x_dtype, cfg.max_row_dtype)
+    if has_x and has_w and travel == jnp.dtype(cfg.x_dtype):
+        grad_x, grad_w = _adjoint(cfg, ct_rows.x.astype(travel), ct_w, *handle)
+        grad_x = grad_x.astype(ct_rows.x.dtype).astype(cfg.x_dtype)  # as _x_from_rows rounds
+    else:
         if has_x:
-            grad_x = _combine(
-                cfg._replace(rows_dtype=ct_x.dtype.name, out_dtype="float32"), ct_x, *handle, None
-            )
+            grad_x = _x_from_rows(cfg, ct_rows.x, handle)
         if has_w:
             grad_w = _combine(
                 cfg._replace(rows_dtype="float32", out_dtype="float32"), ct_w, *handle, None
             )
-    if has_x:
-        # The float8 rows' own cotangent (dequantize_fp8 of d.x): its sum is rounded to float8,
-        # as the reference path's combine of the float8 rows rounds it; else a no-op.
-        grad_x = grad_x.astype(ct_rows.x.dtype).astype(cfg.x_dtype)
     return grad_x, None, grad_w
+
+
+def _x_from_rows(cfg, ct_rows, handle):
+    """x's gradient from its rows' cotangents: one combine. The rows travel in x's dtype, or the
+    Buffer's where that is narrower (float32 x sent in FP8 on a bf16-row Buffer), are summed in
+    float32 and rounded once to the rows' dtype (float8 rows' own cotangent, dequantize_fp8 of
+    d.x: as the reference path's combine of float8 rows rounds it), then cast to x's."""
+    ct_x = ct_rows.astype(layout.travel_dtype(cfg.x_dtype, cfg.max_row_dtype))
+    rounded = ct_rows.dtype if ct_x.dtype == ct_rows.dtype else jnp.dtype(jnp.float32)
+    sums = _combine(
+        cfg._replace(rows_dtype=ct_x.dtype.name, out_dtype=rounded.name), ct_x, *handle, None
+    )
+    return sums.astype(ct_rows.dtype).astype(cfg.x_dtype)
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
@@ -284,13 +291,7 @@ def _dispatch_cached_fwd(cfg, rows, x, send_pos, recv_counts, num_rows):
 
 
 def _dispatch_cached_bwd(cfg, rows, handle, ct):
-    grad_x = _combine(
-        cfg._replace(rows_dtype=cfg.x_dtype, out_dtype=cfg.x_dtype),
-        ct[0].astype(cfg.x_dtype),
-        *handle,
-        None,
-    )
-    return grad_x, None, None, None
+    return _x_from_rows(cfg, ct[0], handle), None, None, None
 
 
 _dispatch_cached.defvjp(_dispatch_cached_fwd, _dispatch_cached_bwd)
@@ -310,7 +311,10 @@ def _combine_fwd(cfg, row_data, send_pos, recv_counts, num_rows, bias):
 
 
 def _combine_bwd(cfg, res, ct_out):
+    """A cached dispatch of y's cotangent, in the rows' dtype where that is narrower (float32 y
+    from bf16 rows: rounding commutes with moving, and the Buffer may not take float32 rows)."""
     rows, send_pos, recv_counts, num_rows = res
+    ct_out = ct_out.astype(layout.travel_dtype(ct_out.dtype, cfg.rows_dtype))
     ct_rows, _ = _dispatch_cached(
         cfg._replace(fp8=False, x_dtype=ct_out.dtype.name),
         rows,

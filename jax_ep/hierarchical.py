@@ -86,8 +86,11 @@ class Hierarchical:
     """The primitives over (outer axes..., fast axis), from an `inner` backend over the fast
     axis (see the module's docstring)."""
 
-    def __init__(self, inner, outer_axes, num_nodes, fast_axis, ranks_per_node, num_experts):
+    def __init__(
+        self, inner, outer_axes, num_nodes, fast_axis, ranks_per_node, num_experts, max_row_dtype
+    ):
         self.inner = inner
+        self.max_row_dtype = jnp.dtype(max_row_dtype)  # the widest rows a cotangent travels in
         self.group_axes = (*outer_axes, fast_axis)  # every axis of the EP group
         self.outer = outer_axes[0] if len(outer_axes) == 1 else tuple(outer_axes)
         self.fast_axis = fast_axis
@@ -317,11 +320,21 @@ def _dispatch_bwd(cfg, res, ct):
     ct_rows = ct[0]
     grad_x = grad_w = None
     if not isinstance(ct_rows.x, SymbolicZero):
-        grad_x = _combine((hier, x_dtype, x_dtype, None), ct_rows.x.astype(x_dtype), routes, None)
+        grad_x = _x_from_rows(hier, x_dtype, ct_rows.x, routes)
     if not isinstance(ct_rows.topk_weights, SymbolicZero):
         ct_w = jnp.where(topk_rows >= 0, ct_rows.topk_weights, 0.0)
         grad_w = _combine((hier, _F32, _F32, None), ct_w, routes, None)
     return grad_x, None, grad_w
+
+
+def _x_from_rows(hier, x_dtype, ct_rows, routes):
+    """x's gradient from its rows' cotangents, as ffi_path's: the rows travel in x's dtype or
+    the Buffer's where narrower, are summed in float32 and rounded once to the rows' dtype
+    (float8 rows' own cotangent), then cast to x's."""
+    ct_x = ct_rows.astype(layout.travel_dtype(x_dtype, hier.max_row_dtype))
+    rounded = ct_rows.dtype if ct_x.dtype == ct_rows.dtype else _F32
+    sums = _combine((hier, rounded, ct_x.dtype, None), ct_x, routes, None)
+    return sums.astype(ct_rows.dtype).astype(x_dtype)
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
@@ -339,7 +352,7 @@ def _dispatch_cached_fwd(cfg, x, routes):
 
 def _dispatch_cached_bwd(cfg, routes, ct):
     hier, x_dtype = cfg[0], cfg[-1]
-    return _combine((hier, x_dtype, x_dtype, None), ct[0].astype(x_dtype), routes, None), None
+    return _x_from_rows(hier, x_dtype, ct[0], routes), None
 
 
 _dispatch_cached.defvjp(_dispatch_cached_fwd, _dispatch_cached_bwd)
@@ -356,9 +369,10 @@ def _combine_fwd(cfg, row_data, routes, bias):
 
 
 def _combine_bwd(cfg, routes, ct):
-    """A cached dispatch of y's cotangent (no FP8)."""
+    """A cached dispatch of y's cotangent (no FP8), in the rows' dtype where that is narrower."""
     hier, _, rows_dtype, bias_dtype = cfg
-    ct_rows, _ = _dispatch_cached((hier, False, False, ct.dtype), ct, routes)
+    ct_out = ct.astype(layout.travel_dtype(ct.dtype, rows_dtype))
+    ct_rows, _ = _dispatch_cached((hier, False, False, ct_out.dtype), ct_out, routes)
     return (
         ct_rows.astype(rows_dtype),
         None,

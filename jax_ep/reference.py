@@ -111,8 +111,11 @@ class Reference(Unsplit):
     def _move_x(self, x, send_pos, recv_counts, rows, fp8, round_scale):
         if fp8:
             q, scales = quantize_fp8(x, round_scale)
+            # Through _move_rows, so that the float8 rows' own cotangent (dequantize_fp8 of d.x)
+            # is summed in float32 and rounded once, as the custom calls' combine does (JAX's
+            # own transpose would add float8 values, rounding at each add).
             return (
-                _place(_send(self.axis, lambda d: q, send_pos, 0), recv_counts, rows, 0),
+                _move_rows(self, *all_varying(q, send_pos, recv_counts), rows),
                 _place(_send(self.axis, lambda d: scales, send_pos, 0.0), recv_counts, rows, 0.0),
             )
         return _move_rows(self, *all_varying(x, send_pos, recv_counts), rows), None

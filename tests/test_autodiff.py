@@ -317,7 +317,12 @@ def test_fp8_backward_sends_no_zero_cotangents(layout, combines):
 
 @pytest.mark.parametrize(
     "layout,through",
-    [("rank", "dequantize"), ("expert", "dequantize"), ("rank", "dequantize_fp8")],
+    [
+        ("rank", "dequantize"),
+        ("expert", "dequantize"),
+        ("rank", "dequantize_fp8"),
+        ("expert", "dequantize_fp8"),
+    ],
 )
 @pytest.mark.parametrize("row_dtype", [jnp.bfloat16, jnp.float32])
 def test_gradients_of_fp8_rows_of_float32_x(layout, through, row_dtype):
@@ -389,3 +394,49 @@ def test_gradients_are_the_closed_form(layout, fp8, ranks, impl):
         assert not np.abs(np.asarray(got_w)).max()
     else:
         assert relative_error(got_w, want_w) < 1e-5
+
+
+@pytest.mark.parametrize("row_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_narrowed_cotangents_are_the_same_bits_on_every_path(layout, row_dtype):
+    """The cotangents a backward narrows or rounds: the float8 rows' own (dequantize_fp8 of d.x,
+    of a fresh and of a cached dispatch, summed in float32 and rounded once to float8), and those
+    of float32 expert outputs combined from a bf16-row Buffer (sent in bf16). The custom calls
+    and the reference path, over one axis and over ("node", "ep"), give the same bits."""
+    nodes = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("node", "ep"))
+    flat = jax.sharding.Mesh(nodes.devices.reshape(-1), ("ep",))
+    x, idx, w = random_inputs(np.random.default_rng(31), 8, T, H, E, K, 8, "random", jnp.float32)
+    c = np.random.default_rng(32).standard_normal(x.shape).astype(np.float32)
+    grads = {}
+    for mesh, axis in ((flat, "ep"), (nodes, ("node", "ep"))):
+        for impl in ("ffi", "reference"):
+            buf = jax_ep.Buffer(
+                mesh,
+                axis,
+                num_experts=E,
+                hidden=H,
+                num_topk=K,
+                max_tokens_per_rank=T,
+                impl=impl,
+                max_row_dtype=row_dtype,
+            )
+
+            def layer(x, idx, w, c, buf=buf):
+                d = buf.dispatch(x, idx, w, layout=layout, fp8=True)
+                cached = buf.dispatch(x * x, handle=d.handle, fp8=True)
+                rows = dequantize_fp8(d.x, d.scales) + dequantize_fp8(cached.x, cached.scales)
+                weights = d.topk_weights if layout == "expert" else None
+                if layout == "rank":  # rank rows travel as they are: no wider than the Buffer's
+                    rows = rows.astype(row_dtype)
+                y = buf.combine(jnp.tanh(rows), d.handle, topk_weights=weights)
+                return jnp.vdot(y.astype(jnp.float32), c)[None]
+
+            f = jax.shard_map(layer, mesh=mesh, in_specs=P(axis), out_specs=P(axis))
+            loss = lambda x, w, f=f: f(x, idx, w, c).sum()  # noqa: E731
+            key = (axis, impl)
+            grads[key] = jax.jit(jax.grad(loss, argnums=(0, 1)))(*put(mesh, x, w))
+    want = grads[("ep", "reference")]
+    assert np.abs(np.asarray(want[0])).max() > 0
+    for key, got in grads.items():
+        for name, a, b in zip(("x", "topk_weights"), got, want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{key} {name}")
