@@ -303,6 +303,29 @@ def test_fp8_gradients_are_the_bf16_ones():
     assert not np.asarray(d_q, np.float32).any() and not np.asarray(d_scales).any()
 
 
+def test_fp8_dgrad_second_order_is_the_straight_through_one():
+    """A gradient of fp8_dgrad's gradient: its FP8 row gradient is differentiated as the product
+    it stands for (ct @ rhs_g^T), so the mixed second derivative d/d rhs <d/d lhs, v> is
+    tgmm(v, ct), exactly as without fp8_dgrad (it was silently zero)."""
+    lhs, lhs_q, scales, rhs, ct = fp8_operands(11)
+    sizes = jnp.asarray([128, 64, 0], jnp.int32)
+    v = jax.random.normal(jax.random.key(12), lhs.shape, lhs.dtype)
+    mixed = {}
+    for dgrad in (False, True):
+
+        def objective(a, b, dgrad=dgrad):
+            y = grouped.fp8_grouped_matmul(a, lhs_q, scales, b, sizes, fp8_dgrad=dgrad, impl="xla")
+            return jnp.vdot(y.astype(jnp.float32), ct.astype(jnp.float32))
+
+        def along_v(a, b, objective=objective):
+            d_lhs = jax.grad(objective)(a, b)
+            return jnp.vdot(d_lhs.astype(jnp.float32), v.astype(jnp.float32))
+
+        mixed[dgrad] = np.asarray(jax.jit(jax.grad(along_v, argnums=1))(lhs, rhs), np.float32)
+    assert np.abs(mixed[False]).max() > 0
+    np.testing.assert_array_equal(mixed[True], mixed[False])
+
+
 @pytest.mark.parametrize("sizes", [[128, 64, 0], [0, 0, 0]])
 def test_fp8_dgrad_is_the_fp8_product_of_the_cotangent(sizes):
     """fp8_dgrad: lhs's gradient = the float32 grouped product of the cotangent quantized 1 x 128

@@ -584,10 +584,32 @@ def _fp8_gmm_bwd(fp8_impl, backward, dgrad_impl, residuals, ct):
     if dgrad_impl is None:
         d_lhs, d_rhs, _ = _product_bwd("gmm", backward, (lhs, rhs, group_sizes), ct)
     else:  # the forward's weight blocks, [G, K, N]: N, this product's sum, innermost
-        ct_q, ct_scales = _quantize_rows(ct)
-        d_lhs = _fp8_product(dgrad_impl, ct_q, ct_scales, *fp8[4:], group_sizes, lhs)
+        d_lhs = _fp8_dgrad(dgrad_impl, backward, ct, rhs, group_sizes, *fp8[4:])
         d_rhs = _product("tgmm", backward, lhs, ct, group_sizes)
     return (d_lhs, d_rhs, None) + tuple(jnp.zeros_like(a) for a in fp8)
 
 
 _fp8_gmm.defvjp(_fp8_gmm_fwd, _fp8_gmm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fp8_dgrad(dgrad_impl, backward, ct, rhs, group_sizes, rhs_q_t, rhs_scales_t):
+    """fp8_dgrad's row gradient ct @ rhs_g^T as an FP8 product (ct quantized per row, the
+    forward's weight blocks transposed), differentiated as the product it stands for (straight
+    through, like the forward), so that a gradient of the gradient reaches ct and rhs."""
+    ct_q, ct_scales = _quantize_rows(ct)
+    return _fp8_product(dgrad_impl, ct_q, ct_scales, rhs_q_t, rhs_scales_t, group_sizes, ct)
+
+
+def _fp8_dgrad_fwd(dgrad_impl, backward, ct, rhs, group_sizes, *weights):
+    out = _fp8_dgrad(dgrad_impl, backward, ct, rhs, group_sizes, *weights)
+    return out, (ct, rhs, group_sizes, weights)
+
+
+def _fp8_dgrad_bwd(dgrad_impl, backward, residuals, ct_out):
+    ct, rhs, group_sizes, weights = residuals
+    d_ct, d_rhs, _ = _product_bwd("gmm_t", backward, (ct, rhs, group_sizes), ct_out)
+    return (d_ct, d_rhs, None) + tuple(jnp.zeros_like(a) for a in weights)
+
+
+_fp8_dgrad.defvjp(_fp8_dgrad_fwd, _fp8_dgrad_bwd)
