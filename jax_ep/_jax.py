@@ -370,6 +370,20 @@ def coordinator_address() -> str | None:
     return distributed.global_state.coordinator_address
 
 
+def in_eager_shard_map() -> bool:
+    """Whether this runs op by op inside shard_map (no jit around it): JAX cannot run a
+    custom_vjp with symbolic zeros there, which every op of the custom calls is."""
+    trace = core.trace_ctx.trace
+    while trace is not None:
+        name = type(trace).__name__
+        if name == "ShardMapTrace":
+            return True
+        if name == "DynamicJaxprTrace":
+            return False
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
 def varying_axes(value) -> frozenset:
     """The mesh axes `value` varies over inside shard_map (jax >= 0.10: the aval's
     manual_axis_type; earlier: its vma)."""

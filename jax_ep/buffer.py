@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import bootstrap
+from jax_ep import _jax, bootstrap
 from jax_ep import layout as layouts
 from jax_ep.fp8 import FP8_BLOCK, dequantize_fp8
 from jax_ep.hierarchical import Hierarchical
@@ -866,6 +866,12 @@ class Buffer:
             _fail(
                 f"axis {self.axis_name!r} has size {size} here but the Buffer was built for "
                 f"{self.num_ranks} ranks"
+            )
+        if self.impl == "ffi" and _jax.in_eager_shard_map():
+            _fail(
+                "the custom calls run under jax.jit: wrap the shard_map that calls them in "
+                "jax.jit (JAX cannot run them op by op inside shard_map), or use "
+                "impl='reference'"
             )
         # XLA's partitioner cannot place an ordered custom call among automatic axes.
         automatic = set(self.mesh.axis_names) - set(

@@ -207,18 +207,32 @@ def test_config_errors():
     for field, value, match in (
         ("score", "relu", "score"),
         ("num_groups", 3, "num_groups"),
+        ("num_groups", 0, "num_groups must be an integer >= 1"),
+        ("topk_groups", 0, "topk_groups must be an integer >= 1"),
+        ("num_topk", 2.0, "num_topk must be an integer"),
+        ("num_topk", E + 1, "do not fit"),
+        ("shared_ffn_hidden", -1, "shared_ffn_hidden must be an integer >= 0"),
+        ("expert_alignment", 0, "expert_alignment must be an integer >= 1"),
         ("capacity_factor", 0.0, "capacity_factor"),
+        ("capacity_factor", float("inf"), "capacity_factor"),
         ("combine_partial_dtype", jnp.float16, "combine_partial_dtype"),
         ("grouped_matmul", "cuBLAS", "grouped_matmul"),
     ):
         with pytest.raises(ValueError, match=match):
-            nn.MoEConfig(**base, **{field: value})
+            nn.MoEConfig(**{**base, field: value})
     layer = nn.MoELayer(
         nn.MoEConfig(**base), make_mesh(4), expert_axis="ep", tokens_per_rank=TOKENS
     )
     params, x = nn.init_params(jax.random.key(0), layer.cfg), jnp.zeros((4 * TOKENS, H))
     with pytest.raises(ValueError, match="cfg.routing_bias is False"):
         layer(params, x, jnp.zeros(E))
+    with pytest.raises(ValueError, match="x has width 32 but cfg.hidden is 64"):
+        layer(params, jnp.zeros((4 * TOKENS, 32)))
+    shared = nn.MoEConfig(**base, shared_ffn_hidden=8)
+    with pytest.raises(ValueError, match="params lack"):
+        nn.MoELayer(shared, make_mesh(4), expert_axis="ep", tokens_per_rank=TOKENS)(params, x)
+    with pytest.raises(ValueError, match="params lack"):
+        nn.dense_moe(params, x, shared)
     biased = nn.MoELayer(
         nn.MoEConfig(**base, routing_bias=True),
         make_mesh(4),
@@ -590,3 +604,68 @@ def test_layer_over_nodes_with_node_limited_routing_equals_dense_moe(impl="ffi")
     grads = jax.jit(jax.grad(lambda p: loss(*layer(p, x), cotangent)))(params)
     dense = jax.grad(lambda p: loss(*nn.dense_moe(p, x, cfg, num_nodes=2), cotangent))(params)
     assert_close_trees(grads, dense, 1e-5, "gradient")
+
+
+def test_group_and_node_limits_that_cannot_hold_the_top_k_are_refused():
+    """A token may only use experts of topk_groups groups (or max_nodes_per_token nodes): a top-k
+    that does not fit there would take experts it may not use (they were -inf), silently."""
+    with pytest.raises(ValueError, match="do not fit in topk_groups=1 groups of 4"):
+        nn.MoEConfig(num_experts=16, num_topk=6, hidden=H, ffn_hidden=F, num_groups=4)
+    cfg = nn.MoEConfig(num_experts=16, num_topk=4, hidden=H, ffn_hidden=F, max_nodes_per_token=1)
+    x, router = jnp.ones((2, H)), jnp.ones((H, 16))
+    with pytest.raises(ValueError, match="do not fit in max_nodes_per_token=1 nodes of 2"):
+        nn.route(x, router, cfg, num_nodes=8)
+    assert nn.route(x, router, cfg, num_nodes=4)[0].shape == (2, 4)  # 4 experts a node: fits
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.25])
+def test_no_tokens(capacity_factor):
+    """0 tokens per rank: y is empty, the auxiliary loss 0 (not 0 / 0), with or without a
+    capacity factor (which has no balanced count to size), on the layer and the dense MoE."""
+    cfg = nn.MoEConfig(
+        num_experts=E, num_topk=K, hidden=H, ffn_hidden=F, capacity_factor=capacity_factor
+    )
+    params, x = nn.init_params(jax.random.key(0), cfg), jnp.zeros((0, H))
+    layer = nn.MoELayer(cfg, make_mesh(2), expert_axis="ep", tokens_per_rank=4)
+    for y, aux in (jax.jit(layer)(params, x), nn.dense_moe(params, x, cfg, num_ranks=2)):
+        assert y.shape == (0, H) and float(aux.loss) == 0.0 and int(aux.num_dropped) == 0
+    grad = jax.jit(jax.grad(lambda p: layer(p, x)[1].loss))(params)
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grad))
+
+
+def test_sigmoid_scores_that_underflow_give_finite_weights():
+    """Sigmoid scores of logits below ~-104 are 0 in float32: normalized, a token's weights are
+    0, not 0 / 0."""
+    cfg = nn.MoEConfig(num_experts=4, num_topk=2, hidden=H, ffn_hidden=F, score="sigmoid")
+    x = jnp.concatenate([jnp.full((1, H), -10.0), jnp.full((1, H), 0.1)])
+    _, weights, _ = nn.route(x, jnp.ones((H, 4)), cfg)
+    assert np.isfinite(weights).all() and float(weights[0].sum()) == 0.0
+    np.testing.assert_allclose(weights[1], [0.5, 0.5], rtol=1e-6)
+
+
+def test_modules_without_a_routing_bias_say_so():
+    from flax import nnx
+
+    from jax_ep.nn import eqx as eqx_moe
+    from jax_ep.nn import flax_nnx
+
+    cfg = nn.MoEConfig(num_experts=E, num_topk=K, hidden=H, ffn_hidden=F)
+    mesh, counts = make_mesh(2), jnp.ones(E, jnp.int32)
+    model = flax_nnx.MoE(cfg, mesh, expert_axis="ep", tokens_per_rank=4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="no routing bias"):
+        model.update_routing_bias(counts, 0.1)
+    module = eqx_moe.MoE(cfg, mesh, expert_axis="ep", tokens_per_rank=4, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="no routing bias"):
+        module.with_routing_bias_updated(counts, 0.1)
+
+
+def test_layer_called_op_by_op():
+    """The layer outside jax.jit (it jits its own shard_map: the custom calls need one) gives
+    what it gives under jit, forward and gradient."""
+    cfg = CONFIGS["softmax"]
+    layer = nn.MoELayer(cfg, make_mesh(2), expert_axis="ep", tokens_per_rank=4)
+    params = nn.init_params(jax.random.key(0), cfg)
+    x = jax.random.normal(jax.random.key(1), (8, H))
+    assert_bitwise_equal(layer(params, x)[0], jax.jit(layer)(params, x)[0])
+    objective = lambda p: layer(p, x)[0].astype(jnp.float32).sum()  # noqa: E731
+    assert_close_trees(jax.grad(objective)(params), jax.jit(jax.grad(objective))(params), 1e-6, "")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 from typing import Any
 
 import jax.numpy as jnp
@@ -10,6 +12,18 @@ import jax.numpy as jnp
 from jax_ep.buffer import FLOAT_ROWS
 from jax_ep.fp8 import FP8_BLOCK
 from jax_ep.nn import grouped
+
+# The config's counts and the least each may be.
+_COUNTS = dict(
+    num_experts=1,
+    num_topk=1,
+    hidden=1,
+    ffn_hidden=1,
+    num_groups=1,
+    topk_groups=1,
+    shared_ffn_hidden=0,
+    expert_alignment=1,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,10 +37,11 @@ class MoEConfig:
         ffn_hidden: each expert's SwiGLU width.
         score: the router's scores, "softmax" or "sigmoid".
         num_groups: > 1: group-limited top-k (DeepSeek-V3), the experts in this many groups.
-        topk_groups: groups a token may use.
+        topk_groups: groups a token may use (their experts must hold num_topk).
         max_nodes_per_token: on a Buffer over ("node", "ep"): the most nodes a token's experts
             may span (DeepSeek-V3's node-limited routing: the nodes with the best sums of
-            their top num_topk / M scores), before the group limit; None: any.
+            their top num_topk / M scores), before the group limit; None: any. Those nodes'
+            experts must hold num_topk (checked when the layer is traced).
         normalize_weights: top-k weights sum to 1 before routed_scaling.
         routed_scaling: the factor of the top-k weights.
         shared_ffn_hidden: the shared expert's SwiGLU width; 0: no shared expert.
@@ -81,10 +96,23 @@ class MoEConfig:
     grouped_matmul: str = "auto"
 
     def __post_init__(self):
+        for name, least in _COUNTS.items():
+            value = getattr(self, name)
+            try:
+                fits = not isinstance(value, bool) and operator.index(value) >= least
+            except TypeError:
+                fits = False
+            if not fits:
+                raise ValueError(f"jax_ep.nn: {name} must be an integer >= {least}, got {value!r}")
         if self.score not in ("softmax", "sigmoid"):
             raise ValueError(f"jax_ep.nn: score must be 'softmax' or 'sigmoid', got {self.score!r}")
         if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
             raise ValueError("jax_ep.nn: num_groups must divide num_experts and be >= topk_groups")
+        if self.num_topk > self.topk_groups * (self.num_experts // self.num_groups):
+            raise ValueError(
+                f"jax_ep.nn: num_topk={self.num_topk} experts do not fit in topk_groups="
+                f"{self.topk_groups} groups of {self.num_experts // self.num_groups} experts"
+            )
         if self.max_nodes_per_token is not None and not (
             isinstance(self.max_nodes_per_token, int) and self.max_nodes_per_token > 0
         ):
@@ -92,9 +120,10 @@ class MoEConfig:
                 f"jax_ep.nn: max_nodes_per_token must be a positive integer or None, got "
                 f"{self.max_nodes_per_token!r}"
             )
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
+        if self.capacity_factor is not None and not 0 < self.capacity_factor < math.inf:
             raise ValueError(
-                f"jax_ep.nn: capacity_factor must be positive or None, got {self.capacity_factor!r}"
+                f"jax_ep.nn: capacity_factor must be positive and finite or None, got "
+                f"{self.capacity_factor!r}"
             )
         if jnp.dtype(self.combine_partial_dtype) not in FLOAT_ROWS:
             raise ValueError(

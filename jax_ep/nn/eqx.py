@@ -60,6 +60,8 @@ class MoE(eqx.Module):
 
     def with_routing_bias_updated(self, tokens_per_expert, rate):
         """This module after one balancing step of its routing bias (MoEAux.tokens_per_expert)."""
+        if self.routing_bias is None:
+            raise ValueError("jax_ep.nn: this MoE has no routing bias (cfg.routing_bias is False)")
         return eqx.tree_at(
             lambda m: m.routing_bias,
             self,

@@ -85,6 +85,8 @@ class MoE(nnx.Module):
 
     def update_routing_bias(self, tokens_per_expert, rate):
         """One balancing step of the routing bias from a step's MoEAux.tokens_per_expert."""
+        if self.routing_bias is None:
+            raise ValueError("jax_ep.nn: this MoE has no routing bias (cfg.routing_bias is False)")
         self.routing_bias[...] = update_routing_bias(
             self.routing_bias[...], tokens_per_expert, rate
         )

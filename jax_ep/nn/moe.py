@@ -92,11 +92,25 @@ def _init_params(key, cfg, dtype):
     return params
 
 
+def check_inputs(cfg: MoEConfig, params, x):
+    """x's width and the parameters the layer reads, before any of them is used."""
+    if x.shape[-1] != cfg.hidden:
+        raise ValueError(f"jax_ep.nn: x has width {x.shape[-1]} but cfg.hidden is {cfg.hidden}")
+    names = ("router", "w_gate", "w_up", "w_down")
+    names += ("s_gate", "s_up", "s_down") if cfg.shared_ffn_hidden else ()
+    missing = [name for name in names if name not in params]
+    if missing:
+        raise ValueError(
+            f"jax_ep.nn: params lack {missing} (cfg.shared_ffn_hidden={cfg.shared_ffn_hidden}; "
+            f"init_params(key, cfg) makes them all)"
+        )
+
+
 def expert_capacity(cfg: MoEConfig, tokens_per_rank, num_ranks):
     """Expert-layout rows per rank for cfg.capacity_factor (None without one): each local
     expert's share of the balanced T * K rows, times the factor, aligned; at most the rows
-    that hold every token."""
-    if cfg.capacity_factor is None:
+    that hold every token. No tokens: None (no capacity to size)."""
+    if cfg.capacity_factor is None or tokens_per_rank == 0:
         return None
     experts_per_rank = cfg.num_experts // num_ranks
     balanced = tokens_per_rank * cfg.num_topk / experts_per_rank
@@ -191,6 +205,7 @@ def moe_block(
     cfg.routing_bias. fp8_weights: quantize_expert_weights(params) of this rank's experts, with
     cfg.fp8 (the gate and up projections then read them, whatever cfg.fp8_experts says)."""
     check_routing_bias(cfg, routing_bias)
+    check_inputs(cfg, params, x)
     if fp8_weights is not None and not cfg.fp8:
         raise ValueError(
             "jax_ep.nn: fp8_weights given but cfg.fp8 is False (the FP8 weights "
@@ -361,7 +376,7 @@ class MoELayer:
             in_specs=specs,
             out_specs=(tokens, P()),
         )
-        y, aux = fn(*args)
+        y, aux = jax.jit(fn)(*args)  # also when called op by op (the custom calls need a jit)
         return y.reshape(x.shape), aux
 
     def _resharded(self, args, specs):

@@ -21,6 +21,7 @@ def dense_moe(
     the rows the layer drops are left out, and combine_partial_dtype rounds each rank's partial
     sum as the layer's combine does. -> (y, MoEAux)."""
     check_routing_bias(cfg, routing_bias)
+    moe.check_inputs(cfg, params, x)
     tokens_per_rank = tokens_per_rank or x.shape[0] // num_ranks
     topk_idx, topk_weights, scores = route(x, params["router"], cfg, routing_bias, num_nodes)
     per_expert = jax.vmap(lambda g, u, dn: moe.swiglu(x, g, u, dn, jnp.matmul), out_axes=1)(
@@ -33,7 +34,8 @@ def dense_moe(
     # Each rank's weighted sum of a token's expert rows, in combine_partial_dtype, then the sum
     # over ranks in float32 (the layer's expert outputs are in x.dtype before the combine).
     weighted = per_expert.astype(x.dtype).astype(jnp.float32) * jnp.where(kept, mix, 0)[..., None]
-    partial = weighted.reshape(x.shape[0], num_ranks, -1, x.shape[1]).sum(axis=2)
+    per_rank = cfg.num_experts // num_ranks  # sizes spelled out: there may be no tokens
+    partial = weighted.reshape(x.shape[0], num_ranks, per_rank, x.shape[1]).sum(axis=2)
     y = partial.astype(cfg.combine_partial_dtype).astype(jnp.float32).sum(axis=1)
     if cfg.shared_ffn_hidden:
         y = y + moe.shared_expert(params, x).astype(x.dtype).astype(jnp.float32)

@@ -22,6 +22,11 @@ def route(x, router, cfg: MoEConfig, routing_bias=None, num_nodes=1):
     if routing_bias is not None:
         choose = scores + jax.lax.stop_gradient(routing_bias.astype(jnp.float32))
     if cfg.max_nodes_per_token and num_nodes > cfg.max_nodes_per_token:
+        if cfg.num_topk > cfg.max_nodes_per_token * (cfg.num_experts // num_nodes):
+            raise ValueError(
+                f"jax_ep.nn: num_topk={cfg.num_topk} experts do not fit in max_nodes_per_token="
+                f"{cfg.max_nodes_per_token} nodes of {cfg.num_experts // num_nodes} experts"
+            )
         # DeepSeek-V3's node-limited routing: the nodes with the best sums of their top K / M
         per_node_top = max(1, cfg.num_topk // cfg.max_nodes_per_token)
         choose = _keep_best_blocks(choose, num_nodes, cfg.max_nodes_per_token, per_node_top)
@@ -29,8 +34,8 @@ def route(x, router, cfg: MoEConfig, routing_bias=None, num_nodes=1):
         choose = _keep_best_blocks(choose, cfg.num_groups, cfg.topk_groups, 2)
     _, topk_idx = jax.lax.top_k(choose, cfg.num_topk)
     weights = jnp.take_along_axis(scores, topk_idx, axis=1)
-    if cfg.normalize_weights:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
+    if cfg.normalize_weights:  # + a tiny term: sigmoid scores can all underflow to 0
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
     return topk_idx.astype(jnp.int32), weights * cfg.routed_scaling, scores
 
 
@@ -55,6 +60,7 @@ def load_balancing_loss(scores, topk_idx, cfg: MoEConfig, token_axes=()):
     if token_axes:
         totals = jax.lax.psum(totals, token_axes)
     slots, prob_sum, tokens = totals
+    tokens = jnp.maximum(tokens, 1.0)  # no tokens anywhere: no slots, a loss of 0
     return cfg.num_experts * jnp.sum(slots / (tokens * cfg.num_topk) * prob_sum / tokens)
 
 
