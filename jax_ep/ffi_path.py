@@ -207,7 +207,7 @@ def _dispatch_bwd(cfg, rows, res, ct):
     travel = layout.travel_dtype(cfg.x_dtype, cfg.max_row_dtype)
     if has_x and has_w and travel == jnp.dtype(cfg.x_dtype):
         grad_x, grad_w = _adjoint(cfg, ct_rows.x.astype(travel), ct_w, *handle)
-        grad_x = grad_x.astype(ct_rows.x.dtype).astype(cfg.x_dtype)  # as _x_from_rows rounds
+        grad_x = grad_x.astype(ct_rows.x.dtype).astype(cfg.x_dtype)  # as x_from_rows rounds
     else:
         if has_x:
             grad_x = _x_from_rows(cfg, ct_rows.x, handle)
@@ -219,16 +219,13 @@ def _dispatch_bwd(cfg, rows, res, ct):
 
 
 def _x_from_rows(cfg, ct_rows, handle):
-    """x's gradient from its rows' cotangents: one combine. The rows travel in x's dtype, or the
-    Buffer's where that is narrower (float32 x sent in FP8 on a bf16-row Buffer), are summed in
-    float32 and rounded once to the rows' dtype (float8 rows' own cotangent, dequantize_fp8 of
-    d.x: as the reference path's combine of float8 rows rounds it), then cast to x's."""
-    ct_x = ct_rows.astype(layout.travel_dtype(cfg.x_dtype, cfg.max_row_dtype))
-    rounded = ct_rows.dtype if ct_x.dtype == ct_rows.dtype else jnp.dtype(jnp.float32)
-    sums = _combine(
-        cfg._replace(rows_dtype=ct_x.dtype.name, out_dtype=rounded.name), ct_x, *handle, None
-    )
-    return sums.astype(ct_rows.dtype).astype(cfg.x_dtype)
+    """layout.x_from_rows by one combine along the handle's routes."""
+
+    def combine(rows, out_dtype):
+        config = cfg._replace(rows_dtype=rows.dtype.name, out_dtype=jnp.dtype(out_dtype).name)
+        return _combine(config, rows, *handle, None)
+
+    return layout.x_from_rows(combine, ct_rows, cfg.x_dtype, cfg.max_row_dtype)
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)

@@ -328,13 +328,12 @@ def _dispatch_bwd(cfg, res, ct):
 
 
 def _x_from_rows(hier, x_dtype, ct_rows, routes):
-    """x's gradient from its rows' cotangents, as ffi_path's: the rows travel in x's dtype or
-    the Buffer's where narrower, are summed in float32 and rounded once to the rows' dtype
-    (float8 rows' own cotangent), then cast to x's."""
-    ct_x = ct_rows.astype(layout.travel_dtype(x_dtype, hier.max_row_dtype))
-    rounded = ct_rows.dtype if ct_x.dtype == ct_rows.dtype else _F32
-    sums = _combine((hier, rounded, ct_x.dtype, None), ct_x, routes, None)
-    return sums.astype(ct_rows.dtype).astype(x_dtype)
+    """layout.x_from_rows by one hierarchical combine."""
+
+    def combine(rows, out_dtype):
+        return _combine((hier, jnp.dtype(out_dtype), rows.dtype, None), rows, routes, None)
+
+    return layout.x_from_rows(combine, ct_rows, x_dtype, hier.max_row_dtype)
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)

@@ -28,6 +28,16 @@ def travel_dtype(dtype, max_row_dtype):
     return dtype if dtype.itemsize <= widest.itemsize else widest
 
 
+def x_from_rows(combine, ct_rows, x_dtype, max_row_dtype):
+    """x's gradient from its rows' cotangents by combine(rows, out_dtype): the rows travel in
+    x's dtype or the Buffer's where that is narrower, are summed in float32 and rounded once to
+    the rows' dtype (float8 rows' own cotangent, dequantize_fp8 of d.x, rounds to float8), then
+    cast to x's. The rule of every backend's dispatch backward."""
+    travel = ct_rows.astype(travel_dtype(x_dtype, max_row_dtype))
+    rounded = ct_rows.dtype if travel.dtype == ct_rows.dtype else jnp.dtype(jnp.float32)
+    return combine(travel, rounded).astype(ct_rows.dtype).astype(x_dtype)
+
+
 def align_up(value, alignment):
     return (value + alignment - 1) // alignment * alignment
 

@@ -669,3 +669,19 @@ def test_layer_called_op_by_op():
     assert_bitwise_equal(layer(params, x)[0], jax.jit(layer)(params, x)[0])
     objective = lambda p: layer(p, x)[0].astype(jnp.float32).sum()  # noqa: E731
     assert_close_trees(jax.grad(objective)(params), jax.jit(jax.grad(objective))(params), 1e-6, "")
+
+
+def test_grouped_matmul_path_names_what_fp8_weights_make_fp8():
+    """A layer with fp8 rows but not fp8_experts multiplies FP8 when the call gets fp8_weights;
+    grouped_matmul_path says so when asked for such calls."""
+    cfg = nn.MoEConfig(
+        num_experts=E, num_topk=K, hidden=128, ffn_hidden=128, fp8=True, grouped_matmul="xla"
+    )
+    layer = nn.MoELayer(cfg, make_mesh(2), expert_axis="ep", tokens_per_rank=4)
+    assert layer.grouped_matmul_path() == {"gate_up": "xla", "down": "xla"}
+    assert layer.grouped_matmul_path(fp8_weights=True) == {"gate_up": "xla_fp8", "down": "xla"}
+    down = dataclasses.replace(cfg, fp8_down=True)
+    assert nn.grouped_matmul_path(down, 2, 4, fp8_weights=True) == {
+        "gate_up": "xla_fp8",
+        "down": "xla_fp8",
+    }

@@ -249,11 +249,14 @@ def moe_block(
     )
 
 
-def grouped_matmul_path(cfg: MoEConfig, num_ranks, tokens_per_rank, dtype=jnp.bfloat16):
+def grouped_matmul_path(
+    cfg: MoEConfig, num_ranks, tokens_per_rank, dtype=jnp.bfloat16, fp8_weights=False
+):
     """The grouped-matmul implementations moe_block's experts take ("deepgemm", "cutlass",
     "mosaic" or "xla", with "_fp8" where the FP8 rows are multiplied as they come and
     "_fp8_dgrad" where their row gradients are FP8 products too, for the gate/up and the down
-    projection) with tokens_per_rank tokens of `dtype` per rank."""
+    projection) with tokens_per_rank tokens of `dtype` per rank; fp8_weights: whether the call
+    gets fp8_weights (which make an fp8 layer's gate and up projections FP8)."""
     rows = expert_capacity(cfg, tokens_per_rank, num_ranks) or layout.default_capacity(
         "expert",
         num_ranks,
@@ -273,7 +276,7 @@ def grouped_matmul_path(cfg: MoEConfig, num_ranks, tokens_per_rank, dtype=jnp.bf
         )
         for name, (k, n) in (("gate_up", (h, f)), ("down", (f, h)))
     }
-    fp8 = {"gate_up": cfg.fp8 and cfg.fp8_experts}
+    fp8 = {"gate_up": cfg.fp8 and (cfg.fp8_experts or bool(fp8_weights))}
     fp8["down"] = fp8["gate_up"] and cfg.fp8_down
     for name, (k, n) in (("gate_up", (h, f)), ("down", (f, h))):
         if fp8[name]:
@@ -350,10 +353,11 @@ class MoELayer:
             )
         return quantize_expert_weights(params, down=cfg.fp8_down, dgrad=cfg.fp8_dgrad)
 
-    def grouped_matmul_path(self, dtype=jnp.bfloat16):
-        """The grouped-matmul implementations of the experts for tokens of `dtype`."""
+    def grouped_matmul_path(self, dtype=jnp.bfloat16, fp8_weights=False):
+        """The grouped-matmul implementations of the experts for tokens of `dtype` (and with
+        fp8_weights: for calls that get them)."""
         return grouped_matmul_path(
-            self.cfg, self.buffer.num_ranks, self.buffer.max_tokens_per_rank, dtype
+            self.cfg, self.buffer.num_ranks, self.buffer.max_tokens_per_rank, dtype, fp8_weights
         )
 
     def __call__(self, params, x, routing_bias=None, fp8_weights=None):
