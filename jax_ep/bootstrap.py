@@ -258,14 +258,30 @@ def check_same_arguments(p: Plan, arguments: dict, timeout_s: float):
                     + ", ".join(f"{k}={b!r} there, {a!r} here" for k, (a, b) in diff.items())
                 )
                 break
-        client.key_value_set(f"{prefix}/verdict", verdict)
+        verdict = _first_verdict(client, f"{prefix}/verdict", verdict)
     else:
         try:
             verdict = client.blocking_key_value_get(f"{prefix}/verdict", int(timeout_s * 1000))
         except Exception:
-            verdict = f"process {first} did not create the Buffer within {timeout_s} s"
+            # Said where the late first process reads it: it then fails at once rather than
+            # waiting for this process in the next step (and every retry would be off by it).
+            verdict = _first_verdict(
+                client,
+                f"{prefix}/verdict",
+                f"process {first} did not create the Buffer within {timeout_s} s (process "
+                f"{p.process} gave up waiting)",
+            )
     if verdict != "same":
         raise ValueError(f"jax_ep: {verdict}")
+
+
+def _first_verdict(client, key, verdict):
+    """The verdict stored at key: this one, unless another process stored one first."""
+    try:
+        client.key_value_set(key, verdict)
+    except Exception:  # already set: the first word stands
+        return client.blocking_key_value_get(key, 1000)
+    return verdict
 
 
 def nccl_library():

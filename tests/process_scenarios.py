@@ -217,6 +217,36 @@ def mismatched_arguments():
     mismatched_ops(mesh)
     timeout_nan(mesh)
     op_numbers_past_2_to_the_32(mesh)
+    late_first_process(mesh)
+
+
+def late_first_process(mesh, timeout_s=4.0):
+    """Process 0 (which gives the verdict on the arguments) reaches a Buffer after process 1
+    gave up on it: it fails at once with process 1's word, not after a timeout of its own, so
+    that both processes' retries meet."""
+    started = time.perf_counter()
+    if jax.process_index() == 0:
+        time.sleep(timeout_s + 1)
+    errors = []
+    for _ in range(2):
+        attempt = time.perf_counter()
+        try:
+            buf = jax_ep.Buffer(
+                mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T,
+                timeout_s=timeout_s,
+            )  # fmt: skip
+        except ValueError as e:
+            errors.append((str(e), time.perf_counter() - attempt))
+        else:
+            break
+    assert len(errors) == 1 and "process 1 gave up waiting" in errors[0][0], errors
+    if jax.process_index() == 0:
+        assert errors[0][1] < timeout_s / 2, errors  # at once
+    assert time.perf_counter() - started < 3 * timeout_s
+    reference = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl="reference"
+    )
+    matches_reference(mesh, dict(ffi=buf, reference=reference), [("rank", 1, False, None, False)])
 
 
 def soak(mesh):
