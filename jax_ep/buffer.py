@@ -622,8 +622,10 @@ class Buffer:
                 weights = layouts.expert_weights(
                     rows.topk_weights, rows.topk_idx, maps.expert_src, maps.expert_of_row
                 )
-            if not spec.has_weights:
-                weights = None
+            # A failed op's rank-level rows are NaN, but it leaves no rows to expand: its weights
+            # say so (NaN) in the same step. (Not x: that would be a pass over every row.)
+            failed = layouts.failed_dispatch(rows.topk_idx, rows.topk_weights)
+            weights = jnp.where(failed, jnp.nan, weights) if spec.has_weights else None
             group_sizes = layouts.align_up(maps.tokens_per_expert, alignment)
             result = (
                 self._blocks(layout_name, maps.expert_of_row),
@@ -648,6 +650,8 @@ class Buffer:
             )
             if not padded:
                 x, scales = self._expand(rows.x, rows.scales, handle)
+                if scales is not None:  # gathered here anyway: NaN too, as the weights
+                    scales = jnp.where(failed, jnp.nan, scales)
             return DispatchResult(x, scales, *result, handle)
 
         return arrays, finish

@@ -28,6 +28,14 @@ def travel_dtype(dtype, max_row_dtype):
     return dtype if dtype.itemsize <= widest.itemsize else widest
 
 
+def failed_dispatch(topk_rows, weight_rows):
+    """[] bool: whether a fresh dispatch failed, from its rank-level rows. A failed op leaves -1
+    ids with NaN weights; one that ran gives a -1 slot the weight 0."""
+    if topk_rows.size == 0:
+        return jnp.zeros((), bool)
+    return (topk_rows[0, 0] < 0) & jnp.isnan(weight_rows[0, 0])
+
+
 def x_from_rows(combine, ct_rows, x_dtype, max_row_dtype):
     """x's gradient from its rows' cotangents by combine(rows, out_dtype): the rows travel in
     x's dtype or the Buffer's where that is narrower, are summed in float32 and rounded once to

@@ -355,19 +355,17 @@ def layer_gradients(
     return np.asarray(jax.jit(grad)(*put(mesh, x)))
 
 
-def branching_dispatch(buf):
+def branching_dispatch(buf, layout="rank"):
     """Rank 0 dispatches FP8 rows, the others bfloat16 rows, at the same op (a cond on the rank):
-    ranks that run different ops at one op number."""
+    ranks that run different ops at one op number. -> (x as float32, topk_idx, num_recv,
+    topk_weights) of each rank (the weights all 1)."""
 
     def step(x, i):
-        def fp8(x, i):
-            d = buf.dispatch(x, i, fp8=True)
-            return d.x.astype(jnp.float32), d.topk_idx, d.num_recv
+        def dispatch(x, i, fp8):
+            d = buf.dispatch(x, i, jnp.ones(i.shape, jnp.float32), layout=layout, fp8=fp8)
+            return d.x.astype(jnp.float32), d.topk_idx, d.num_recv, d.topk_weights
 
-        def plain(x, i):
-            d = buf.dispatch(x, i)
-            return d.x.astype(jnp.float32), d.topk_idx, d.num_recv
-
+        fp8, plain = (functools.partial(dispatch, fp8=f) for f in (True, False))
         return jax.lax.cond(jax.lax.axis_index("ep") == 0, fp8, plain, x, i)
 
     return step

@@ -640,10 +640,11 @@ def test_cuda_ranks_that_run_different_ops_stop_naming_both(direct_local):
         x = jnp.ones((16, 128), jnp.bfloat16)
         i = jnp.tile(jnp.arange(2, dtype=jnp.int32), (16, 1)) * 3
         start = time.perf_counter()
-        rows, ids, num_recv = run(mesh, step, x, i)
+        rows, ids, num_recv, weights = run(mesh, step, x, i)
         jax.block_until_ready(rows)
         assert time.perf_counter() - start < 50, "waited for the timeout"
-        assert np.isnan(np.asarray(rows)).all() and (np.asarray(ids) == -1).all()
+        assert np.isnan(np.asarray(rows)).all() and np.isnan(np.asarray(weights)).all()
+        assert (np.asarray(ids) == -1).all()
         assert (np.asarray(num_recv) == 0).all()
         both = ("dispatch(fp8 rows of bfloat16 x, hidden 128, 8 tokens, top-2 of 8 experts)",
                 "dispatch(bfloat16 rows, hidden 128, 8 tokens, top-2 of 8 experts)")

@@ -141,7 +141,10 @@ def test_shared_memory_too_small_is_an_error_naming_the_size():
     assert int(np.asarray(d.num_recv)[0]) == T
 
 
-def test_ranks_that_run_different_ops_stop_naming_both():
+@pytest.mark.parametrize("layout", ["rank", "expert", "expert_padded"])
+def test_ranks_that_run_different_ops_stop_naming_both(layout):
+    """Both ranks' op fails at once, NaN in its same step: the rows in the rank layout, the
+    weights in the expert layouts (which a failed op leaves without rows)."""
     mesh = make_mesh(2)
     buf = jax_ep.Buffer(
         mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=60
@@ -149,10 +152,12 @@ def test_ranks_that_run_different_ops_stop_naming_both():
     x = jnp.ones((2 * T, H), jnp.bfloat16)
     i = jnp.tile(jnp.arange(K, dtype=jnp.int32), (2 * T, 1)) * (E // 2 - 1)
     start = time.perf_counter()
-    rows, ids, num_recv = run(mesh, branching_dispatch(buf), x, i)
+    rows, ids, num_recv, weights = run(mesh, branching_dispatch(buf, layout), x, i)
     assert time.perf_counter() - start < 50, "a mismatch waited for the timeout"
-    assert np.isnan(np.asarray(rows)).all() and (np.asarray(ids) == -1).all()
+    assert np.isnan(np.asarray(weights)).all() and (np.asarray(ids) == -1).all()
     assert (np.asarray(num_recv) == 0).all()
+    if layout == "rank":
+        assert np.isnan(np.asarray(rows)).all()
     both = (
         "dispatch(fp8 rows of bfloat16 x, hidden 128, 8 tokens, top-2 of 8 experts)",
         "dispatch(bfloat16 rows, hidden 128, 8 tokens, top-2 of 8 experts)",
