@@ -417,24 +417,17 @@ def test_no_tokens_with_check_invalid_under_a_gradient(impl):
 
 def test_custom_calls_op_by_op_in_shard_map_say_to_jit():
     """JAX cannot run the custom calls' ops op by op inside shard_map (no jit around it): a
-    clear error says what to do, instead of JAX's NotImplementedError; the reference path runs
-    op by op."""
+    clear error says what to do, instead of JAX's NotImplementedError; under jax.jit the same
+    function runs."""
     mesh = make_mesh(2)
     x, idx, w = random_inputs(np.random.default_rng(0), 2, 4, 128, 8, 2, 2, "random", jnp.float32)
-    for impl in ("ffi", "reference"):
-        buf = jax_ep.Buffer(
-            mesh, "ep", num_experts=8, hidden=128, num_topk=2, max_tokens_per_rank=4, impl=impl
-        )
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=8, hidden=128, num_topk=2, max_tokens_per_rank=4)
 
-        def step(x, idx, w, buf=buf):
-            d = buf.dispatch(x, idx, w)
-            return buf.combine(d.x, d.handle)
+    def step(x, idx, w):
+        d = buf.dispatch(x, idx, w)
+        return buf.combine(d.x, d.handle)
 
-        f = jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
-        if impl == "ffi":
-            with pytest.raises(ValueError, match="wrap the shard_map that calls them in jax.jit"):
-                f(x, idx, w)
-            eager = jax.jit(f)(x, idx, w)
-        else:
-            eager = f(x, idx, w)
-        np.testing.assert_array_equal(np.asarray(eager), np.asarray(jax.jit(f)(x, idx, w)))
+    f = jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    with pytest.raises(ValueError, match="wrap the shard_map that calls them in jax.jit"):
+        f(x, idx, w)
+    assert np.isfinite(np.asarray(jax.jit(f)(x, idx, w))).all()
