@@ -433,24 +433,14 @@ def buffer_case(ranks, rows, groups, buffer_rows, k, n, projection, timing, resu
     sizes = jnp.asarray(group_sizes("uniform", rows, groups, 128))
     lhs, rhs, _ = operands(buffer_rows, k, n, groups)
     fp8_args = fp8_operands(lhs, rhs, sizes)
+    base = dict(ranks=ranks, groups=groups, rows=rows, buffer_rows=buffer_rows)
+    base.update(projection=projection, k=k, n=n, distribution="uniform", product="gmm")
     for impl in ("cutlass", "deepgemm"):
         for name, step, args in (
             ("", grouped_step("gmm", impl, 128), (lhs, rhs, sizes)),
             ("_fp8_kernel", fp8_step(128, True, impl), fp8_args),
         ):
-            record = dict(
-                ranks=ranks,
-                groups=groups,
-                rows=rows,
-                buffer_rows=buffer_rows,
-                projection=projection,
-                k=k,
-                n=n,
-                distribution="uniform",
-                product="gmm",
-                impl=impl + name + "_buffer",
-                blocks=None,
-            )
+            record = dict(base, impl=impl + name + "_buffer", blocks=None)
             label = (
                 f"R={ranks} {projection:7s} {rows} rows in a buffer of {buffer_rows} "
                 f"{impl + name:20s}"

@@ -623,7 +623,8 @@ class Buffer:
                     rows.topk_weights, rows.topk_idx, maps.expert_src, maps.expert_of_row
                 )
             # A failed op's rank-level rows are NaN, but it leaves no rows to expand: its weights
-            # say so (NaN) in the same step. (Not x: that would be a pass over every row.)
+            # say so (NaN) in the same step, and the expert layout's rows (the gather that makes
+            # them takes the select; expert_padded's are all unspecified with no rows).
             failed = layouts.failed_dispatch(rows.topk_idx, rows.topk_weights)
             weights = jnp.where(failed, jnp.nan, weights) if spec.has_weights else None
             group_sizes = layouts.align_up(maps.tokens_per_expert, alignment)
@@ -649,9 +650,10 @@ class Buffer:
                 buffer=self._serial,
             )
             if not padded:
-                x, scales = self._expand(rows.x, rows.scales, handle)
-                if scales is not None:  # gathered here anyway: NaN too, as the weights
-                    scales = jnp.where(failed, jnp.nan, scales)
+                x, scales = (
+                    None if a is None else jnp.where(failed, jnp.nan, a)
+                    for a in self._expand(rows.x, rows.scales, handle)
+                )
             return DispatchResult(x, scales, *result, handle)
 
         return arrays, finish
