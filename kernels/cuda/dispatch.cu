@@ -20,7 +20,7 @@
 namespace jax_ep::cuda {
 namespace {
 
-constexpr int kWarps = 16;
+constexpr int kWarps = 24;
 constexpr int kScanChunks = kMaxInBlockTokens / 32;
 constexpr int kRouteThreads = Window::kChunkTokens;
 
