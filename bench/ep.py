@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from bench.baselines import AllToAll, RaggedAllToAll
-from bench.harness import common_arguments, copy_engine_gbps, new_record, save_record
+from bench.harness import common_arguments, copy_engine_gbps, new_record, perturbed, save_record
 from bench.trace import device_kernels, kernel_summary, print_summary
 
 CONFIGS = {
@@ -94,9 +94,11 @@ class Timer:
 
         def program(n):
             def body(x, idx):
-                carry = prologue(x, idx)
+                value, routing, outputs = prologue(x, idx)
+                carry = value, routing, outputs, value[(0,) * value.ndim]
                 for _ in range(n):
                     carry = step(carry)
+                carry = carry[:3]
                 # Everything the steps made is an output: nothing in it is dead code.
                 return jax.tree.map(
                     lambda a: a.reshape((1,) + a.shape) if a.ndim == 0 else a, carry
@@ -129,22 +131,27 @@ class Timer:
 def repeat(op):
     """A step running op(input, routing) again. Every step's output stays a program output (no
     step is dead code) and the next input depends on it through one element (no two steps are
-    the same computation, so XLA can neither merge nor reorder them)."""
+    the same computation, so XLA can neither merge nor reorder them). That element is set to
+    its value read before the first step (carried as `kept`), not added to: where the step read
+    the element it wrote, XLA copied the whole input every step of the harness's own program
+    but not of the ops' (the harness took 31-54 us a step at V3 4096 on 2026-12-05, 4 us
+    without the copy), and subtracting it made the ops' times too small."""
 
     def step(carry):
-        value, routing, outputs = carry
+        value, routing, outputs, kept = carry
         out = op(value, routing)
-        tick = jax.tree.leaves(out)[0].reshape(-1)[0].astype(jnp.float32) * 0
-        value = value.at[0, 0].add(tick.astype(value.dtype))
-        return value, routing, outputs + (out,)
+        (value,) = perturbed((value,), 0, jax.tree.leaves(out)[0].reshape(-1)[0], kept)
+        return value, routing, outputs + (out,), kept
 
     return step
 
 
-def harness_seconds(mesh, x, idx, steps):
+def harness_seconds(mesh, x, idx, steps, trace=False):
     """Per-step time of the timing harness itself (the step's tick, an op that only slices):
-    subtracted from every implementation's time."""
-    return Timer(mesh, lambda x, i: (x, i, ()), repeat(lambda v, i: (v[:1],)), *steps)((x, idx))
+    subtracted from every implementation's time. With trace, its kernels are printed: a copy
+    among them would be subtracted from ops that do not make it."""
+    timer = Timer(mesh, lambda x, i: (x, i, ()), repeat(lambda v, i: (v[:1],)), *steps)
+    return timer((x, idx), trace="harness" if trace else None)
 
 
 def buffer_ops(buf, fp8, mode="auto", lay="rank", capacity=None):
@@ -229,7 +236,7 @@ def bench_size(
     crossed = (rows.sum() - np.trace(rows)) / num_ranks  # per rank, over NVLink
     spec = P("ep")
     results, outputs = [], {}
-    harness = harness_seconds(mesh, x, idx, steps)
+    harness = harness_seconds(mesh, x, idx, steps, trace)
     print(f"  harness: {harness * 1e6:.1f} us per step (subtracted)", flush=True)
     for impl in impls:
         mode, lay, cached = JAX_EP.get(impl, (None, None, False))
@@ -456,7 +463,7 @@ def bench_nodes(mesh, cfg, tokens, num_sms, fp8, rng, check, steps=(2, 12), trac
         same = bool(np.array_equal(by_local_source, received(fast, fast_x, fast_idx)))
         print(f"  check fast_leg: the tuple-axis Buffer's rows per source: {same}", flush=True)
         checked = dict(rows_as_jax_ep=same)
-    harness = harness_seconds(mesh, x, idx, steps)
+    harness = harness_seconds(mesh, x, idx, steps, trace)
     print(f"  harness: {harness * 1e6:.1f} us per step (subtracted)", flush=True)
     results = []
     for impl, ops in timed.items():
@@ -536,7 +543,7 @@ def bench_overlap(mesh, cfg, tokens, num_sms, fp8, rng, steps, matmul=2048, trac
 
         return op
 
-    harness = harness_seconds(mesh, x, idx, steps)
+    harness = harness_seconds(mesh, x, idx, steps, trace)
 
     kernels = {}
 
