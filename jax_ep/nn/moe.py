@@ -334,6 +334,7 @@ class MoELayer:
                 f"max_row_dtype {self.buffer.max_row_dtype}: set "
                 f"combine_partial_dtype=jnp.bfloat16 too"
             )
+        self._program = jax.jit(self._run)
 
     def param_specs(self, params):
         return param_specs(params, self.expert_axis)
@@ -364,24 +365,24 @@ class MoELayer:
         """x [..., H] -> (y [..., H], MoEAux). routing_bias [E] float32: with cfg.routing_bias
         (e.g. kept as optimizer-free state, stepped by update_routing_bias). fp8_weights: with
         cfg.fp8, quantize_expert_weights(params) made beforehand (see there)."""
-        tokens = P(self.token_axes)
-        specs = (
-            self.param_specs(params),
-            tokens,
-            P(),
-            jax.tree.map(lambda _: P(self.expert_axis), fp8_weights),
-        )
-        args = self._resharded(
-            (params, x.reshape(-1, x.shape[-1]), routing_bias, fp8_weights), specs
-        )
-        fn = jax.shard_map(
+        args = (params, x.reshape(-1, x.shape[-1]), routing_bias, fp8_weights)
+        y, aux = self._program(*self._resharded(args, self._specs(params, fp8_weights)))
+        return y.reshape(x.shape), aux
+
+    def _run(self, params, tokens, routing_bias, fp8_weights):
+        """The shard_map of moe_block; jitted as self._program: the custom calls need a jit around
+        them, and one program per argument shapes serves every call made outside a jit."""
+        return jax.shard_map(
             lambda p, t, b, w: moe_block(self.buffer, p, t, self.cfg, self.token_axes, b, w),
             mesh=self.mesh,
-            in_specs=specs,
-            out_specs=(tokens, P()),
-        )
-        y, aux = jax.jit(fn)(*args)  # also when called op by op (the custom calls need a jit)
-        return y.reshape(x.shape), aux
+            in_specs=self._specs(params, fp8_weights),
+            out_specs=(P(self.token_axes), P()),
+        )(params, tokens, routing_bias, fp8_weights)
+
+    def _specs(self, params, fp8_weights):
+        """The PartitionSpecs of __call__'s (params, tokens, routing_bias, fp8_weights)."""
+        fp8_specs = jax.tree.map(lambda _: P(self.expert_axis), fp8_weights)
+        return (self.param_specs(params), P(self.token_axes), P(), fp8_specs)
 
     def _resharded(self, args, specs):
         """args laid out as specs over the mesh's explicit axes (the ones shard_map checks)."""
