@@ -38,7 +38,8 @@ std::shared_ptr<NativeBuffer> find_buffer(int64_t key);
 // A custom call's static configuration, decoded once when XLA instantiates it (ffi/decode.h).
 struct CallConfig {
   bool fp8, round_scale, low_latency;
-  Dtype rows_dtype;  // what combine rows travel in
+  Dtype rows_dtype;   // what combine rows travel in
+  int64_t call_site;  // where the program calls the op (jax_ep/ffi_path.py, call_site)
 };
 
 // What a custom call's instantiate stage keeps: its Buffer and its configuration. (XLA:CPU

@@ -186,7 +186,8 @@ struct Calls {
     CombineRecv recv;
     ffi::Error err = check_tokens(token_out);
     if (err.success())
-      err = decode_whole_combine(w, rows, send_pos, recv_counts, num_rows, *out, &send, &recv);
+      err = decode_whole_combine(w, st->config, rows, send_pos, recv_counts, num_rows, *out, &send,
+                                 &recv);
     if (err.success()) err = decode_bias(bias, &recv);
     if (err.success() && recv.width != send.width)
       err = invalid("combine: rows and output widths differ");
@@ -211,7 +212,8 @@ struct Calls {
     if (!rank) return no_rank(ctx);
     CombineSend send;
     ffi::Error err = check_tokens(ticket);
-    if (err.success()) err = decode_combine_send(rank->window, rows, recv_counts, num_rows, &send);
+    if (err.success())
+      err = decode_combine_send(rank->window, st->config, rows, recv_counts, num_rows, &send);
     if (err.success() && send.rows_dtype != st->config.rows_dtype)
       err = invalid("combine: rows of another type than the call was built for");
     if (err.failure()) return B::error(std::move(err));
@@ -258,7 +260,8 @@ struct Calls {
     CombineRecv recv;
     ffi::Error err = check_tokens(token_out);
     if (err.success())
-      err = decode_whole_combine(w, ct_rows, send_pos, recv_counts, num_rows, *ct_x, &send, &recv);
+      err = decode_whole_combine(w, st->config, ct_rows, send_pos, recv_counts, num_rows, *ct_x,
+                                 &send, &recv);
     if (err.success() && recv.width != send.width)
       err = invalid("dispatch adjoint: the rows' and x's cotangents differ in width");
     if (err.success()) err = decode_weight_cotangents(w, ct_weights, ct_w, &send, &recv);

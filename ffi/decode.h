@@ -108,6 +108,7 @@ inline ffi::Error decode_send(const Window& w, const CallConfig& cfg, ffi::AnyBu
   a->hidden = int(x.dimensions()[1]);
   a->fp8 = cfg.fp8;
   a->round_scale = cfg.round_scale;
+  a->call_site = uint32_t(cfg.call_site);
   a->x = x.untyped_data();
   a->topk_idx = topk_idx;
   a->topk_weights = topk_weights;
@@ -205,11 +206,12 @@ inline ffi::Error check_whole(const DispatchSend& s, const DispatchRecv& v) {
 // ---- combine
 
 // A combine's send half: the rank-level rows of this rank and the dispatch's counts.
-inline ffi::Error decode_combine_send(const Window& w, ffi::AnyBuffer rows,
+inline ffi::Error decode_combine_send(const Window& w, const CallConfig& cfg, ffi::AnyBuffer rows,
                                       ffi::Buffer<ffi::S32, 1> recv_counts,
                                       ffi::Buffer<ffi::S32, 0> num_rows, CombineSend* a) {
   if (rows.dimensions().size() != 2) return invalid("combine: rows must be [rows, width]");
   *a = CombineSend{};
+  a->call_site = uint32_t(cfg.call_site);
   a->rows = int(rows.dimensions()[0]);
   a->width = int(rows.dimensions()[1]);
   a->row_data = rows.untyped_data();
@@ -243,12 +245,12 @@ inline ffi::Error decode_combine_recv(const Window& w, Dtype rows_dtype,
 }
 
 // Both halves of a whole combine: the rows go back to the tokens they came from, into out.
-inline ffi::Error decode_whole_combine(const Window& w, ffi::AnyBuffer rows,
+inline ffi::Error decode_whole_combine(const Window& w, const CallConfig& cfg, ffi::AnyBuffer rows,
                                        ffi::Buffer<ffi::S32, 2> send_pos,
                                        ffi::Buffer<ffi::S32, 1> recv_counts,
                                        ffi::Buffer<ffi::S32, 0> num_rows, ffi::AnyBuffer out,
                                        CombineSend* send, CombineRecv* recv) {
-  if (auto err = decode_combine_send(w, rows, recv_counts, num_rows, send); err.failure())
+  if (auto err = decode_combine_send(w, cfg, rows, recv_counts, num_rows, send); err.failure())
     return err;
   return decode_combine_recv(w, send->rows_dtype, send_pos, out, recv);
 }
@@ -444,7 +446,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::CallAttrs,
                                       ::xla::ffi::StructMember<bool>("fp8"),
                                       ::xla::ffi::StructMember<bool>("round_scale"),
                                       ::xla::ffi::StructMember<bool>("low_latency"),
-                                      ::xla::ffi::StructMember<jax_ep::Dtype>("rows_dtype"));
+                                      ::xla::ffi::StructMember<jax_ep::Dtype>("rows_dtype"),
+                                      ::xla::ffi::StructMember<int64_t>("call_site"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::ExpertLayoutAttrs,
                                       ::xla::ffi::StructMember<int32_t>("alignment"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::QuantizeRowsAttrs,

@@ -8,10 +8,16 @@ expert layouts of received rows, and the FP8 quantization of jax_ep.nn's matmul 
 from __future__ import annotations
 
 import functools
+import os
+import site
+import sys
+import sysconfig
+import zlib
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
@@ -77,6 +83,58 @@ def quantize_weights(w, transposed=False):
     return out if transposed else out[:2]
 
 
+# Where libraries live: jax_ep, JAX, the standard library and installed packages. A frame of a
+# file under none of them is the program's.
+_LIBRARY_DIRS = tuple(
+    os.path.join(os.path.realpath(d), "")
+    for d in {
+        os.path.dirname(__file__),
+        os.path.dirname(jax.__file__),
+        os.path.dirname(jaxlib.__file__),
+        sysconfig.get_paths()["stdlib"],
+        sysconfig.get_paths()["platstdlib"],
+        sysconfig.get_paths()["purelib"],
+        sysconfig.get_paths()["platlib"],
+        *site.getsitepackages(),
+        site.getusersitepackages(),
+    }
+)
+_MAX_SITE_FRAMES = 16
+
+
+@functools.cache
+def _is_library(filename):
+    if filename.startswith("<frozen"):
+        return True
+    return os.path.join(os.path.realpath(filename), "").startswith(_LIBRARY_DIRS)
+
+
+def call_site():
+    """Where the program calls an op, as a 32-bit number: a crc32 of the program's innermost
+    frames (function name, its first line, the line running), from the first frame outside every
+    library out to the next library frame (jax.jit's, in a traced program). Every rank of a Buffer
+    runs the same program, so its ranks' ops at one op number come from one place; a rank that
+    skipped an op (a lax.cond on the rank, a process that left out a step) pairs its next op with
+    an op of another place, and the signatures (kernels/signature.h) differ. No file names: a
+    notebook's cells are files named by their process. Frames above the jit that traced the op do
+    not count, so the site does not depend on what the process traced before. A library's frames
+    do not count: an op that a library calls (jax_ep.nn's layer, a model installed as a package)
+    takes the place where the program calls into it; 0 if no frame is the program's."""
+    frame = sys._getframe(1)
+    while frame is not None and _is_library(frame.f_code.co_filename):
+        frame = frame.f_back
+    places = []
+    while (
+        frame is not None
+        and len(places) < _MAX_SITE_FRAMES
+        and not _is_library(frame.f_code.co_filename)
+    ):
+        code = frame.f_code
+        places.append(f"{code.co_name}:{code.co_firstlineno}:{frame.f_lineno}")
+        frame = frame.f_back
+    return zlib.crc32(";".join(places).encode()) if places else 0
+
+
 class _Config(NamedTuple):
     """A Buffer's calls: what they share, and one call's static configuration."""
 
@@ -92,6 +150,7 @@ class _Config(NamedTuple):
     out_dtype: str = "float32"  # a combine's result
     bias_dtype: str | None = None  # a combine's bias, if any
     max_row_dtype: str = "float32"  # the widest rows the Buffer's window takes (not decoded)
+    call_site: int = 0  # where the program calls the op (call_site(); a backward op: its forward's)
 
     def attributes(self):
         """What the instantiate stage decodes (the same for every target)."""
@@ -101,6 +160,7 @@ class _Config(NamedTuple):
             round_scale=bool(self.round_scale),
             low_latency=bool(self.low_latency),
             rows_dtype=np.int32(ROWS_DTYPES[jnp.dtype(self.rows_dtype)]),
+            call_site=np.int64(self.call_site),
         )
 
 
@@ -360,6 +420,7 @@ class Ffi:
             round_scale=bool(round_scale),
             low_latency=bool(low_latency),
             x_dtype=x.dtype.name,
+            call_site=call_site(),
         )
 
     def _combine_config(self, row_data, out_dtype, bias=None):
@@ -367,6 +428,7 @@ class Ffi:
             rows_dtype=row_data.dtype.name,
             out_dtype=jnp.dtype(out_dtype).name,
             bias_dtype=None if bias is None else bias.dtype.name,
+            call_site=call_site(),
         )
 
     def dispatch(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):

@@ -25,6 +25,7 @@ JAX_EP_HD int64_t dispatch_row_bytes(bool fp8, int hidden, Dtype x_dtype) {
 struct DispatchSend {
   int num_experts, num_topk, hidden, num_tokens;
   bool fp8, round_scale;
+  uint32_t call_site;         // where the program calls the op (kernels/signature.h)
   Dtype x_dtype;              // kF32 or kBF16
   const void* x;              // [T, H]
   const int32_t* topk_idx;    // [T, K]; null for a cached dispatch
@@ -58,6 +59,7 @@ struct DispatchRecv {
 // source's window; rows dropped at dispatch stay here.
 struct CombineSend {
   int width, rows;  // row_data is [rows, width]
+  uint32_t call_site;
   Dtype rows_dtype;
   const void* row_data;
   const int32_t* recv_counts;  // [R] the dispatch's rows per source (before capacity)
@@ -166,6 +168,7 @@ JAX_EP_HD Signature signature(const DispatchSend& a) {
   s.columns = a.fresh() ? a.num_topk : 0;
   s.tokens = a.num_tokens;
   s.experts = a.num_experts;
+  s.site = a.call_site;
   return s;
 }
 
@@ -177,6 +180,7 @@ JAX_EP_HD Signature signature(const CombineSend& a, int num_experts) {
   s.columns = a.extra ? a.extra_cols : 0;
   s.tokens = a.rows;
   s.experts = num_experts;
+  s.site = a.call_site;
   return s;
 }
 

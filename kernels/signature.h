@@ -7,6 +7,7 @@
 // both ops.
 #pragma once
 #include <cstdint>
+#include <cstdio>
 #include <string>
 
 #include "kernels/dtype.h"
@@ -30,28 +31,30 @@ struct Signature {
   int32_t columns;  // dispatch: top-k (fresh) or 0; adjoint: extra float32 columns; else 0
   int32_t tokens;   // dispatch: tokens per rank; combine: rank-level rows sent back
   int32_t experts;  // experts of the Buffer
+  uint32_t site;    // where the program calls the op (jax_ep/ffi_path.py, call_site), or 0
 };
 
-// Two words: kind | fp8 | round_scale | dtype | columns (16 bits) | experts (32 bits), and
-// width | tokens.
-JAX_EP_HD uint64_t signature_word0(const Signature& s) {
-  return uint64_t(uint32_t(s.kind) & 0xff) | uint64_t(s.fp8) << 8 | uint64_t(s.round_scale) << 9 |
+// Three words: kind | fp8 | round_scale | dtype | columns (16 bits) | experts (32 bits); width |
+// tokens; the call site.
+constexpr int kSignatureWords = 3;
+JAX_EP_HD void signature_words(const Signature& s, uint64_t* w) {
+  w[0] = uint64_t(uint32_t(s.kind) & 0xff) | uint64_t(s.fp8) << 8 | uint64_t(s.round_scale) << 9 |
          uint64_t(uint32_t(s.dtype) & 3) << 10 | uint64_t(uint32_t(s.columns) & 0xffff) << 16 |
          uint64_t(uint32_t(s.experts)) << 32;
+  w[1] = uint64_t(uint32_t(s.width)) | uint64_t(uint32_t(s.tokens)) << 32;
+  w[2] = s.site;
 }
-JAX_EP_HD uint64_t signature_word1(const Signature& s) {
-  return uint64_t(uint32_t(s.width)) | uint64_t(uint32_t(s.tokens)) << 32;
-}
-JAX_EP_HD Signature signature_of(uint64_t w0, uint64_t w1) {
+JAX_EP_HD Signature signature_of(const uint64_t* w) {
   Signature s;
-  s.kind = OpKind(uint32_t(w0 & 0xff));
-  s.fp8 = (w0 >> 8) & 1;
-  s.round_scale = (w0 >> 9) & 1;
-  s.dtype = Dtype(int32_t((w0 >> 10) & 3));
-  s.columns = int32_t((w0 >> 16) & 0xffff);
-  s.experts = int32_t(uint32_t(w0 >> 32));
-  s.width = int32_t(uint32_t(w1));
-  s.tokens = int32_t(uint32_t(w1 >> 32));
+  s.kind = OpKind(uint32_t(w[0] & 0xff));
+  s.fp8 = (w[0] >> 8) & 1;
+  s.round_scale = (w[0] >> 9) & 1;
+  s.dtype = Dtype(int32_t((w[0] >> 10) & 3));
+  s.columns = int32_t((w[0] >> 16) & 0xffff);
+  s.experts = int32_t(uint32_t(w[0] >> 32));
+  s.width = int32_t(uint32_t(w[1]));
+  s.tokens = int32_t(uint32_t(w[1] >> 32));
+  s.site = uint32_t(w[2]);
   return s;
 }
 
@@ -68,12 +71,12 @@ enum Wait : int32_t {
 // record (state 0 -> 1), writes it, then publishes it (state 2, a release). Every wait of a rank
 // checks its own window's state, so one rank's failure stops every peer at once.
 struct AbortRecord {
-  uint64_t code;     // a Wait
-  uint64_t giver;    // the rank that gave up
-  uint64_t peer;     // the rank it waited for, or whose op differed
-  uint64_t op;       // the op it gave up in
-  uint64_t mine[2];  // kMismatch: the giver's signature and the peer's
-  uint64_t theirs[2];
+  uint64_t code;                   // a Wait
+  uint64_t giver;                  // the rank that gave up
+  uint64_t peer;                   // the rank it waited for, or whose op differed
+  uint64_t op;                     // the op it gave up in
+  uint64_t mine[kSignatureWords];  // kMismatch: the giver's signature and the peer's
+  uint64_t theirs[kSignatureWords];
 };
 enum AbortState : uint64_t { kNoAbort = 0, kAbortClaimed = 1, kAbortWritten = 2 };
 
@@ -124,16 +127,26 @@ inline const char* what_waited(int64_t code) {
   return "it";
 }
 
+// "call site 1a2b3c4d" (host only).
+inline std::string describe_site(uint32_t site) {
+  char hex[9];
+  std::snprintf(hex, sizeof hex, "%08x", site);
+  return std::string("call site ") + hex;
+}
+
 // The error of a stopped rank (`observer`) from its window's abort record.
 inline std::string abort_message(const AbortRecord& a, int group, int observer, double timeout_s) {
   std::string m = "jax_ep: ";
   const std::string g = " of EP group " + std::to_string(group);
   if (a.code == kMismatch) {
-    m += "rank " + std::to_string(a.peer) + " ran " +
-         describe(signature_of(a.theirs[0], a.theirs[1])) + " while rank " +
-         std::to_string(a.giver) + " ran " + describe(signature_of(a.mine[0], a.mine[1])) +
-         " at op " + std::to_string(a.op) + g +
-         ": every rank of a Buffer must run the same jax_ep ops in the same order.";
+    const Signature mine = signature_of(a.mine), theirs = signature_of(a.theirs);
+    m += "rank " + std::to_string(a.peer) + " ran " + describe(theirs) + " while rank " +
+         std::to_string(a.giver) + " ran " + describe(mine) + " at op " + std::to_string(a.op) + g;
+    if (mine.site != theirs.site)  // alike ops from two places: a rank skipped one?
+      m += " (called from " + describe_site(theirs.site) + " and from " + describe_site(mine.site) +
+           ")";
+    m += ": every rank of a Buffer must run the same jax_ep ops, called from the same places, in "
+         "the same order.";
   } else {
     m += "rank " + std::to_string(a.giver) + g + " waited more than " + std::to_string(timeout_s) +
          " s for rank " + std::to_string(a.peer) + " (" + what_waited(int64_t(a.code)) + ", op " +

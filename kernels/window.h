@@ -22,12 +22,12 @@ constexpr int kSlots = 2;         // ops a rank can have sent and not yet receiv
 constexpr int kPartElems = 1024;  // payload elements under one flag
 
 // Words peers write hold whole 64-bit op numbers (they never wrap). A count record (what source s
-// sends this rank in op n) is four words: the op number, written last with release semantics
+// sends this rank in op n) is five words: the op number, written last with release semantics
 // (its flag), the rows (low 32 bits) with the source's invalid expert ids (high 32 bits: a fresh
 // dispatch's, so that every rank learns the group's total), and the op's signature
-// (kernels/signature.h); a rows-per-expert entry is two: the op number, written after the value,
-// and the value.
-constexpr int64_t kCountRecordBytes = 32;
+// (kernels/signature.h, three words); a rows-per-expert entry is two: the op number, written after
+// the value, and the value.
+constexpr int64_t kCountRecordBytes = 16 + 8 * kSignatureWords;
 constexpr int64_t kCountRows = 8, kCountSignature = 16;  // offsets in a count record
 JAX_EP_HD uint64_t count_word(int rows, int invalid) {
   return uint64_t(uint32_t(rows)) | uint64_t(uint32_t(invalid)) << 32;
@@ -71,13 +71,16 @@ struct Window {
   // The abort record (kernels/signature.h): its state word, then an AbortRecord. Written by
   // whichever rank of the group gives up first.
   JAX_EP_HD int64_t aborted_at() const { return 64; }
-  JAX_EP_HD int64_t abort_record_at() const { return 72; }
+  static constexpr int64_t kAbortRecordAt = 72, kRouteScratchAt = 192;
+  static_assert(kAbortRecordAt + int64_t(sizeof(AbortRecord)) <= kRouteScratchAt,
+                "the abort record overlaps the route scratch");
+  JAX_EP_HD int64_t abort_record_at() const { return kAbortRecordAt; }
   // Route scratch (large dispatches on GPUs): rows earlier chunks of kChunkTokens send to rank d,
   // and rows per global expert.
   static constexpr int kChunkTokens = 1024;
   JAX_EP_HD int max_chunks() const { return (rows_per_source + kChunkTokens - 1) / kChunkTokens; }
   JAX_EP_HD int64_t chunk_rows_at(int chunk, int rank) const {
-    return 192 + 4 * (int64_t(chunk) * num_ranks + rank);
+    return kRouteScratchAt + 4 * (int64_t(chunk) * num_ranks + rank);
   }
   JAX_EP_HD int64_t expert_tally_at(int expert) const {
     return align_bytes(chunk_rows_at(max_chunks(), 0), 8) + 4 * int64_t(expert);

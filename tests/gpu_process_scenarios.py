@@ -10,6 +10,7 @@ process that exits)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import traceback
@@ -75,8 +76,8 @@ def case_names():
     return (
         [name for name, *_ in layer_cases()]
         + [f"gradients-{lay}-{mode}-fp8={fp8}" for lay, mode, fp8 in GRADIENTS]
-        + ["invalid-ids-normal", "invalid-ids-low_latency", "timing", "mismatch", "timeout"]
-        + ["early-exit"]
+        + ["invalid-ids-normal", "invalid-ids-low_latency", "timing", "mismatch", "skipped-op"]
+        + ["timeout", "early-exit"]
     )
 
 
@@ -375,10 +376,11 @@ def tiny(mesh, timeout_s):
     )
 
 
-def tiny_dispatch(mesh, buf, fp8=False):
-    """A compiled dispatch on the ranks of `mesh` (every token to rank 0 and the last rank),
-    and its arguments. Every process compiles it, also one that will not run it: XLA shares
-    GPU autotuning between the processes of a program, so compiling alone would wait for them."""
+def tiny_dispatch(mesh, buf, fp8=False, dispatch=None):
+    """A compiled dispatch (`dispatch(x, idx)`, by default buf.dispatch) on the ranks of `mesh`
+    (every token to rank 0 and the last rank), and its arguments. Every process compiles it, also
+    one that will not run it: XLA shares GPU autotuning between the processes of a program, so
+    compiling alone would wait for them."""
     R = mesh.size
     x = np.ones((R * 4, 128), np.float32)
     idx = np.tile(np.array([[0, E - 1]], np.int32), (R * 4, 1))
@@ -387,7 +389,7 @@ def tiny_dispatch(mesh, buf, fp8=False):
     def body(x, i):
         return jax.tree.map(
             lambda v: v[None] if v.ndim == 0 else v,
-            buf.dispatch(x, i, fp8=fp8)._replace(handle=None),
+            (dispatch or functools.partial(buf.dispatch, fp8=fp8))(x, i)._replace(handle=None),
         )
 
     args = [shard(mesh, v) for v in (x, idx)]
@@ -436,6 +438,40 @@ def mismatch_case(mesh):
         print("RAISED:", str(e).splitlines()[0], flush=True)
     else:
         raise AssertionError("the call after a mismatch did not raise")
+
+
+def skipped_op_case(mesh):
+    """Process 0 skips the first of two alike dispatches, called from two places; the others run
+    both. Op 1 pairs process 0's second with the others' first: every rank's step returns NaN at
+    once, status() names both call sites, and the others' next call raises. (Paired, their rows
+    would have been the other op's, with no error.)"""
+    buf = tiny(mesh, 60.0)
+
+    def first(x, i):
+        return buf.dispatch(x, i)
+
+    def second(x, i):
+        return buf.dispatch(x, i)
+
+    first, args = tiny_dispatch(mesh, buf, dispatch=first)
+    second, _ = tiny_dispatch(mesh, buf, dispatch=second)
+    meet_all("skipped-op")
+    start = time.perf_counter()
+    out = jax.block_until_ready((second if jax.process_index() == 0 else first)(*args))
+    assert time.perf_counter() - start < 30, "a skipped op waited for the timeout"
+    for r, d in mine(mesh, out).items():
+        assert np.isnan(d.x).all() and int(d.num_recv[0]) == 0, (r, d.num_recv)
+    status = buf.status()
+    assert status.count("call site") == 2, status
+    if jax.process_index() == 0:
+        return
+    try:
+        jax.block_until_ready(second(*args))
+    except Exception as e:
+        assert "call site" in str(e), str(e)[:2000]
+        print("RAISED:", str(e).splitlines()[0], flush=True)
+    else:
+        raise AssertionError("the call after a skipped op did not raise")
 
 
 def timeout_case(mesh):
@@ -507,6 +543,7 @@ def suite():
             ("invalid-ids-low_latency", lambda: invalid_ids_case(mesh, "low_latency")),
             ("timing", lambda: timing_case(mesh)),
             ("mismatch", lambda: mismatch_case(mesh)),
+            ("skipped-op", lambda: skipped_op_case(mesh)),
             ("timeout", lambda: timeout_case(mesh)),
             ("early-exit", lambda: early_exit_case(mesh)),
         ]

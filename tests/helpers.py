@@ -371,6 +371,27 @@ def branching_dispatch(buf, layout="rank"):
     return step
 
 
+def skipping_dispatches(buf):
+    """Rank 0 skips the first of two alike dispatches (a cond on the rank), called from two
+    places; the others run both. Op 1 pairs rank 0's second with the others' first. -> the second
+    dispatch's rows, and the first's num_recv (0 on rank 0), of each rank."""
+
+    def step(x, i):
+        w = jnp.ones(i.shape, jnp.float32)
+
+        def first(x):
+            return buf.dispatch(x, i, w).num_recv
+
+        def skip(x):
+            return jnp.zeros_like(x, jnp.int32)[0, 0]  # varying over the ranks, like first's
+
+        first_recv = jax.lax.cond(jax.lax.axis_index("ep") == 0, skip, first, x)
+        second = buf.dispatch(x, i, w)
+        return second.x, first_recv
+
+    return step
+
+
 def assert_matches_oracle(
     out,
     inputs,

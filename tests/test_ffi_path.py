@@ -381,3 +381,36 @@ def test_fp8_quantize_calls_refuse_partial_blocks():
         jax.block_until_ready(ffi_path.quantize_rows(jnp.ones((4, 200), jnp.float32)))
     with pytest.raises(Exception, match="K and N must be multiples of 128"):
         jax.block_until_ready(ffi_path.quantize_weights(jnp.ones((1, 128, 200), jnp.float32)))
+
+
+def test_a_call_site_is_the_programs_place_not_its_caller_nor_its_path():
+    """The same op traced from two callers of its jit, and the same code under two file names,
+    have one site; two lines of a program have two; a library's lines do not count (the site is
+    where the program calls into the library)."""
+    source = (
+        "def program(x):\n"
+        "    sites.append(call_site())\n"
+        "    return x\n"
+        "def other(x):\n"
+        "    sites.append(call_site())\n"
+        "    return x\n"
+    )
+    sites = []
+
+    def traced(filename, name, width):
+        scope = {"sites": sites, "call_site": ffi_path.call_site}
+        exec(compile(source, filename, "exec"), scope)
+        jax.jit(scope[name])(jnp.zeros(width))  # a new width: a new trace
+        return sites[-1]
+
+    def caller_a():
+        return traced("/tmp/a/notebook_cell_1.py", "program", 1)
+
+    def caller_b():
+        return traced("/tmp/b/notebook_cell_7.py", "program", 2)
+
+    assert caller_a() == caller_b() != 0
+    assert traced("/tmp/a/notebook_cell_1.py", "other", 3) not in (0, sites[0])
+    library = os.path.join(os.path.dirname(jax.__file__), "not_a_module.py")
+    in_library = [traced(library, name, width) for name, width in (("program", 4), ("other", 5))]
+    assert in_library[0] == in_library[1] not in (0, sites[0])

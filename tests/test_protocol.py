@@ -22,6 +22,7 @@ from helpers import (
     random_inputs,
     run,
     settle,
+    skipping_dispatches,
 )
 from jax.sharding import PartitionSpec as P
 
@@ -141,16 +142,23 @@ def test_shared_memory_too_small_is_an_error_naming_the_size():
     assert int(np.asarray(d.num_recv)[0]) == T
 
 
-@pytest.mark.parametrize("layout", ["rank", "expert", "expert_padded"])
-def test_ranks_that_run_different_ops_stop_naming_both(layout):
-    """Both ranks' op fails at once, NaN in its same step: the weights, and the rows (but in
-    expert_padded, whose rows past each expert's count, here all, are unspecified)."""
+def _two_ranks(dtype):
+    """A Buffer of 2 ranks (a 60 s timeout), and x of `dtype` with ids sending every token to
+    both ranks."""
     mesh = make_mesh(2)
     buf = jax_ep.Buffer(
         mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=60
     )
-    x = jnp.ones((2 * T, H), jnp.bfloat16)
+    x = jnp.ones((2 * T, H), dtype)
     i = jnp.tile(jnp.arange(K, dtype=jnp.int32), (2 * T, 1)) * (E // 2 - 1)
+    return mesh, buf, x, i
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert", "expert_padded"])
+def test_ranks_that_run_different_ops_stop_naming_both(layout):
+    """Both ranks' op fails at once, NaN in its same step: the weights, and the rows (but in
+    expert_padded, whose rows past each expert's count, here all, are unspecified)."""
+    mesh, buf, x, i = _two_ranks(jnp.bfloat16)
     start = time.perf_counter()
     rows, ids, num_recv, weights = run(mesh, branching_dispatch(buf, layout), x, i)
     assert time.perf_counter() - start < 50, "a mismatch waited for the timeout"
@@ -165,6 +173,21 @@ def test_ranks_that_run_different_ops_stop_naming_both(layout):
     assert all(op in buf.status() for op in both), buf.status()
     with pytest.raises(Exception, match=r"ran dispatch\(.* while rank . ran dispatch\("):
         jax.block_until_ready(run(mesh, lambda x, i: buf.dispatch(x, i).x, x, i))
+    buf.close()
+
+
+def test_a_rank_that_skips_an_op_stops_at_the_next_one():
+    """Two alike dispatches from two places; rank 0 skips the first. Its second pairs with rank
+    1's first, and their signatures differ only in the call site: the step raises at once, naming
+    both sites (without the sites the rows were the other op's, and rank 1's second op waited for
+    the timeout)."""
+    mesh, buf, x, i = _two_ranks(jnp.float32)
+    start = time.perf_counter()
+    sites = r"dispatch\(float32 rows.* \(called from call site [0-9a-f]{8} and from call site "
+    with pytest.raises(Exception, match=sites):
+        jax.block_until_ready(run(mesh, skipping_dispatches(buf), x, i))
+    assert time.perf_counter() - start < 50, "a skipped op waited for the timeout"
+    assert buf.status().count("call site") == 2, buf.status()
     buf.close()
 
 

@@ -88,8 +88,7 @@ void send_count(Rank& r, int dest, uint64_t op, uint64_t count, const Signature&
   const int64_t at = r.window.counts_at(int(op % kSlots), r.rank);
   uint8_t* record = r.window_of(dest) + at;
   *reinterpret_cast<uint64_t*>(record + kCountRows) = count;
-  reinterpret_cast<uint64_t*>(record + kCountSignature)[0] = signature_word0(sig);
-  reinterpret_cast<uint64_t*>(record + kCountSignature)[1] = signature_word1(sig);
+  signature_words(sig, reinterpret_cast<uint64_t*>(record + kCountSignature));
   store_release(r.word(dest, at), op);  // the rows' and the record's flag
 }
 
@@ -98,19 +97,13 @@ std::string received_rows(Rank& r, uint64_t op, std::vector<int>* first, int* gr
   const int slot = int(op % kSlots), R = w.num_ranks;
   first->assign(R + 1, 0);
   auto record = [&](int s) { return r.window_of(r.rank) + w.counts_at(slot, s); };
-  auto sig = [&](int s) {
-    const uint64_t* words = reinterpret_cast<const uint64_t*>(record(s) + kCountSignature);
-    return std::pair<uint64_t, uint64_t>(words[0], words[1]);
-  };
+  auto sig = [&](int s) { return reinterpret_cast<const uint64_t*>(record(s) + kCountSignature); };
   for (int s = 0; s < R; ++s)
     if (auto err = r.wait_op(w.counts_at(slot, s), op, s, kWaitCounts); !err.empty()) return err;
   const auto mine = sig(r.rank);  // the record this rank sent itself
   for (int s = 0; s < R; ++s) {
-    if (const auto theirs = sig(s); theirs != mine) {
-      const Signature a = signature_of(mine.first, mine.second);
-      const Signature b = signature_of(theirs.first, theirs.second);
-      return r.give_up(kMismatch, s, op, &a, &b);
-    }
+    if (std::memcmp(sig(s), mine, 8 * kSignatureWords) != 0)
+      return r.give_up(kMismatch, s, op, mine, sig(s));
     const uint64_t count = *reinterpret_cast<const uint64_t*>(record(s) + kCountRows);
     (*first)[s + 1] = (*first)[s] + rows_of(count, w.rows_per_source);
     if (group_invalid) *group_invalid += invalid_of(count);

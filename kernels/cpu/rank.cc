@@ -120,8 +120,8 @@ bool Rank::aborted(uint64_t* op, std::string* error) const {
   return true;
 }
 
-std::string Rank::give_up(Wait code, int peer, uint64_t op, const Signature* mine,
-                          const Signature* theirs) const {
+std::string Rank::give_up(Wait code, int peer, uint64_t op, const uint64_t* mine,
+                          const uint64_t* theirs) const {
   const Window& w = window;
   AbortRecord a{};
   a.code = uint64_t(code);
@@ -129,8 +129,8 @@ std::string Rank::give_up(Wait code, int peer, uint64_t op, const Signature* min
   a.peer = uint64_t(peer);
   a.op = op;
   if (mine && theirs) {
-    a.mine[0] = signature_word0(*mine), a.mine[1] = signature_word1(*mine);
-    a.theirs[0] = signature_word0(*theirs), a.theirs[1] = signature_word1(*theirs);
+    std::memcpy(a.mine, mine, sizeof a.mine);
+    std::memcpy(a.theirs, theirs, sizeof a.theirs);
   }
   // Its own window first: the record it reports is the first of its window.
   for (int i = 0; i < w.num_ranks; ++i) {

@@ -64,8 +64,8 @@ class Rank {
 
   // Gives up op `op`: writes the abort record into every window of the group (each window's
   // first abort stays) and returns the error.
-  std::string give_up(Wait code, int peer, uint64_t op, const Signature* mine = nullptr,
-                      const Signature* theirs = nullptr) const;
+  std::string give_up(Wait code, int peer, uint64_t op, const uint64_t* mine = nullptr,
+                      const uint64_t* theirs = nullptr) const;
 
   // The abort record of this rank's window if one was written: its op and error.
   bool aborted(uint64_t* op, std::string* error) const;

@@ -292,6 +292,12 @@ __device__ void send_tokens(const DispatchParams& params, Routing routing, uint6
     }
     __syncwarp();
     const uint8_t* x = static_cast<const uint8_t*>(send.x) + int64_t(t) * send.hidden * sizeof(T);
+    if (aligned && lane == 0) {  // the piece of x into L2 at once (kernel -4% at V3 4096, H100)
+      const int64_t b0 = int64_t(pieces.first(piece)) * kPartElems * sizeof(T);
+      const int64_t b1 =
+          min(int64_t(send.hidden), int64_t(pieces.end(piece)) * kPartElems) * int64_t(sizeof(T));
+      prefetch_l2(x + b0, uint32_t(b1 - b0));
+    }
     send_row<T, kFp8>(x, send.hidden, send.round_scale, m, x_dst[warp], scale_dst[warp], stage,
                       pieces.first(piece) * kStepsPerPart,
                       min(steps, pieces.end(piece) * kStepsPerPart), aligned);

@@ -229,6 +229,14 @@ constexpr int kSumUnroll = 4;  // 16-byte vectors per lane and source in flight
 // (the fixed summation order), accumulated in float32 and rounded once; 16-byte vectors
 // [first, vectors) of rows of 16-byte multiples. Sources are loaded two at a time, so a peer's
 // loads are in flight together with the local ones.
+// Asks for `bytes` (a multiple of 16) at p, 16-byte aligned, in L2 (sm_90's bulk prefetch; a
+// no-op before it): one instruction brings a whole run of a row.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 __device__ __forceinline__ void sum_rows(const CombineRecv& recv, int t, uint32_t sources,
                                          const int4* const* row_at, int first, int vectors) {
   const int lane = threadIdx.x % 32;

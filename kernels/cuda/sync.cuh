@@ -78,11 +78,15 @@ static __device__ __forceinline__ void give_up(const Peers& peers, Wait what, in
     const int r = (peers.rank + i) % window.num_ranks;
     auto* state = reinterpret_cast<unsigned long long*>(peers.word(r, window.aborted_at()));
     if (atomicCAS_system(state, 0ull, (unsigned long long)kAbortClaimed) != 0ull) continue;
-    uint64_t* record = peers.word(r, window.abort_record_at());
-    const uint64_t words[8] = {
-        uint64_t(what),     uint64_t(peers.rank), uint64_t(peer),         op,
-        mine ? mine[0] : 0, mine ? mine[1] : 0,   theirs ? theirs[0] : 0, theirs ? theirs[1] : 0};
-    for (int k = 0; k < 8; ++k) store_relaxed(record + k, words[k]);
+    uint64_t* record = peers.word(r, window.abort_record_at());  // an AbortRecord's words
+    store_relaxed(record, uint64_t(what));
+    store_relaxed(record + 1, uint64_t(peers.rank));
+    store_relaxed(record + 2, uint64_t(peer));
+    store_relaxed(record + 3, op);
+    for (int k = 0; k < kSignatureWords; ++k) {
+      store_relaxed(record + 4 + k, mine ? mine[k] : 0);
+      store_relaxed(record + 4 + kSignatureWords + k, theirs ? theirs[k] : 0);
+    }
     store_release(reinterpret_cast<uint64_t*>(state), kAbortWritten);
   }
   record_failure(peers);
@@ -121,8 +125,10 @@ __device__ __forceinline__ void send_count(const Peers& peers, int d, uint64_t o
                                            const Signature& sig) {
   uint64_t* record = peers.word(d, peers.window.counts_at(int(op % kSlots), peers.rank));
   store_relaxed(record + kCountRows / 8, count);
-  store_relaxed(record + kCountSignature / 8, signature_word0(sig));
-  store_relaxed(record + kCountSignature / 8 + 1, signature_word1(sig));
+  uint64_t words[kSignatureWords];
+  signature_words(sig, words);
+  for (int k = 0; k < kSignatureWords; ++k)
+    store_relaxed(record + kCountSignature / 8 + k, words[k]);
   store_release(record, op);
 }
 
@@ -152,9 +158,14 @@ __device__ __forceinline__ void check_signatures(const Peers& peers, uint64_t op
   if (load_volatile(mine - kCountSignature / 8) < op ||
       load_volatile(theirs - kCountSignature / 8) < op)
     return;  // a record that never came: its wait gave up
-  const uint64_t a[2] = {load_volatile(mine), load_volatile(mine + 1)};
-  const uint64_t b[2] = {load_volatile(theirs), load_volatile(theirs + 1)};
-  if (a[0] != b[0] || a[1] != b[1]) give_up(peers, kMismatch, s, op, a, b);
+  uint64_t a[kSignatureWords], b[kSignatureWords];
+  bool same = true;
+  for (int k = 0; k < kSignatureWords; ++k) {
+    a[k] = load_volatile(mine + k);
+    b[k] = load_volatile(theirs + k);
+    same &= a[k] == b[k];
+  }
+  if (!same) give_up(peers, kMismatch, s, op, a, b);
 }
 
 // The op this kernel serves, into `op` (shared memory) once the caller's next barrier passed.
