@@ -51,6 +51,7 @@ CONFIGS = {
     ),
 }
 IMPLS = ("jax_ep", "lax_all_to_all", "lax_ragged_all_to_all")
+HARNESS_WARN_S = 20e-6
 GRAPH_FLAGS = (
     "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,COLLECTIVES"
     " --xla_gpu_graph_min_graph_size=1"
@@ -106,7 +107,7 @@ class Timer:
 
             return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
 
-        self.steps, self.long_steps = long - short, long
+        self.steps = long - short
         self.short, self.long = program(short), program(long)
         self.kernels = None
 
@@ -121,9 +122,11 @@ class Timer:
         seconds(self.short), seconds(self.long)  # compile and warm up
         short = min(seconds(self.short) for _ in range(repeats))
         long = min(seconds(self.long) for _ in range(repeats))
-        if trace:  # the long program once more, under the profiler
-            print(f"  {trace}: device kernels per step of the long program:", flush=True)
-            self.kernels = kernel_summary(device_kernels(self.long, args), self.long_steps)
+        if trace:  # both programs once more, under the profiler: the steps' kernels
+            print(f"  {trace}: device kernels per step:", flush=True)
+            self.kernels = kernel_summary(
+                device_kernels(self.long, args), self.steps, fewer=device_kernels(self.short, args)
+            )
             print_summary(self.kernels)
         return (long - short) / self.steps
 
@@ -151,7 +154,15 @@ def harness_seconds(mesh, x, idx, steps, trace=False):
     subtracted from every implementation's time. With trace, its kernels are printed: a copy
     among them would be subtracted from ops that do not make it."""
     timer = Timer(mesh, lambda x, i: (x, i, ()), repeat(lambda v, i: (v[:1],)), *steps)
-    return timer((x, idx), trace="harness" if trace else None)
+    seconds = timer((x, idx), trace="harness" if trace else None)
+    if seconds > HARNESS_WARN_S:  # 3-5 us a step where XLA copies nothing
+        print(
+            f"WARNING: the harness takes {seconds * 1e6:.1f} us a step: XLA likely copies x every "
+            "step of its program (at V3 4096 with --steps 2,52, 50 us on an H100), and every op's "
+            "time_us subtracts it: use raw_time_us",
+            flush=True,
+        )
+    return seconds
 
 
 def buffer_ops(buf, fp8, mode="auto", lay="rank", capacity=None):
@@ -624,6 +635,12 @@ def main(argv=None):
         "case, tokens x ranks)",
     )
     parser.add_argument(
+        "--steps",
+        default=None,
+        help="SHORT,LONG: the steps of the two timed programs, whose difference is timed "
+        "(default: the config's)",
+    )
+    parser.add_argument(
         "--trace",
         action="store_true",
         help="also record each op's kernel times on the devices (profiler)",
@@ -631,7 +648,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.nodes and args.overlap:
         parser.error("--overlap times one axis: not with --nodes")
-    cfg = CONFIGS[args.config]
+    cfg = dict(CONFIGS[args.config])
+    if args.steps:
+        cfg["steps"] = tuple(int(n) for n in args.steps.split(","))
     args.graphs |= args.concurrent
     flags = [GRAPH_FLAGS] * args.graphs + [CONCURRENT_FLAGS] * args.concurrent
     if flags:  # before the backend starts
@@ -713,6 +732,7 @@ def main(argv=None):
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         overlap=overlap,
         expert_padded_capacity=args.capacity,
+        steps=cfg["steps"],
     )
     stem = save_record(
         record,

@@ -35,26 +35,46 @@ def device_kernels(fn, args):
         return planes
 
 
-def kernel_summary(planes, steps, top=8):
+def kernel_summary(planes, steps, top=8, fewer=None):
     """Per device plane: the device's busy time and span per step (span includes the gaps
     between kernels), and the `top` kernels by time with their calls per step and median
-    microseconds; the program's kernels outside its steps (a prologue) count in, at fewer than
-    one call per step."""
+    microseconds. Alone, the program's kernels outside its steps (a prologue) count in, at fewer
+    than one call per step. With `fewer`, the planes of the same program run with `steps` steps
+    fewer, it is the summary of those steps alone: the difference of the two runs, as bench.ep
+    differences its two programs' times (a prologue, and whatever else both runs do once, count
+    out)."""
     summary = {}
     for plane, events in planes.items():
-        by_name = collections.defaultdict(list)
-        for name, _, dur in events:
-            by_name[name[:60]].append(dur / 1e3)
-        span = (events[-1][1] + events[-1][2] - events[0][1]) / 1e3 if events else 0.0
+        base = (fewer or {}).get(plane, [])
+        durations, base_durations = _by_name(events), _by_name(base)
+        net = {n: sum(d) - sum(base_durations.get(n, ())) for n, d in durations.items()}
+        calls = {n: (len(d) - len(base_durations.get(n, ()))) / steps for n, d in durations.items()}
         summary[plane] = dict(
-            busy_us_per_step=sum(d for _, _, d in events) / 1e3 / steps,
-            span_us_per_step=span / steps,
+            busy_us_per_step=(_busy_us(events) - _busy_us(base)) / steps,
+            span_us_per_step=(_span_us(events) - _span_us(base)) / steps,
             kernels={
-                n: dict(calls_per_step=len(d) / steps, median_us=float(np.median(d)))
-                for n, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+                n: dict(calls_per_step=calls[n], median_us=float(np.median(durations[n])))
+                for n in sorted(durations, key=lambda n: -net[n])
+                if calls[n] > 0
             },
         )
+        summary[plane]["kernels"] = dict(list(summary[plane]["kernels"].items())[:top])
     return summary
+
+
+def _by_name(events):
+    by_name = collections.defaultdict(list)
+    for name, _, dur in events:
+        by_name[name[:60]].append(dur / 1e3)
+    return by_name
+
+
+def _busy_us(events):
+    return sum(d for _, _, d in events) / 1e3
+
+
+def _span_us(events):
+    return (events[-1][1] + events[-1][2] - events[0][1]) / 1e3 if events else 0.0
 
 
 def print_summary(summary, top=6):

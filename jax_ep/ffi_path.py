@@ -85,12 +85,13 @@ def quantize_weights(w, transposed=False):
 
 # Where libraries live: jax_ep, JAX, the standard library and installed packages. A frame of a
 # file under none of them is the program's.
-_LIBRARY_DIRS = tuple(
+_JAX_DIRS = tuple(
+    os.path.join(os.path.realpath(os.path.dirname(m.__file__)), "") for m in (jax, jaxlib)
+)
+_LIBRARY_DIRS = _JAX_DIRS + tuple(
     os.path.join(os.path.realpath(d), "")
     for d in {
         os.path.dirname(__file__),
-        os.path.dirname(jax.__file__),
-        os.path.dirname(jaxlib.__file__),
         sysconfig.get_paths()["stdlib"],
         sysconfig.get_paths()["platstdlib"],
         sysconfig.get_paths()["purelib"],
@@ -103,25 +104,34 @@ _MAX_SITE_FRAMES = 16
 
 
 @functools.cache
-def _is_library(filename):
+def _is_library(filename, dirs=_LIBRARY_DIRS):
     if filename.startswith("<frozen"):
         return True
-    return os.path.join(os.path.realpath(filename), "").startswith(_LIBRARY_DIRS)
+    return os.path.join(os.path.realpath(filename), "").startswith(dirs)
+
+
+def _site_of(places):
+    return zlib.crc32(";".join(places).encode()) if places else 0
 
 
 def call_site():
     """Where the program calls an op, as a 32-bit number: a crc32 of the program's innermost
-    frames (function name, its first line, the line running), from the first frame outside every
-    library out to the next library frame (jax.jit's, in a traced program). Every rank of a Buffer
-    runs the same program, so its ranks' ops at one op number come from one place; a rank that
-    skipped an op (a lax.cond on the rank, a process that left out a step) pairs its next op with
-    an op of another place, and the signatures (kernels/signature.h) differ. No file names: a
-    notebook's cells are files named by their process. Frames above the jit that traced the op do
-    not count, so the site does not depend on what the process traced before. A library's frames
-    do not count: an op that a library calls (jax_ep.nn's layer, a model installed as a package)
-    takes the place where the program calls into it; 0 if no frame is the program's."""
+    frames (function name, its first line, the line running; no file names: a notebook's cells
+    are files named by their process), from the first frame outside every library out to the next
+    library frame. Every rank of a Buffer runs the same program, so its ranks' ops at one op
+    number come from one place; a rank that skipped an op (a lax.cond on the rank, a process that
+    left out a step) pairs its next op with an op of another place, and the signatures
+    (kernels/signature.h) differ. The walk never passes a frame of JAX's (the jit, shard_map or
+    loop tracing the op): what a process called before or around the jit does not count. An op
+    that a library calls (a model installed as a package) takes the place where the program calls
+    into that library; one that a library calls under its own jit with no program frame in
+    between (jax_ep.nn's layer) takes the library's frames."""
     frame = sys._getframe(1)
+    library = []
     while frame is not None and _is_library(frame.f_code.co_filename):
+        if _is_library(frame.f_code.co_filename, _JAX_DIRS):
+            return _site_of(library)
+        library.append(_place(frame))
         frame = frame.f_back
     places = []
     while (
@@ -129,10 +139,14 @@ def call_site():
         and len(places) < _MAX_SITE_FRAMES
         and not _is_library(frame.f_code.co_filename)
     ):
-        code = frame.f_code
-        places.append(f"{code.co_name}:{code.co_firstlineno}:{frame.f_lineno}")
+        places.append(_place(frame))
         frame = frame.f_back
-    return zlib.crc32(";".join(places).encode()) if places else 0
+    return _site_of(places)
+
+
+def _place(frame):
+    code = frame.f_code
+    return f"{code.co_name}:{code.co_firstlineno}:{frame.f_lineno}"
 
 
 class _Config(NamedTuple):

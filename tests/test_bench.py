@@ -44,16 +44,20 @@ def test_every_implementation_times_and_agrees(fp8):
 def test_nodes_times_the_whole_and_each_leg(tmp_path, monkeypatch, capsys):
     """--nodes 2 on the 8 CPU devices (2 x 4) at a small shape, through the command line: the
     record holds both ops of the tuple-axis Buffer and of each leg, and the fast leg's routing
-    gives each rank the rows the tuple-axis Buffer gives it."""
+    gives each rank the rows the tuple-axis Buffer gives it; --steps replaces the config's; a
+    harness slower than HARNESS_WARN_S a step is a warning."""
     small = dict(tokens=4, hidden=256, num_experts=16, num_topk=4, sweep=(4,), steps=(1, 2))
     monkeypatch.setitem(ep.CONFIGS, "ll", small)
+    monkeypatch.setattr(ep, "HARNESS_WARN_S", float("-inf"))  # CPU times can be < 0
     ep.main(
-        ["--config", "ll", "--nodes", "2", "--machine", "test", "--out", str(tmp_path), "--no-plot"]
+        ["--config", "ll", "--nodes", "2", "--steps", "1,3", "--machine", "test"]
+        + ["--out", str(tmp_path), "--no-plot"]
     )
     (path,) = tmp_path.glob("ll-test-*-nodes2.json")
     with open(path) as f:
         record = json.load(f)
     assert record["num_nodes"] == 2 and "--nodes 2" in record["command"]
+    assert record["steps"] == [1, 3] and small["steps"] == (1, 2)
     results = record["results"]
     assert sorted((r["impl"], r["op"]) for r in results) == sorted(
         (impl, op) for impl in ("jax_ep", "fast_leg", "node_leg") for op in ("dispatch", "combine")
@@ -62,7 +66,8 @@ def test_nodes_times_the_whole_and_each_leg(tmp_path, monkeypatch, capsys):
         assert math.isfinite(r["raw_time_us"]) and r["num_nodes"] == 2
     assert all(r["rows_as_jax_ep"] for r in results if r["impl"] == "fast_leg")
     assert [r["dtype"] for r in results if r["op"] == "combine"] == ["bf16", "bf16", "float32"]
-    assert "fast_leg" in capsys.readouterr().out  # the table
+    out = capsys.readouterr().out
+    assert "fast_leg" in out and "WARNING: the harness takes" in out  # the table, the warning
 
 
 def test_loop_program_calls_leave_the_inputs_unchanged():
@@ -97,6 +102,22 @@ def test_kernel_summary_per_step_and_table_column():
         kernels={"/device:GPU:0": summary, "/device:GPU:1": dict(summary, busy_us_per_step=6.5)},
     )
     assert table([result]).splitlines()[1].split()[-1] == "6.5"  # the slowest GPU
+
+
+def test_kernel_summary_of_the_steps_alone():
+    """With the same program's run of fewer steps, a prologue counts out: its kernel is not
+    listed and its time is not in the steps' busy time or span."""
+    prologue = [("prologue", 0, 10000)]
+
+    def run(steps):
+        return {"/device:GPU:0": prologue + [("a", 10000 + 3000 * s, 2000) for s in range(steps)]}
+
+    summary = kernel_summary(run(3), steps=2, fewer=run(1))["/device:GPU:0"]
+    assert summary["busy_us_per_step"] == pytest.approx(2.0)
+    assert summary["span_us_per_step"] == pytest.approx(3.0)
+    assert summary["kernels"] == {"a": dict(calls_per_step=1.0, median_us=2.0)}
+    alone = kernel_summary(run(3), steps=3)["/device:GPU:0"]
+    assert alone["busy_us_per_step"] == pytest.approx(16 / 3)  # with the prologue
 
 
 def test_device_kernels_without_gpus_is_empty():

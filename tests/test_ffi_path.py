@@ -5,6 +5,7 @@ import functools
 import os
 import subprocess
 import sys
+import sysconfig
 
 import jax
 import jax.numpy as jnp
@@ -385,8 +386,8 @@ def test_fp8_quantize_calls_refuse_partial_blocks():
 
 def test_a_call_site_is_the_programs_place_not_its_caller_nor_its_path():
     """The same op traced from two callers of its jit, and the same code under two file names,
-    have one site; two lines of a program have two; a library's lines do not count (the site is
-    where the program calls into the library)."""
+    have one site; two lines of a program have two; a library's lines count only where no
+    program frame lies between the op and a jit."""
     source = (
         "def program(x):\n"
         "    sites.append(call_site())\n"
@@ -411,6 +412,21 @@ def test_a_call_site_is_the_programs_place_not_its_caller_nor_its_path():
 
     assert caller_a() == caller_b() != 0
     assert traced("/tmp/a/notebook_cell_1.py", "other", 3) not in (0, sites[0])
-    library = os.path.join(os.path.dirname(jax.__file__), "not_a_module.py")
-    in_library = [traced(library, name, width) for name, width in (("program", 4), ("other", 5))]
-    assert in_library[0] == in_library[1] not in (0, sites[0])
+    # A library (an installed package) that the program calls under its jit: the site is where
+    # the program calls into it, whichever of the library's lines calls the op.
+    library = os.path.join(sysconfig.get_paths()["purelib"], "a_package", "module.py")
+    scope = {"sites": sites, "call_site": ffi_path.call_site, "jax": jax}
+    exec(compile(source + "jitted = jax.jit(program)\n", library, "exec"), scope)
+    for name, width in (("program", 4), ("other", 5)):
+        jax.jit(lambda x: scope[name](x))(jnp.zeros(width))
+    assert sites[-1] == sites[-2] not in (0, sites[0])
+
+    # A library's op under the library's own jit (jax_ep.nn's layer): its own frames, the same
+    # whatever line first traced it (the walk stops at JAX's frames).
+
+    def first_caller():
+        return scope["jitted"](jnp.zeros(6))
+
+    first_caller()
+    scope["jitted"](jnp.zeros(7))
+    assert sites[-1] == sites[-2] != 0
