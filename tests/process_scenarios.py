@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from jax_ep import nn
 from jax_ep._jax import distributed_client
 
 E, H, K, T = 16, 256, 4, 16
@@ -103,6 +104,37 @@ def flat():
     matches_reference(mesh, bufs, cases)
     gradients(mesh, bufs)
     invalid_ids(mesh, bufs, "ep")
+    layer_traced_first_on_one_process(mesh)
+
+
+def layer_traced_first_on_one_process(mesh):
+    """jax_ep.nn's layer (which jits itself) in a jitted gradient step; process 0 alone first
+    asks for its output's shape through a helper (jax.eval_shape traces it, from other lines).
+    Every process's ops still carry one call site: the gradients equal the reference path's."""
+    cfg = nn.MoEConfig(num_experts=E, num_topk=K, hidden=H, ffn_hidden=64)
+    tokens = T * mesh.size // mesh.shape["ep"]  # the layer splits the tokens over "ep" only
+    layers = {
+        impl: nn.MoELayer(
+            cfg, mesh, expert_axis="ep", tokens_per_rank=tokens, impl=impl, timeout_s=20
+        )
+        for impl in ("ffi", "reference")
+    }
+    params = nn.init_params(jax.random.key(0), cfg, mesh=mesh, expert_axis="ep")
+    x = shard(mesh, np.random.default_rng(6).standard_normal((mesh.size * T, H), np.float32))
+
+    def output_shape(layer):
+        return jax.eval_shape(lambda p, x: layer(p, x)[0], params, x)
+
+    if jax.process_index() == 0:
+        output_shape(layers["ffi"])
+    grads = {
+        impl: jax.jit(jax.grad(lambda p, x, layer=layer: (layer(p, x)[0] ** 2).mean()))(params, x)
+        for impl, layer in layers.items()
+    }
+    for g, r in zip(local(grads["ffi"]), local(grads["reference"])):
+        for device in g:
+            error = relative_error(g[device], r[device])
+            assert error < 1e-5, f"the layer's gradient: {error}"
 
 
 def matches_reference(mesh, bufs, cases):
