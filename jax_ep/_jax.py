@@ -293,14 +293,22 @@ def _check_mesh(ctx, order):
     mesh is known here, where the call is lowered inside the shard_map (trace time knows only
     the axes' names and sizes)."""
     used = getattr(ctx.module_context.axis_context, "mesh", None)
-    if order.mesh is None or not hasattr(used, "devices"):
+    if order.mesh is None or used is None or not hasattr(type(used), "device_ids"):
         return
+    try:
+        used_ids = used.device_ids
+    except ValueError:  # an AbstractMesh: axis names and sizes, no devices
+        raise ValueError(
+            "jax_ep: a Buffer's ops run inside a shard_map over the Buffer's own mesh "
+            "(jax.shard_map(..., mesh=mesh)), not an abstract one: the devices' order numbers "
+            "the ranks, and an abstract mesh does not say it"
+        ) from None
     own = order.mesh
-    if used.axis_names != own.axis_names or not np.array_equal(used.device_ids, own.device_ids):
+    if used.axis_names != own.axis_names or not np.array_equal(used_ids, own.device_ids):
         raise ValueError(
             f"jax_ep: a Buffer's ops run inside a shard_map over the Buffer's own mesh, the same "
             f"devices in the same order (it numbers its ranks by that order); this shard_map's "
-            f"mesh is {used.axis_names} over devices {used.device_ids.tolist()}, the Buffer's "
+            f"mesh is {used.axis_names} over devices {used_ids.tolist()}, the Buffer's "
             f"{own.axis_names} over {own.device_ids.tolist()}"
         )
 

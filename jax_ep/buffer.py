@@ -28,6 +28,8 @@ _SERIALS = itertools.count(1)
 
 
 def _is_integer(value):
+    if isinstance(value, (bool, np.bool_)):  # True is 1 to Python, not a count
+        return False
     try:
         return int(value) == value
     except (TypeError, ValueError):
@@ -90,6 +92,12 @@ class DispatchSpec:
 
 def _fail(message):
     raise ValueError(f"jax_ep: {message}")
+
+
+def _check_flag(value, name):
+    """A static flag: True or False (numpy's too), not a string, a number or a traced value."""
+    if not isinstance(value, (bool, np.bool_)):
+        _fail(f"{name} must be True or False, got {value!r}")
 
 
 def _axes(mesh, axis_name):
@@ -205,6 +213,7 @@ class Buffer:
         self.max_tokens_per_rank = max_tokens_per_rank
         self.max_row_dtype = jnp.dtype(max_row_dtype)
         self.impl = "ffi" if impl == "auto" else impl
+        _check_flag(check_invalid, "check_invalid")
         self.check_invalid = bool(check_invalid)
         if self.check_invalid:
             try:
@@ -752,6 +761,9 @@ class Buffer:
         float8 like d.x: dequantize_fp8(d.x, d.scales) would send x only a rounded, scaled one.)"""
         if d.scales is None:
             _fail("dequantize needs the result of an fp8 dispatch")
+        _check(
+            x, "dequantize's x (the x dispatched)", (d.handle.num_tokens, self.hidden), FLOAT_ROWS
+        )
         return _dequantize_with_combined_grad(
             self._combine_cotangent, *all_varying(x, d.x, d.scales), d.handle
         )
@@ -855,6 +867,31 @@ class Buffer:
                 f"handle belongs to another Buffer (Buffer {handle.buffer}, this is Buffer "
                 f"{self._serial}): {op} follows the routes of this Buffer's dispatches only"
             )
+        if self.num_nodes > 1:  # a tuple axis's routes are hierarchical.NodeRoutes
+            return
+        ranks = self.num_ranks
+        for name, want in (
+            ("send_pos", (None, ranks)),
+            ("recv_counts", (ranks,)),
+            ("num_rows", ()),
+            ("expert_src", (None,)),
+            ("expert_rows", (handle.rows, None)),
+        ):
+            got = getattr(handle, name)
+            if got is None and name.startswith("expert"):
+                continue
+            shape = getattr(got, "shape", None)
+            if (
+                shape is None
+                or len(shape) != len(want)
+                or any(w is not None and g != w for g, w in zip(shape, want))
+            ):
+                _fail(
+                    f"handle.{name} has shape {shape}, not "
+                    f"({', '.join('*' if w is None else str(w) for w in want)}): {op} takes a "
+                    "handle as its dispatch returned it, inside the same shard_map (not one "
+                    "made under jax.vmap)"
+                )
 
     # ------------------------------------------------------------ checks
 
@@ -898,6 +935,8 @@ class Buffer:
             )
 
     def _check_x(self, x, fp8, round_scale):
+        _check_flag(fp8, "fp8")
+        _check_flag(round_scale, "round_scale")
         _check(x, "x", (None, self.hidden), FLOAT_ROWS)
         if not fp8:
             self._check_row_dtype(x, "x")

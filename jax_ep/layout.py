@@ -203,9 +203,14 @@ padded_rows.defvjp(_padded_rows_fwd, _padded_rows_bwd, symbolic_zeros=True)
 
 
 def expert_weights(weight_rows, topk_rows, expert_src, expert_of_row):
-    """[C]: weight of each expert row, the sum over the slots of its token naming that expert."""
+    """[C]: weight of each expert row, the sum over the slots of its token naming that expert,
+    added in slot order (as the kernels add them; XLA's own sum picks its order by shape)."""
     match = (take(topk_rows, expert_src) == expert_of_row[:, None]) & (expert_src >= 0)[:, None]
-    return jnp.where(match, take(weight_rows, expert_src), 0.0).sum(axis=1)
+    named = jnp.where(match, take(weight_rows, expert_src), 0.0)
+    weight = jnp.zeros(named.shape[0], named.dtype)
+    for k in range(named.shape[1]):
+        weight = weight + named[:, k]
+    return weight
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -45,6 +45,8 @@ def test_attributes():
         (dict(hidden=0), "hidden"),
         (dict(max_tokens_per_rank=2.5), "max_tokens_per_rank"),
         (dict(low_latency_tokens=T + 1), "low_latency_tokens"),
+        (dict(check_invalid="no"), "check_invalid must be True or False, got 'no'"),
+        (dict(max_tokens_per_rank=True), "max_tokens_per_rank"),
     ],
 )
 def test_construction_errors(kwargs, match):
@@ -104,6 +106,16 @@ def expect_error(setup, fn, match, *args):
             "multiple of expert_alignment",
         ),
         (lambda b, x, i, w: b.dispatch(x, i, w, round_scale=True), "round_scale=True needs fp8"),
+        (lambda b, x, i, w: b.dispatch(x, i, w, fp8="false"), "fp8 must be True or False"),
+        (
+            lambda b, x, i, w: b.combine(
+                *jax.vmap(lambda x: (lambda d: (d.x, d.handle))(b.dispatch(x, i, w)))(
+                    jnp.stack([x, x])
+                )
+            ),
+            r"handle.send_pos has shape \(2, 8, 4\), not \(\*, 4\): combine takes a handle",
+        ),
+        (lambda b, x, i, w: b.dispatch(x, i, w, capacity=True), "capacity must be a positive"),
         (lambda b, x, i, w: b.dispatch(x, handle=(1, 2)), "handle must be"),
         (
             lambda b, x, i, w: b.dispatch(x, i, handle=b.dispatch(x, i, w).handle),
@@ -147,6 +159,10 @@ def expect_error(setup, fn, match, *args):
         ),
         (lambda b, x, i, w: b.dispatch(x, i, w, mode="fast"), "mode must be"),
         (lambda b, x, i, w: b.dequantize(b.dispatch(x, i, w), x), "needs the result of an fp8"),
+        (
+            lambda b, x, i, w: b.dequantize(b.dispatch(x, i, w, fp8=True), x[:-1]),
+            r"dequantize's x \(the x dispatched\) must have shape",
+        ),
         (
             lambda b, x, i, w: b.dispatch(x, i, w, layout="expert_padded", expert_alignment=8),
             "expert_alignment must be 1 in the expert_padded",
@@ -257,6 +273,17 @@ def test_a_mesh_of_the_same_devices_in_another_order_is_refused():
     reordered = jax.sharding.Mesh(mesh.devices[::-1], mesh.axis_names)
     with pytest.raises(ValueError, match="the same devices in the same order"):
         run(reordered, lambda x, i: buf.dispatch(x, i).x, x, idx)
+    # An abstract mesh names no devices: their order cannot be checked, so it is refused.
+    abstract = jax.jit(
+        jax.shard_map(
+            lambda x, i: buf.dispatch(x, i).x,
+            mesh=mesh.abstract_mesh,
+            in_specs=P("ep"),
+            out_specs=P("ep"),
+        )
+    )
+    with pytest.raises(ValueError, match="not an abstract one"):
+        abstract(*put(mesh, x, idx))
     assert run(mesh, lambda x, i: buf.dispatch(x, i).x, x, idx).shape[0] > 0  # still works
 
 

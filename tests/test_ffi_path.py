@@ -363,6 +363,52 @@ def test_fp8_dispatch_of_special_values_is_the_reference(round_scale):
     assert np.isnan(np.asarray(got[0], np.float32)).sum() == 4  # the NaNs, and each inf's own
 
 
+def test_denormals_are_flushed_as_xla_flushes_them():
+    """XLA:CPU flushes denormals to zero; so do the CPU backend's threads: a combine's sums of
+    denormal rows onto a bias, and the program's own arithmetic after an op (completing an op
+    runs the device's next work on them), are bitwise the reference path's."""
+    mesh = make_mesh(2)
+    bufs = buffers(mesh, num_experts=4, hidden=H, num_topk=1, max_tokens_per_rank=2)
+    x = np.zeros((4, H), np.float32)
+    x[:, 0], x[:, 1], x[:, 2], x[:, 3] = 1e-40, -3e-39, 1.0, 1e-45
+    bias = np.zeros((4, H), np.float32)
+    bias[:, 4] = 2e-39
+    idx = np.array([[0], [2], [3], [1]], np.int32)
+
+    def step(buf, x, i, bias):
+        d = buf.dispatch(x, i)
+        return buf.combine(d.x, d.handle, bias=bias), d.x * 2
+
+    got, want = (
+        run(mesh, functools.partial(step, bufs[impl]), *map(jnp.asarray, (x, idx, bias)))
+        for impl in ("ffi", "reference")
+    )
+    assert_bitwise_equal(got, want, "y and d.x * 2")
+    assert not np.asarray(got[1])[:, [0, 1, 3]].any()  # 2e-40 and the like: flushed
+
+
+@pytest.mark.parametrize("lay", ["expert", "expert_padded"])
+def test_an_expert_named_in_several_slots_weighs_their_sum_in_slot_order(lay):
+    """Token 0 names expert 0 in slots 0, 1 and 3 (weights 1, 2^-24, 2^-24): its expert row's
+    weight is ((1 + 2^-24) + 2^-24) = 1 on both paths (XLA's own sum took another order at
+    this shape: 1 + 2^-23)."""
+    mesh = make_mesh(2)
+    bufs = buffers(mesh, num_experts=4, hidden=H, num_topk=16, max_tokens_per_rank=64)
+    idx = np.full((128, 16), -1, np.int32)
+    w = np.zeros((128, 16), np.float32)
+    idx[0, [0, 1, 3]] = 0
+    w[0, [0, 1, 3]] = [1.0, 2.0**-24, 2.0**-24]
+    x = jnp.ones((128, H), jnp.float32)
+    got = {
+        impl: run(
+            mesh, lambda x, i, w, b=b: b.dispatch(x, i, w, layout=lay).topk_weights, x, idx, w
+        )
+        for impl, b in bufs.items()
+    }
+    assert_bitwise_equal(got["ffi"], got["reference"], "topk_weights")
+    assert np.asarray(got["ffi"]).reshape(-1)[0] == np.float32(1.0)
+
+
 def test_fp8_quantize_calls_are_the_fp8_rule():
     """The CPU backend's FP8 quantization calls: jax_ep.fp8's bytes (rows and weights); under a
     gradient they are constants (as the FP8 matmul's forward reads them)."""

@@ -233,6 +233,12 @@ def test_config_errors():
         nn.MoELayer(shared, make_mesh(4), expert_axis="ep", tokens_per_rank=TOKENS)(params, x)
     with pytest.raises(ValueError, match="params lack"):
         nn.dense_moe(params, x, shared)
+    wide_router = dict(params, router=jnp.zeros((H, 2 * E)))
+    with pytest.raises(ValueError, match=rf"params\['router'\] has shape \({H}, {2 * E}\)"):
+        layer(wide_router, x)
+    narrow_gate = dict(params, w_gate=params["w_gate"][..., :-1])
+    with pytest.raises(ValueError, match=r"params\['w_gate'\] has shape"):
+        nn.dense_moe(narrow_gate, x, layer.cfg)
     biased = nn.MoELayer(
         nn.MoEConfig(**base, routing_bias=True),
         make_mesh(4),

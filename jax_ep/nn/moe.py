@@ -104,6 +104,24 @@ def check_inputs(cfg: MoEConfig, params, x):
             f"jax_ep.nn: params lack {missing} (cfg.shared_ffn_hidden={cfg.shared_ffn_hidden}; "
             f"init_params(key, cfg) makes them all)"
         )
+    h, f, s = cfg.hidden, cfg.ffn_hidden, cfg.shared_ffn_hidden
+    experts = params["w_gate"].shape[0] if params["w_gate"].ndim == 3 else None  # E or E_l here
+    shapes = dict(
+        router=(h, cfg.num_experts),
+        w_gate=(experts, h, f),
+        w_up=(experts, h, f),
+        w_down=(experts, f, h),
+        s_gate=(h, s),
+        s_up=(h, s),
+        s_down=(s, h),
+    )
+    for name in names:
+        if tuple(params[name].shape) != shapes[name]:
+            raise ValueError(
+                f"jax_ep.nn: params[{name!r}] has shape {tuple(params[name].shape)}, not "
+                f"{shapes[name]} (cfg: hidden {h}, ffn_hidden {f}, num_experts "
+                f"{cfg.num_experts}, shared_ffn_hidden {s})"
+            )
 
 
 def expert_capacity(cfg: MoEConfig, tokens_per_rank, num_ranks):

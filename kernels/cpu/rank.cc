@@ -6,7 +6,30 @@
 #include <cstring>
 #include <limits>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <pmmintrin.h>
+#include <xmmintrin.h>
+#endif
+
 namespace jax_ep::cpu {
+namespace {
+
+// XLA:CPU runs its computations with denormals flushed to zero, as inputs and as results. So do
+// a rank's threads: they sum a combine's rows, and completing an op runs the device's next XLA
+// work on them; without it both kept denormals that the reference path and the rest of the
+// program flush.
+void flush_denormals() {
+#if defined(__x86_64__) || defined(__i386__)
+  _MM_SET_FLUSH_ZERO_MODE(_MM_FLUSH_ZERO_ON);
+  _MM_SET_DENORMALS_ZERO_MODE(_MM_DENORMALS_ZERO_ON);
+#elif defined(__aarch64__)
+  uint64_t fpcr;
+  asm volatile("mrs %0, fpcr" : "=r"(fpcr));
+  asm volatile("msr fpcr, %0" ::"r"(fpcr | (uint64_t(1) << 24)));  // FZ
+#endif
+}
+
+}  // namespace
 
 Rank::Rank(const Window& window, int group, int rank, std::vector<uint8_t*> windows,
            std::shared_ptr<void> keep, double timeout_s, uint64_t first_op)
@@ -47,6 +70,7 @@ void Rank::run(uint64_t op, std::function<std::string()> job, std::function<void
 
 // Jobs run while the rank lives: the calls in flight hold it (see cpu_handlers.cc).
 void Rank::work(std::shared_ptr<Queues> q, const Rank* rank) {
+  flush_denormals();
   std::unique_lock<std::mutex> lock(q->mu);
   while (true) {
     q->cv.wait(lock, [&] { return q->stop || !q->jobs.empty(); });
@@ -80,6 +104,7 @@ void Rank::work(std::shared_ptr<Queues> q, const Rank* rank) {
 }
 
 void Rank::complete(std::shared_ptr<Queues> q) {
+  flush_denormals();
   std::unique_lock<std::mutex> lock(q->mu);
   while (true) {
     q->cv.wait(lock, [&] {
