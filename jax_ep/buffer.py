@@ -112,8 +112,9 @@ def _axes(mesh, axis_name):
     return axes
 
 
-def _check(array, name, shape, dtypes):
-    """Shape and dtype of an argument; None in `shape` matches any size."""
+def _check(array, name, shape, dtypes, why=""):
+    """Shape and dtype of an argument; None in `shape` matches any size; `why` ends a wrong
+    shape's message."""
     if (
         not hasattr(array, "shape")
         or len(array.shape) != len(shape)
@@ -121,7 +122,8 @@ def _check(array, name, shape, dtypes):
     ):
         want = ", ".join("*" if s is None else str(s) for s in shape)
         _fail(
-            f"{name} must have shape ({want}), got {getattr(array, 'shape', type(array).__name__)}"
+            f"{name} must have shape ({want}), got "
+            f"{getattr(array, 'shape', type(array).__name__)}{why}"
         )
     if jnp.dtype(array.dtype) not in tuple(jnp.dtype(d) for d in dtypes):
         _fail(
@@ -877,20 +879,14 @@ class Buffer:
             ("expert_src", (None,)),
             ("expert_rows", (handle.rows, None)),
         ):
-            got = getattr(handle, name)
-            if got is None and name.startswith("expert"):
-                continue
-            shape = getattr(got, "shape", None)
-            if (
-                shape is None
-                or len(shape) != len(want)
-                or any(w is not None and g != w for g, w in zip(shape, want))
-            ):
-                _fail(
-                    f"handle.{name} has shape {shape}, not "
-                    f"({', '.join('*' if w is None else str(w) for w in want)}): {op} takes a "
-                    "handle as its dispatch returned it, inside the same shard_map (not one "
-                    "made under jax.vmap)"
+            if getattr(handle, name) is not None or not name.startswith("expert"):
+                _check(
+                    getattr(handle, name),
+                    f"handle.{name}",
+                    want,
+                    (jnp.int32,),
+                    f": {op} takes a handle as its dispatch returned it, inside the same "
+                    "shard_map (not one made under jax.vmap)",
                 )
 
     # ------------------------------------------------------------ checks

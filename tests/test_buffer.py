@@ -113,7 +113,7 @@ def expect_error(setup, fn, match, *args):
                     jnp.stack([x, x])
                 )
             ),
-            r"handle.send_pos has shape \(2, 8, 4\), not \(\*, 4\): combine takes a handle",
+            r"handle.send_pos must have shape \(\*, 4\), got \(2, 8, 4\): combine takes a",
         ),
         (lambda b, x, i, w: b.dispatch(x, i, w, capacity=True), "capacity must be a positive"),
         (lambda b, x, i, w: b.dispatch(x, handle=(1, 2)), "handle must be"),
