@@ -95,8 +95,13 @@ def _fail(message):
 
 
 def _check_flag(value, name):
-    """A static flag: True or False (numpy's too), not a string, a number or a traced value."""
-    if not isinstance(value, (bool, np.bool_)):
+    """A static flag: True or False (numpy's, or a concrete boolean array of no dimensions), not
+    a string, a number or a traced value."""
+    concrete = isinstance(value, (np.ndarray, jax.Array)) and not isinstance(value, jax.core.Tracer)
+    if not (
+        isinstance(value, (bool, np.bool_))
+        or (concrete and value.shape == () and value.dtype == np.bool_)
+    ):
         _fail(f"{name} must be True or False, got {value!r}")
 
 

@@ -92,7 +92,7 @@ class Reference(Unsplit):
             _send(axis, lambda d: local[d][1], send_pos, 0.0), recv_counts, rows, 0.0
         )
         num_invalid = layout.num_invalid(topk_idx, self.num_experts)
-        received = recv_counts.sum()
+        received = recv_counts.sum(dtype=jnp.int32)  # int32 under jax_enable_x64 too
         num_recv = jnp.minimum(received, rows)
         routing = Routing(
             send_pos=send_pos,

@@ -37,6 +37,7 @@ import jax_ep
 from jax_ep import ffi_path
 
 T, H, E, K = 16, 256, 16, 4
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 
 CONFIGS = [  # num_ranks, dp, layout, alignment, fp8, round_scale, capacity, dtype
     (1, 1, "rank", 1, False, False, None, jnp.bfloat16),
@@ -175,16 +176,50 @@ def test_targets_registered_before_any_device_leave_the_backends_working():
         "import jax; from jax_ep import ffi_path; ffi_path.register_targets(); "
         "print(jax.devices()[0].platform)"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run(
+    out = _python(code, JAX_PLATFORMS="cpu")
+    assert out.returncode == 0 and out.stdout.split() == ["cpu"], out.stderr[-2000:]
+
+
+def _python(code, cwd=ROOT, **env):
+    """`python -c code` with this checkout's jax_ep, in a new process (env added to ours)."""
+    return subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        timeout=120,
-        env=dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu"),
-        cwd=root,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=ROOT, **env),
+        cwd=cwd,
     )
-    assert out.returncode == 0 and out.stdout.split() == ["cpu"], out.stderr[-2000:]
+
+
+X64_PROGRAM = """
+import jax, jax.numpy as jnp, numpy as np, jax_ep
+from helpers import make_mesh, run
+mesh = make_mesh(2)
+x = jnp.ones((8, 128), jnp.float32)
+i = jnp.tile(jnp.arange(2, dtype=jnp.int32), (8, 1))
+for lay in ("rank", "expert", "expert_padded"):
+    ys = []
+    for impl in ("ffi", "reference"):
+        buf = jax_ep.Buffer(mesh, "ep", num_experts=4, hidden=128, num_topk=2,
+                            max_tokens_per_rank=4, impl=impl)
+        def step(x, i):
+            d = buf.dispatch(x, i, layout=lay)
+            return buf.combine(d.x, d.handle), d.num_recv
+        y, num_recv = run(mesh, step, x, i)
+        assert num_recv.dtype == jnp.int32, (impl, lay, num_recv.dtype)
+        ys.append(np.asarray(y))
+    assert np.array_equal(*ys) and ys[0].min() >= 1.0, lay
+print("OK")
+"""
+
+
+def test_handles_and_counts_are_int32_under_jax_enable_x64():
+    """With 64-bit types on, every layout's dispatch and combine work on both paths and the
+    counts stay int32 (the reference path's sums of int32 counts were int64, which its own
+    handles then carried)."""
+    out = _python(X64_PROGRAM, os.path.join(ROOT, "tests"), JAX_ENABLE_X64="1")
+    assert out.returncode == 0 and out.stdout.split() == ["OK"], out.stderr[-3000:]
 
 
 def test_invalid_expert_ids_are_excluded_and_reported():
