@@ -49,16 +49,15 @@ def kernel_summary(planes, steps, top=8, fewer=None):
         durations, base_durations = _by_name(events), _by_name(base)
         net = {n: sum(d) - sum(base_durations.get(n, ())) for n, d in durations.items()}
         calls = {n: (len(d) - len(base_durations.get(n, ()))) / steps for n, d in durations.items()}
+        listed = [n for n in sorted(durations, key=lambda n: -net[n]) if calls[n] > 0][:top]
         summary[plane] = dict(
             busy_us_per_step=(_busy_us(events) - _busy_us(base)) / steps,
             span_us_per_step=(_span_us(events) - _span_us(base)) / steps,
             kernels={
                 n: dict(calls_per_step=calls[n], median_us=float(np.median(durations[n])))
-                for n in sorted(durations, key=lambda n: -net[n])
-                if calls[n] > 0
+                for n in listed
             },
         )
-        summary[plane]["kernels"] = dict(list(summary[plane]["kernels"].items())[:top])
     return summary
 
 
