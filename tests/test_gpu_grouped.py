@@ -189,6 +189,26 @@ def test_deep_gemm_computes_the_groups_it_takes_and_cutlass_the_others(name, m):
         assert relative_error(got, cutlass_only) < TOLERANCE
 
 
+@pytest.mark.parametrize("m", [1024, 4096])
+@pytest.mark.parametrize("name", ["past_m", "aligned_then_not", "ragged_then_aligned", "skewed"])
+def test_deep_gemm_fp8_v3_down_projection_takes_any_groups(name, m):
+    """V3's FP8 down projection (K 2048, N 7168) runs on clusters of two CTAs that share each
+    weight tile's loads, which DeepGEMM's scheduler must turn off where the cluster's two row
+    tiles fall in different groups (groups of one tile, of three, ragged, empty): the groups'
+    rows as CUTLASS's kernel alone computes them, the rows past them zero."""
+    asked = jnp.asarray(DEEP_GEMM_SIZES[name], jnp.int32)
+    past = int(clamped_sizes(asked, m).sum())
+    _, lhs_q, scales, rhs, _ = fp8_inputs(m, 2048, 7168, len(asked))
+    rhs_q, rhs_scales = jax.jit(grouped.quantize_weights_fp8)(rhs)
+    fp8 = jax.jit(cutlass.gmm_fp8, static_argnames=("out_dtype", "deep_gemm"))
+    got, cutlass_only = (
+        fp8(lhs_q, scales, rhs_q, rhs_scales, asked, jnp.bfloat16, deep_gemm=deep)
+        for deep in (True, False)
+    )
+    assert not np.asarray(got)[past:].any()
+    assert relative_error(got[:past], cutlass_only[:past]) < TOLERANCE
+
+
 @pytest.mark.parametrize("name", ["uniform", "skewed", "unaligned"])
 def test_deep_gemm_weight_gradient_over_several_k_tiles_and_a_partial_n_tile(name):
     """tgmm with K = 768 (three of DeepGEMM's 256-row output tiles per group) and N = 320 (a last

@@ -27,12 +27,14 @@ constexpr uint32_t kMaxFp8K = kDeepGemmMaxFp8K;
 
 constexpr uint32_t align_up(uint32_t x, uint32_t to) { return (x + to - 1) / to * to; }
 
-// One kernel: product P in BlockM x BlockN tiles (ShapeN: DeepGEMM's N fixed at compile time, 0:
-// given at run time; Groups: tgmm's groups, padded with empty ones), as many pipeline stages as
-// fit (DeepGEMM's own sizing: the output tile, the stages' operand tiles, FP8's row scales per
-// stage and the weight scales of every K step, the barriers).
+// One kernel: product P in BlockM x BlockN tiles (ShapeN, ShapeK: DeepGEMM's N and K fixed at
+// compile time, 0: given at run time; Groups: the groups its scheduler walks, padded with empty
+// ones; Cluster: CTAs that share the loads of A's tile (SharedA) or of B's, each loaded once and
+// multicast to both), as many pipeline stages as fit (DeepGEMM's own sizing: the output tile, the
+// stages' operand tiles, FP8's row scales per stage and the weight scales of every K step, the
+// barriers).
 template <GroupedProduct P, uint32_t BlockM, uint32_t BlockN, uint32_t ShapeN = 0,
-          uint32_t Groups = 1>
+          uint32_t Groups = 1, uint32_t ShapeK = 0, uint32_t Cluster = 1, bool SharedA = false>
 struct Kernel {
   static constexpr bool kFp8 = P == GroupedProduct::kGmmFp8;
   // tgmm is DeepGEMM's "k-grouped" product: each group's rows are the sum's steps.
@@ -58,6 +60,12 @@ struct Kernel {
       16u);
   static_assert(kStages >= 3 && (kBlockM * BlockN >= 128 * 192 || kStages >= 4),
                 "too few stages to hide the loads");
+  // DeepGEMM's conditions on a cluster: whole clusters on the grid and, for the grouped layout,
+  // an even count of N tiles (its scheduler turns the multicast off where two m tiles of a
+  // cluster fall in different groups); tgmm's K (DeepGEMM's m) and sum (its k) are run time's.
+  static_assert(kSms % Cluster == 0 &&
+                (Cluster == 1 || (ShapeN && (ShapeN + BlockN - 1) / BlockN % Cluster == 0)));
+  static_assert(!kKGrouped || (ShapeK == 0 && Cluster == 1));
 
   static uint32_t smem_bytes(uint32_t k) {
     const uint32_t weight_scales = kFp8 ? align_up(k / kBlockK * 4 * kWeightScales, 8) : 0;
@@ -69,15 +77,15 @@ struct Kernel {
 
   static auto function() {
     if constexpr (kFp8)
-      return &deep_gemm::sm90_fp8_gemm_1d2d_impl<Major::MN, 0, ShapeN, 0, Groups, kBlockM, BlockN,
-                                                 kBlockK, kSwizzleA, kSwizzleB, kSwizzleD, kStages,
-                                                 kTmaThreads, kMathThreads, 1, false, kSms, kLayout,
-                                                 cutlass::bfloat16_t>;
+      return &deep_gemm::sm90_fp8_gemm_1d2d_impl<Major::MN, 0, ShapeN, ShapeK, Groups, kBlockM,
+                                                 BlockN, kBlockK, kSwizzleA, kSwizzleB, kSwizzleD,
+                                                 kStages, kTmaThreads, kMathThreads, Cluster,
+                                                 SharedA, kSms, kLayout, cutlass::bfloat16_t>;
     else
-      return &deep_gemm::sm90_bf16_gemm_impl<kMajorA, kMajorB, 0, ShapeN, 0, Groups, kBlockM,
+      return &deep_gemm::sm90_bf16_gemm_impl<kMajorA, kMajorB, 0, ShapeN, ShapeK, Groups, kBlockM,
                                              BlockN, kBlockK, kSwizzleA, kSwizzleB, kSwizzleD,
-                                             kStages, kTmaThreads, kMathThreads, 1, false, kSms,
-                                             kLayout, false, cutlass::bfloat16_t>;
+                                             kStages, kTmaThreads, kMathThreads, Cluster, SharedA,
+                                             kSms, kLayout, false, cutlass::bfloat16_t>;
   }
 
   // DeepGEMM's m, n, k: out [rows, n] = lhs [rows, k] times group g's [k, n]; tgmm: out[g]
@@ -118,15 +126,29 @@ struct Kernel {
     if (cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) !=
         cudaSuccess)
       return std::string("DeepGEMM's shared memory: ") + cudaGetErrorString(cudaGetLastError());
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim = {Cluster, 1, 1};
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(kSms);
+    config.blockDim = dim3(kTmaThreads + kMathThreads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = Cluster > 1;  // as DeepGEMM launches: no cluster attribute for one CTA
+    cudaError_t launched;
     if constexpr (kFp8)
-      fn<<<kSms, kTmaThreads + kMathThreads, smem, stream>>>(const_cast<float*>(a.rhs_scales),
-                                                             layout, uint32_t(rows), uint32_t(n),
-                                                             uint32_t(k), lhs, rhs, out, scales);
+      launched =
+          cudaLaunchKernelEx(&config, fn, const_cast<float*>(a.rhs_scales), layout, uint32_t(rows),
+                             uint32_t(n), uint32_t(k), lhs, rhs, out, scales);
     else
-      fn<<<kSms, kTmaThreads + kMathThreads, smem, stream>>>(layout, uint32_t(m), uint32_t(n),
-                                                             uint32_t(k), lhs, rhs, out);
-    if (cudaPeekAtLastError() != cudaSuccess)
-      return std::string("DeepGEMM's kernel: ") + cudaGetErrorString(cudaGetLastError());
+      launched = cudaLaunchKernelEx(&config, fn, layout, uint32_t(m), uint32_t(n), uint32_t(k), lhs,
+                                    rhs, out);
+    if (launched == cudaSuccess) launched = cudaPeekAtLastError();
+    if (launched != cudaSuccess) {
+      cudaGetLastError();  // clears it
+      return std::string("DeepGEMM's kernel: ") + cudaGetErrorString(launched);
+    }
     return "";
   }
 };
@@ -135,12 +157,16 @@ struct Kernel {
 // shapes (bench/results/versus-deepgemm-*.json): the best single-CTA tile of each projection,
 // gate/up (N < K) and down (N > K), TFLOP/s there. FP8 tiles wider than 128 straddle the
 // weights' 128-column scale blocks, and that kernel keeps its registers (no spills) only with N
-// fixed at compile time: instances for V3's two N, 128-wide tiles for any other. Each comes for
-// every group count of kGroupCounts.
+// fixed at compile time: instances for V3's two N, 128-wide tiles for any other. V3's FP8 down
+// projection itself (K 2048: 16 steps a tile) runs ~5% faster through JAX on a cluster of two
+// CTAs sharing the weights' loads with K fixed too, and on neither alone (an H100,
+// bench/results/deepgemm-variants-nvidia-h100-2026-12-05.txt). Each comes for every group count
+// of kGroupCounts.
 template <uint32_t Groups>
 struct Kernels {
-  using Fp8GateUp = Kernel<GroupedProduct::kGmmFp8, 128, 192, 2048, Groups>;   // 1202-1205
-  using Fp8Down = Kernel<GroupedProduct::kGmmFp8, 128, 160, 7168, Groups>;     // 1081-1168
+  using Fp8GateUp = Kernel<GroupedProduct::kGmmFp8, 128, 192, 2048, Groups>;  // 1202-1205
+  using Fp8Down = Kernel<GroupedProduct::kGmmFp8, 128, 160, 7168, Groups>;    // 1081-1168
+  using Fp8V3Down = Kernel<GroupedProduct::kGmmFp8, 128, 192, 7168, Groups, 2048, 2>;
   using Fp8AnyN = Kernel<GroupedProduct::kGmmFp8, 128, 128, 0, Groups>;        // 1038-1149
   using GmmNarrow = Kernel<GroupedProduct::kGmm, 128, 256, 0, Groups>;         // 694-697
   using GmmWide = Kernel<GroupedProduct::kGmm, 128, 192, 0, Groups>;           // 657-680
@@ -167,9 +193,10 @@ std::string with_kernel_of(const GroupedGemmArgs& a, Fn&& fn) {
     case GroupedProduct::kTgmm:
       return fn(typename K::Tgmm{});
     case GroupedProduct::kGmmFp8:
-      return a.n == 2048   ? fn(typename K::Fp8GateUp{})
-             : a.n == 7168 ? fn(typename K::Fp8Down{})
-                           : fn(typename K::Fp8AnyN{});
+      return a.n == 2048                  ? fn(typename K::Fp8GateUp{})
+             : a.n == 7168 && a.k == 2048 ? fn(typename K::Fp8V3Down{})
+             : a.n == 7168                ? fn(typename K::Fp8Down{})
+                                          : fn(typename K::Fp8AnyN{});
     case GroupedProduct::kGmm:
       return wide ? fn(typename K::GmmWide{}) : fn(typename K::GmmNarrow{});
     case GroupedProduct::kGmmT:
