@@ -30,7 +30,7 @@ NaN in every such element. For float types without inf the rounding keeps one mo
 Also here: jax.distributed's key-value store (`distributed_client`, where the processes of a
 mesh meet to bring a Buffer up) and its coordinator's address (`coordinator_address`), and the
 mesh axes a value varies over inside shard_map (`varying_axes`), whose attribute changed name
-between jax versions.
+between jax versions, and which program is being traced (`in_eager_shard_map`, `program_trace`).
 
 None of this is public JAX API, so it fails loudly here, naming the jax version, rather than as
 wrong results later.
@@ -390,6 +390,18 @@ def in_eager_shard_map() -> bool:
             return False
         trace = getattr(trace, "parent_trace", None)
     return False
+
+
+def program_trace():
+    """The trace of the program being traced: the outermost one below the top level's (a
+    top-level jit's or shard_map's, or the transformation's that began the tracing); None at the
+    top level. Its identity tells this program from one whose tracing ended."""
+    trace = core.trace_ctx.trace
+    if isinstance(trace, core.EvalTrace):
+        return None
+    while not isinstance(getattr(trace, "parent_trace", None), (core.EvalTrace, type(None))):
+        trace = trace.parent_trace
+    return trace
 
 
 def varying_axes(value) -> frozenset:

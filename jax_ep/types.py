@@ -4,12 +4,13 @@ use."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+
+from jax_ep import _jax
 
 Array = Any
 
@@ -63,12 +64,14 @@ class DispatchResult(NamedTuple):
 class Receipt:
     """Whether a send's recv half was traced already: one per send, kept by identity through
     every copy of its Pending (jit boundaries, run_between), so a second recv is refused.
-    Receipt.open() lists the sends whose recv is still to come."""
+    Receipt.open() counts the sends of the program being traced whose recv is still to come."""
 
     received = False
     _open = weakref.WeakSet()
 
     def __init__(self):
+        program = _jax.program_trace()
+        self._program = (lambda: None) if program is None else weakref.ref(program)
         Receipt._open.add(self)
 
     def receive(self):
@@ -77,10 +80,12 @@ class Receipt:
 
     @staticmethod
     def open():
-        """How many sends traced so far (and still referenced) have no recv yet."""
-        if Receipt._open:
-            gc.collect()  # a finished trace's Pendings may sit in reference cycles
-        return len(Receipt._open)
+        """How many sends of the program being traced have no recv yet. Only this program's: a
+        send of a program whose tracing failed between the halves stays referenced as long as its
+        traceback does (in one process, not in the others), and counting it would refuse this
+        program in that process alone."""
+        program = _jax.program_trace()
+        return sum(1 for r in list(Receipt._open) if r._program() is program)
 
 
 @jax.tree_util.register_dataclass
