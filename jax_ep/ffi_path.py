@@ -385,15 +385,16 @@ def _combine_bwd(cfg, res, ct_out):
     """A cached dispatch of y's cotangent, in the rows' dtype where that is narrower (float32 y
     from bf16 rows: rounding commutes with moving, and the Buffer may not take float32 rows)."""
     rows, send_pos, recv_counts, num_rows = res
-    ct_out = ct_out.astype(layout.travel_dtype(ct_out.dtype, cfg.rows_dtype))
+    moved = ct_out.astype(layout.travel_dtype(ct_out.dtype, cfg.rows_dtype))
     ct_rows, _ = _dispatch_cached(
-        cfg._replace(fp8=False, x_dtype=ct_out.dtype.name),
+        cfg._replace(fp8=False, x_dtype=moved.dtype.name),
         rows,
-        ct_out,
+        moved,
         send_pos,
         recv_counts,
         num_rows,
     )
+    # The bias is added to y in float32 and never travels: its cotangent is y's, unrounded.
     ct_bias = None if cfg.bias_dtype is None else ct_out.astype(cfg.bias_dtype)
     return ct_rows.astype(cfg.rows_dtype), None, None, None, ct_bias
 

@@ -440,3 +440,32 @@ def test_narrowed_cotangents_are_the_same_bits_on_every_path(layout, row_dtype):
     for key, got in grads.items():
         for name, a, b in zip(("x", "topk_weights"), got, want):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{key} {name}")
+
+
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+@pytest.mark.parametrize("layout", ["expert", "expert_padded"])
+def test_a_bias_gets_the_cotangent_of_y_unrounded(layout, impl):
+    """The bias is added to y in float32 and never travels, so its gradient is y's cotangent as
+    it is, also where the partial sums travel in bfloat16 (whose cotangent is sent back rounded
+    to bfloat16: the custom calls gave the bias that rounded one)."""
+    mesh = make_mesh(4)
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, impl=impl
+    )
+    x, idx, w = random_inputs(np.random.default_rng(41), 4, T, H, E, K, 4, "random", jnp.float32)
+    rng = np.random.default_rng(42)
+    bias = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+    c = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+
+    def layer(x, idx, w, bias, c):
+        d = buf.dispatch(x, idx, w, layout=layout)
+        y = buf.combine(
+            jnp.tanh(d.x), d.handle, d.topk_weights, bias=bias, partial_dtype=jnp.bfloat16
+        )
+        return jnp.vdot(y, c)[None]
+
+    f = jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    grad = jax.jit(jax.grad(lambda bias: f(x, idx, w, bias, c).sum()))
+    got = grad(*put(mesh, bias))
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(c))

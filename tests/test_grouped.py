@@ -394,6 +394,12 @@ def test_fp8_which_implementation_and_errors():
             )
     with pytest.raises(ValueError, match=r"rhs_fp8 is \(q, scales\) or"):
         grouped.fp8_grouped_matmul(lhs, lhs_q, scales, rhs, sizes, rhs_fp8=(rhs,))
+    wider = grouped.quantize_weights_fp8(jnp.concatenate([rhs, rhs], axis=2))  # another rhs's
+    with pytest.raises(ValueError, match="rhs_fp8 must be quantize_weights_fp8"):
+        grouped.fp8_grouped_matmul(lhs, lhs_q, scales, rhs, sizes, rhs_fp8=wider)
+    both = grouped.quantize_weights_fp8(rhs)
+    with pytest.raises(ValueError, match="rhs_fp8 must be quantize_weights_fp8"):
+        grouped.fp8_grouped_matmul(lhs, lhs_q, scales, rhs, sizes, rhs_fp8=both + both)
     with pytest.raises(ValueError, match="lhs_q must be e4m3fn like lhs"):
         grouped.fp8_grouped_matmul(lhs, lhs, scales, rhs, sizes)
     with pytest.raises(ValueError, match="lhs_q must be e4m3fn like lhs"):

@@ -255,6 +255,10 @@ def test_config_errors():
             tokens_per_rank=TOKENS,
             max_row_dtype=jnp.bfloat16,
         )
+    with pytest.raises(ValueError, match="must name different mesh axes"):
+        nn.MoELayer(
+            nn.MoEConfig(**base), make_mesh(4), data_axis="ep", expert_axis="ep", tokens_per_rank=4
+        )
 
 
 CAPACITY_CONFIGS = {
@@ -624,6 +628,24 @@ def test_group_and_node_limits_that_cannot_hold_the_top_k_are_refused():
     assert nn.route(x, router, cfg, num_nodes=4)[0].shape == (2, 4)  # 4 experts a node: fits
 
 
+def test_group_limits_under_a_node_limit_keep_a_token_on_its_nodes():
+    """Groups that straddle nodes could leave the kept groups fewer experts than the top-k on a
+    token's nodes (a group with an expert on another node scored -inf and tied with groups
+    wholly elsewhere): the top-k then took an expert on a node the token may not use. Such
+    groups are refused; groups within nodes keep every token on its nodes."""
+    x = jnp.eye(12)[:1]
+    router = jnp.zeros((12, 12)).at[0].set(jnp.asarray([0, 0, 0, 0, 0, 0, 0, 0, 5, 6, 6, 6.0]))
+    straddling = nn.MoEConfig(
+        num_experts=12, num_topk=4, hidden=12, ffn_hidden=F, num_groups=4, topk_groups=2,
+        max_nodes_per_token=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="must hold whole groups"):
+        nn.route(x, router, straddling, num_nodes=3)
+    within = dataclasses.replace(straddling, num_groups=6, topk_groups=3)
+    idx = np.asarray(nn.route(x, router, within, num_nodes=3)[0][0])
+    assert sorted(idx.tolist()) == [8, 9, 10, 11]  # node 2's experts, the best first
+
+
 @pytest.mark.parametrize("capacity_factor", [None, 1.25])
 def test_no_tokens(capacity_factor):
     """0 tokens per rank: y is empty, the auxiliary loss 0 (not 0 / 0), with or without a
@@ -637,6 +659,22 @@ def test_no_tokens(capacity_factor):
         assert y.shape == (0, H) and float(aux.loss) == 0.0 and int(aux.num_dropped) == 0
     grad = jax.jit(jax.grad(lambda p: layer(p, x)[1].loss))(params)
     assert all(np.isfinite(g).all() for g in jax.tree.leaves(grad))
+
+
+def test_no_tokens_with_group_and_node_limited_routing():
+    """0 tokens under the group-limited (and node-limited) top-k: the blocks' sizes are spelled
+    out (inferred from an empty array, they divided by zero)."""
+    cfg = nn.MoEConfig(
+        num_experts=8, num_topk=2, hidden=H, ffn_hidden=F, num_groups=4, topk_groups=2,
+        max_nodes_per_token=1,
+    )  # fmt: skip
+    x, router = jnp.zeros((0, H)), jnp.ones((H, 8))
+    for num_nodes in (1, 2):
+        idx, weights, scores = nn.route(x, router, cfg, num_nodes=num_nodes)
+        assert idx.shape == weights.shape == (0, 2) and scores.shape == (0, 8)
+    params = nn.init_params(jax.random.key(0), cfg)
+    y, aux = nn.dense_moe(params, x, cfg, num_ranks=2)
+    assert y.shape == (0, H) and float(aux.loss) == 0.0
 
 
 def test_sigmoid_scores_that_underflow_give_finite_weights():

@@ -484,6 +484,19 @@ def fp8_grouped_matmul(
             "jax_ep.nn.fp8_grouped_matmul: rhs_fp8 is (q, scales) or (q, scales, q_t, "
             f"scales_t), got {len(weights)} arrays"
         )
+    if rhs_fp8 is not None:  # made elsewhere: of this rhs's shape (no gradient would notice)
+        want = jax.eval_shape(
+            functools.partial(quantize_weights, transposed=len(weights) == 4), rhs
+        )
+        if [(w.shape, w.dtype) for w in want] != [
+            (jnp.shape(a), jnp.result_type(a)) for a in weights
+        ]:
+            raise ValueError(
+                f"jax_ep.nn.fp8_grouped_matmul: rhs_fp8 must be quantize_weights_fp8 (and "
+                f"transpose_weights_fp8) of an rhs shaped {rhs.shape}: "
+                f"{', '.join(f'{w.dtype}{w.shape}' for w in want)}, got "
+                f"{', '.join(f'{jnp.result_type(a)}{jnp.shape(a)}' for a in weights)}"
+            )
     if fp8_dgrad and len(weights) == 2:
         weights += transpose_weights_fp8(*weights)
     fp8 = (lhs_q, lhs_scales) + weights[: 4 if fp8_dgrad else 2]

@@ -334,6 +334,11 @@ class MoELayer:
             if axis is not None
             for name in (axis if isinstance(axis, tuple) else (axis,))
         )
+        if len(set(self.token_axes)) < len(self.token_axes):
+            raise ValueError(
+                f"jax_ep.nn: data_axis {data_axis!r} and expert_axis {expert_axis!r} must name "
+                "different mesh axes (the tokens are split over each once)"
+            )
         self.expert_axis = expert_axis
         self.buffer = Buffer(
             mesh,

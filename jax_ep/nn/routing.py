@@ -27,6 +27,13 @@ def route(x, router, cfg: MoEConfig, routing_bias=None, num_nodes=1):
                 f"jax_ep.nn: num_topk={cfg.num_topk} experts do not fit in max_nodes_per_token="
                 f"{cfg.max_nodes_per_token} nodes of {cfg.num_experts // num_nodes} experts"
             )
+        if cfg.num_groups > 1 and cfg.num_groups % num_nodes:  # a group across two nodes
+            raise ValueError(
+                f"jax_ep.nn: with max_nodes_per_token, each of the {num_nodes} nodes must hold "
+                f"whole groups (num_groups={cfg.num_groups} is not a multiple of it): a group "
+                "across two nodes can leave the kept groups fewer experts than num_topk on the "
+                "nodes a token may use"
+            )
         # DeepSeek-V3's node-limited routing: the nodes with the best sums of their top K / M
         per_node_top = max(1, cfg.num_topk // cfg.max_nodes_per_token)
         choose = _keep_best_blocks(choose, num_nodes, cfg.max_nodes_per_token, per_node_top)
@@ -42,7 +49,7 @@ def route(x, router, cfg: MoEConfig, routing_bias=None, num_nodes=1):
 def _keep_best_blocks(choose, num_blocks, keep, per_block_top):
     """choose [T, E] with -inf outside the `keep` blocks (of num_blocks consecutive experts)
     whose best per_block_top scores sum highest."""
-    by_block = choose.reshape(choose.shape[0], num_blocks, -1)
+    by_block = choose.reshape(choose.shape[0], num_blocks, choose.shape[1] // num_blocks)
     block_score = jax.lax.top_k(by_block, min(per_block_top, by_block.shape[-1]))[0].sum(-1)
     _, best = jax.lax.top_k(block_score, keep)
     kept = (
