@@ -38,6 +38,7 @@ wrong results later.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -245,6 +246,21 @@ call_p.multiple_results = True
 dispatch.simple_impl(call_p)
 
 
+_sending = threading.local()  # .receipt: the op whose send half is being traced (`sending`)
+
+
+@contextlib.contextmanager
+def sending(receipt):
+    """The halves bound inside are the send of `receipt`'s op: a program in which that op's recv
+    half was not traced is refused when it is compiled (`_lowering`). Such a send would leave its
+    slot taken after the program ends, and the Buffer's later ops took its rows, silently."""
+    _sending.receipt = receipt
+    try:
+        yield
+    finally:
+        _sending.receipt = None
+
+
 def ordered_ffi_call(
     target: str,
     result_shapes,
@@ -263,6 +279,7 @@ def ordered_ffi_call(
         result_avals=result_avals,
         order=order,
         halves=halves,
+        sent=getattr(_sending, "receipt", None) if halves else None,
         attributes=tuple(sorted(attributes.items())),
     )
 
@@ -273,9 +290,16 @@ def _abstract_eval(*avals_in, result_avals, order, **_):
     return outs, {order}
 
 
-def _lowering(ctx, *operands, target, result_avals, order, halves, attributes):
+def _lowering(ctx, *operands, target, result_avals, order, halves, sent, attributes):
     del result_avals
     _check_mesh(ctx, order)
+    if sent is not None and not sent.received:  # the whole program is traced by now
+        kind = "dispatch" if "dispatch" in target else "combine"
+        raise ValueError(
+            f"jax_ep: a {kind}_send has no {kind}_recv in its program: receive every send in "
+            "the program (jit) that sends it (left open, its op would keep its slot, and the "
+            "Buffer's later ops would take its rows)"
+        )
     token = ctx.tokens_in.get(order)
     inner = ctx.replace(
         avals_in=[core.abstract_token, *ctx.avals_in],
@@ -322,7 +346,7 @@ def _barrier(values):
     return list(stablehlo.OptimizationBarrierOp(values).results) if values else []
 
 
-def _batch(args, dims, *, target, result_avals, order, halves, attributes):
+def _batch(args, dims, *, target, result_avals, order, halves, sent, attributes):
     """vmap: a whole op once per batch element, in order (jax.lax.map)."""
     if halves:
         raise ValueError(
@@ -341,6 +365,7 @@ def _batch(args, dims, *, target, result_avals, order, halves, attributes):
             result_avals=result_avals,
             order=order,
             halves=halves,
+            sent=sent,
             attributes=attributes,
         )
 

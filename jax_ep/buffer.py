@@ -453,8 +453,8 @@ class Buffer:
     ):
         """The first half of dispatch: returns once the tokens are on their way. Run other work
         (`pending, out = pending.run_between(work, *args)` makes XLA put it between the halves),
-        then dispatch_recv(pending). On GPUs the work runs beside the send under command buffers
-        whose commands XLA orders only by the buffers they share
+        then dispatch_recv(pending), in the same program (jit). On GPUs the work runs beside the
+        send under command buffers whose commands XLA orders only by the buffers they share
         (--xla_gpu_command_buffer_scheduling_mode=CONCURRENT); on one stream it follows it.
         Not differentiable (use dispatch under grad). At most two sent ops of a Buffer (dispatch
         or combine) may await their recv at once (their two slots), in either order; a third
@@ -462,7 +462,7 @@ class Buffer:
         effect keeps its calls in program order (docs/ARCHITECTURE.md)."""
         return self._pending(
             "dispatch",
-            self._dispatch_start(
+            lambda: self._dispatch_start(
                 True,
                 x,
                 topk_idx,
@@ -788,7 +788,9 @@ class Buffer:
         at once, in either order."""
         return self._pending(
             "combine",
-            self._combine_start(True, expert_out, handle, topk_weights, bias, partial_dtype),
+            lambda: self._combine_start(
+                True, expert_out, handle, topk_weights, bias, partial_dtype
+            ),
         )
 
     def combine_recv(self, pending):
@@ -847,8 +849,12 @@ class Buffer:
             out_dtype=expert_out.dtype,
         )
 
-    def _pending(self, kind, started):
-        return Pending(*started, kind=kind, buffer=self._serial, receipt=Receipt())
+    def _pending(self, kind, start):
+        """The Pending of the send half start() traces."""
+        receipt = Receipt()
+        with _jax.sending(receipt):
+            started = start()
+        return Pending(*started, kind=kind, buffer=self._serial, receipt=receipt)
 
     def _finish(self, pending, kind):
         if not isinstance(pending, Pending) or pending.kind != kind:
@@ -860,6 +866,12 @@ class Buffer:
             )
         if pending.receipt.received:
             _fail(f"{kind}_recv: pending was received already (each send has one recv)")
+        if not pending.receipt.in_this_program():
+            _fail(
+                f"{kind}_recv: pending was sent by another program (jit) than this one: both "
+                "halves must be traced in one program, so that a run of it receives what the "
+                "same run sent (a recv program run again would take a later op's rows)"
+            )
         pending.receipt.receive()
         return pending.finish(pending.arrays)
 

@@ -63,7 +63,8 @@ class DispatchResult(NamedTuple):
 
 class Receipt:
     """Whether a send's recv half was traced already: one per send, kept by identity through
-    every copy of its Pending (jit boundaries, run_between), so a second recv is refused.
+    every copy of its Pending (nested jits, run_between), so a second recv is refused, and one
+    in another program (a recv program run again would take a later op's rows).
     Receipt.open() counts the sends of the program being traced whose recv is still to come."""
 
     received = False
@@ -77,6 +78,10 @@ class Receipt:
     def receive(self):
         self.received = True
         Receipt._open.discard(self)
+
+    def in_this_program(self):
+        """Whether the send was traced in the program being traced."""
+        return self._program() is _jax.program_trace()
 
     @staticmethod
     def open():
