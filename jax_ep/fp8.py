@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep.primitives import as_stored
+
 FP8_BLOCK = 128  # kFp8Block
 FP8_MAX = np.float32(448.0)  # kFp8Max
 FP8_MIN_AMAX = np.float32(1e-4)  # kMinAmax
@@ -122,7 +124,7 @@ def quantize_fp8(x, round_scale):
     """[T, H] -> (e4m3fn [T, H], float32 scales [T, H/128]): a dispatch's FP8 rows (1 x 128
     blocks), as the backends make them; straight-through for gradients."""
     t, h = x.shape
-    blocks = x.astype(jnp.float32).reshape(t, h // FP8_BLOCK, FP8_BLOCK)
+    blocks = as_stored(x).astype(jnp.float32).reshape(t, h // FP8_BLOCK, FP8_BLOCK)
     q, scale = quantize_blocks(blocks, block_amax(blocks, -1), round_scale)
     return _with_gradient_to_x(x.dtype, x, q.reshape(t, h)), jax.lax.stop_gradient(scale[..., 0])
 

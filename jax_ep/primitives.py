@@ -33,6 +33,13 @@ from jax_ep._jax import varying_axes
 Array = Any
 
 
+def as_stored(x):
+    """x as its dtype stores it, for a conversion to float32 in the program that computed x: XLA
+    may fuse the two and skip the rounding to x's narrower dtype (excess precision, on by
+    default), where a custom call reads the value stored. A barrier keeps the rounding."""
+    return jax.lax.optimization_barrier(x) if x.dtype.itemsize < 4 else x
+
+
 def varying_like(outputs, *inputs):
     """outputs varying over every mesh axis that one of inputs varies over: custom calls return
     values JAX sees as the same on every rank (shard_map's check_vma needs to know)."""

@@ -32,6 +32,7 @@ from helpers import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import ffi_path
@@ -420,6 +421,39 @@ def test_denormals_are_flushed_as_xla_flushes_them():
     )
     assert_bitwise_equal(got, want, "y and d.x * 2")
     assert not np.asarray(got[1])[:, [0, 1, 3]].any()  # 2e-40 and the like: flushed
+
+
+def test_bf16_values_computed_in_the_program_are_rounded_alike():
+    """A bf16 bias, or x sent in FP8, computed in the same program: XLA may fuse the reference
+    path's conversion to float32 with their producer and skip the rounding to bf16 (excess
+    precision), where the custom calls read the stored bf16 values. The paths give the same
+    bits, over one axis and over ("node", "ep") (y differed in 188 of 1024 elements, FP8 rows
+    in 34)."""
+    nodes = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("node", "ep"))
+    flat = jax.sharding.Mesh(nodes.devices.reshape(-1), ("ep",))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4 * 4, 128)), jnp.bfloat16)
+    idx = jnp.asarray(rng.integers(0, 8, (4 * 4, 2)), jnp.int32)
+    w = jnp.asarray(rng.random((4 * 4, 2)), jnp.float32)
+    shared = jnp.asarray(rng.standard_normal((128, 128)) * 0.1, jnp.bfloat16)
+    got = {}
+    for mesh, axis in ((flat, "ep"), (nodes, ("node", "ep"))):
+        for impl, buf in buffers(
+            mesh, axis=axis, num_experts=8, hidden=128, num_topk=2, max_tokens_per_rank=4
+        ).items():
+
+            def step(x, idx, w, shared, buf=buf):
+                d = buf.dispatch(x, idx, w, layout="expert")
+                bias = jnp.tanh(x @ shared) * 3 + x  # a shared expert's output, in bf16
+                y = buf.combine(d.x, d.handle, topk_weights=d.topk_weights, bias=bias)
+                sent = buf.dispatch(x + 1, idx, fp8=True)  # x + 1: in bf16
+                return y, sent.x.astype(jnp.float32), sent.scales
+
+            f = jax.shard_map(step, mesh=mesh, in_specs=(P(axis),) * 3 + (P(),), out_specs=P(axis))
+            got[axis, impl] = jax.jit(f)(x, idx, w, shared)
+    want = got["ep", "reference"]
+    for key, value in got.items():
+        assert_bitwise_equal(value, want, f"y, FP8 rows and scales of {key}")
 
 
 @pytest.mark.parametrize("lay", ["expert", "expert_padded"])
