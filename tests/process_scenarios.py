@@ -524,3 +524,38 @@ def missing_node(mesh, buf):
     assert time.perf_counter() - start < 60
     print("SCENARIO OK", flush=True)
     os._exit(0)  # the coordination service would wait for process 1 at shutdown
+
+
+def nodes_running_different_ops():
+    """Over ("node", "ep"), process 1 runs a cached dispatch where process 0 runs a combine. The
+    contract wants an error on every rank, as over one axis (mismatched_ops). The node leg,
+    XLA's all_to_all, carries no op check yet: their payloads have the same size, and process
+    0's y comes back wrong without an error (docs/API.md, "What differs")."""
+    mesh = node_mesh()
+    buf = jax_ep.Buffer(
+        mesh, ("node", "ep"), num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T
+    )
+    x, idx, w, _ = inputs(mesh, dtype=jnp.float32)
+
+    def step(cached):
+        def body(x, i, w):
+            d = buf.dispatch(x, i, w)
+            if cached:  # the rows of a cached dispatch, in the combine's shape
+                return buf.dispatch((x + d.x[: x.shape[0]]) * 100, handle=d.handle).x[: x.shape[0]]
+            return buf.combine(d.x, d.handle)
+
+        return runner(mesh, body)
+
+    want = local(step(False)(x, idx, w))[0]
+    try:
+        got = local(step(jax.process_index() == 1)(x, idx, w))[0]
+    except Exception as e:  # noqa: BLE001 - the contract's outcome
+        print("RAISED:", str(e).splitlines()[0], flush=True)
+    else:
+        for device, y in got.items() if jax.process_index() == 0 else ():
+            if not (np.isnan(y).all() or np.array_equal(y, want[device])):
+                diff = np.abs(y - want[device]).max()
+                print(f"device {device}: y is wrong without an error (max |diff| {diff:.3g})")
+                os._exit(1)  # at once: an exception would wait for process 1 at shutdown
+    print("SCENARIO OK", flush=True)
+    os._exit(0)
