@@ -30,7 +30,7 @@ NaN in every such element. For float types without inf the rounding keeps one mo
 Also here: jax.distributed's key-value store (`distributed_client`, where the processes of a
 mesh meet to bring a Buffer up) and its coordinator's address (`coordinator_address`), and the
 mesh axes a value varies over inside shard_map (`varying_axes`), whose attribute changed name
-between jax versions, and which program is being traced (`in_eager_shard_map`, `program_trace`).
+between jax versions, and whether ops run one by one in shard_map (`in_eager_shard_map`).
 
 None of this is public JAX API, so it fails loudly here, naming the jax version, rather than as
 wrong results later.
@@ -246,19 +246,30 @@ call_p.multiple_results = True
 dispatch.simple_impl(call_p)
 
 
-_sending = threading.local()  # .receipt: the op whose send half is being traced (`sending`)
+class SendMark:
+    """What a send half's custom calls carry of their op (as a parameter, which JAX may keep in
+    its caches: it holds nothing else alive): whether its recv half was traced, and whether its
+    program was refused for lacking it (then the send is not open: that program never runs)."""
+
+    __slots__ = ("received", "refused")
+
+    def __init__(self):
+        self.received = self.refused = False
+
+
+_sending = threading.local()  # .mark: the op whose send half is being traced (`sending`)
 
 
 @contextlib.contextmanager
-def sending(receipt):
-    """The halves bound inside are the send of `receipt`'s op: a program in which that op's recv
+def sending(mark: SendMark):
+    """The halves bound inside are the send of `mark`'s op: a program in which that op's recv
     half was not traced is refused when it is compiled (`_lowering`). Such a send would leave its
     slot taken after the program ends, and the Buffer's later ops took its rows, silently."""
-    _sending.receipt = receipt
+    _sending.mark = mark
     try:
         yield
     finally:
-        _sending.receipt = None
+        _sending.mark = None
 
 
 def ordered_ffi_call(
@@ -279,7 +290,7 @@ def ordered_ffi_call(
         result_avals=result_avals,
         order=order,
         halves=halves,
-        sent=getattr(_sending, "receipt", None) if halves else None,
+        sent=getattr(_sending, "mark", None) if halves else None,
         attributes=tuple(sorted(attributes.items())),
     )
 
@@ -294,6 +305,7 @@ def _lowering(ctx, *operands, target, result_avals, order, halves, sent, attribu
     del result_avals
     _check_mesh(ctx, order)
     if sent is not None and not sent.received:  # the whole program is traced by now
+        sent.refused = True
         kind = "dispatch" if "dispatch" in target else "combine"
         raise ValueError(
             f"jax_ep: a {kind}_send has no {kind}_recv in its program: receive every send in "
@@ -415,18 +427,6 @@ def in_eager_shard_map() -> bool:
             return False
         trace = getattr(trace, "parent_trace", None)
     return False
-
-
-def program_trace():
-    """The trace of the program being traced: the outermost one below the top level's (a
-    top-level jit's or shard_map's, or the transformation's that began the tracing); None at the
-    top level. Its identity tells this program from one whose tracing ended."""
-    trace = core.trace_ctx.trace
-    if isinstance(trace, core.EvalTrace):
-        return None
-    while not isinstance(getattr(trace, "parent_trace", None), (core.EvalTrace, type(None))):
-        trace = trace.parent_trace
-    return trace
 
 
 def varying_axes(value) -> frozenset:

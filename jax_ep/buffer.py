@@ -852,7 +852,7 @@ class Buffer:
     def _pending(self, kind, start):
         """The Pending of the send half start() traces."""
         receipt = Receipt()
-        with _jax.sending(receipt):
+        with _jax.sending(receipt.mark):
             started = start()
         return Pending(*started, kind=kind, buffer=self._serial, receipt=receipt)
 
@@ -866,12 +866,6 @@ class Buffer:
             )
         if pending.receipt.received:
             _fail(f"{kind}_recv: pending was received already (each send has one recv)")
-        if not pending.receipt.in_this_program():
-            _fail(
-                f"{kind}_recv: pending was sent by another program (jit) than this one: both "
-                "halves must be traced in one program, so that a run of it receives what the "
-                "same run sent (a recv program run again would take a later op's rows)"
-            )
         pending.receipt.receive()
         return pending.finish(pending.arrays)
 

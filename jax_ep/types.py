@@ -4,6 +4,8 @@ use."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -63,34 +65,35 @@ class DispatchResult(NamedTuple):
 
 class Receipt:
     """Whether a send's recv half was traced already: one per send, kept by identity through
-    every copy of its Pending (nested jits, run_between), so a second recv is refused, and one
-    in another program (a recv program run again would take a later op's rows).
-    Receipt.open() counts the sends of the program being traced whose recv is still to come."""
+    every copy of its Pending (jit boundaries, run_between), so a second recv is refused; the
+    send's custom calls carry its mark, so that a program without the recv is refused when it is
+    lowered (_jax.sending). Receipt.open() counts the sends whose recv is still to come."""
 
-    received = False
     _open = weakref.WeakSet()
+    _lock = threading.Lock()  # programs may be traced on several threads
 
     def __init__(self):
-        program = _jax.program_trace()
-        self._program = (lambda: None) if program is None else weakref.ref(program)
-        Receipt._open.add(self)
+        self.mark = _jax.SendMark()  # what the send's custom calls carry
+        with Receipt._lock:
+            Receipt._open.add(self)
+
+    @property
+    def received(self):
+        return self.mark.received
 
     def receive(self):
-        self.received = True
-        Receipt._open.discard(self)
-
-    def in_this_program(self):
-        """Whether the send was traced in the program being traced."""
-        return self._program() is _jax.program_trace()
+        self.mark.received = True
+        with Receipt._lock:
+            Receipt._open.discard(self)
 
     @staticmethod
     def open():
-        """How many sends of the program being traced have no recv yet. Only this program's: a
-        send of a program whose tracing failed between the halves stays referenced as long as its
-        traceback does (in one process, not in the others), and counting it would refuse this
-        program in that process alone."""
-        program = _jax.program_trace()
-        return sum(1 for r in list(Receipt._open) if r._program() is program)
+        """How many sends traced so far (and still referenced) have no recv yet, but for those
+        of programs refused when lowered for lacking it (they never run)."""
+        if Receipt._open:
+            gc.collect()  # a finished trace's Pendings may sit in reference cycles
+        with Receipt._lock:
+            return sum(not r.mark.refused for r in Receipt._open)
 
 
 @jax.tree_util.register_dataclass

@@ -667,9 +667,8 @@ def test_cuda_ranks_that_run_different_ops_stop_naming_both(direct_local):
 
 def test_cuda_check_invalid_is_refused_between_halves_and_raises_after_them():
     """check_invalid between another op's halves is refused while tracing (its raise would stop
-    the program before that op's recv half); after the recv it raises (the refused program's
-    open send, kept alive by the refusal's traceback, refuses no later program), and the
-    Buffer's following ops work."""
+    the program before that op's recv half); after the recv it raises, and the Buffer's
+    following ops work."""
     code = """
         import jax, jax.numpy as jnp, numpy as np, jax_ep
         from helpers import make_mesh, run
@@ -695,7 +694,6 @@ def test_cuda_check_invalid_is_refused_between_halves_and_raises_after_them():
             print("NO ERROR")
         except ValueError as e:
             assert "while another op's halves are open" in str(e), e
-            refused = e  # its traceback holds the refused program's open send
         try:
             jax.block_until_ready(run(mesh, after, x, good, bad))
             print("NO ERROR")
@@ -705,7 +703,6 @@ def test_cuda_check_invalid_is_refused_between_halves_and_raises_after_them():
             d = run(mesh, lambda x, i: buf.dispatch(x, i)._replace(handle=None), x, good)
             assert int(np.asarray(d.num_recv)[0]) == 8 * n, np.asarray(d.num_recv)
         assert buf.status() is None, buf.status()
-        assert refused.__traceback__ is not None
         print("OK")
     """
     out = _subprocess(code, {}, 300)

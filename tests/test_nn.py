@@ -630,20 +630,48 @@ def test_group_and_node_limits_that_cannot_hold_the_top_k_are_refused():
 
 def test_group_limits_under_a_node_limit_keep_a_token_on_its_nodes():
     """Groups that straddle nodes could leave the kept groups fewer experts than the top-k on a
-    token's nodes (a group with an expert on another node scored -inf and tied with groups
+    token's nodes (a group with one expert on the token's node scored -inf and tied with groups
     wholly elsewhere): the top-k then took an expert on a node the token may not use. Such
-    groups are refused; groups within nodes keep every token on its nodes."""
+    configs are refused; groups within nodes, nodes within groups that hold the top-k, and a
+    group limit that drops nothing keep every token on its nodes and groups."""
     x = jnp.eye(12)[:1]
     router = jnp.zeros((12, 12)).at[0].set(jnp.asarray([0, 0, 0, 0, 0, 0, 0, 0, 5, 6, 6, 6.0]))
     straddling = nn.MoEConfig(
         num_experts=12, num_topk=4, hidden=12, ffn_hidden=F, num_groups=4, topk_groups=2,
         max_nodes_per_token=1,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="must hold whole groups"):
+    with pytest.raises(ValueError, match="may keep fewer than num_topk=4 experts"):
         nn.route(x, router, straddling, num_nodes=3)
     within = dataclasses.replace(straddling, num_groups=6, topk_groups=3)
     idx = np.asarray(nn.route(x, router, within, num_nodes=3)[0][0])
     assert sorted(idx.tolist()) == [8, 9, 10, 11]  # node 2's experts, the best first
+    rng = np.random.default_rng(0)
+    for experts, nodes, groups, kept, max_nodes, topk in (
+        (16, 4, 2, 1, 2, 4),  # nodes within groups, one kept group holds the top-k
+        (256, 16, 8, 4, 4, 8),  # DeepSeek-V3's routing with 16 nodes of 16 experts
+        (12, 3, 4, 4, 1, 4),  # groups across nodes, none dropped
+    ):
+        cfg = nn.MoEConfig(
+            num_experts=experts, num_topk=topk, hidden=16, ffn_hidden=F, num_groups=groups,
+            topk_groups=kept, max_nodes_per_token=max_nodes,
+        )  # fmt: skip
+        x, router = (
+            jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((500, 16), (16, experts))
+        )
+        idx = np.asarray(nn.route(x, router, cfg, num_nodes=nodes)[0])
+        for name, per, most in (
+            ("nodes", experts // nodes, max_nodes),
+            ("groups", experts // groups, kept),
+        ):
+            spans = [len(set(row)) for row in (idx // per).tolist()]
+            assert max(spans) <= most, (cfg, name, max(spans))
+        assert all(len(set(row)) == topk for row in idx.tolist())
+    one_group = nn.MoEConfig(
+        num_experts=16, num_topk=6, hidden=16, ffn_hidden=F, num_groups=2, topk_groups=1,
+        max_nodes_per_token=2,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="may keep fewer than num_topk=6"):  # 1 group, 1 node
+        nn.route(x, jnp.ones((16, 16)), one_group, num_nodes=4)
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.25])

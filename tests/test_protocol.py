@@ -237,9 +237,7 @@ def test_a_stopped_buffer_exits_cleanly_once_closed(close):
 
 def test_check_invalid_between_the_halves_of_another_op_is_refused_at_trace_time():
     """A check_invalid dispatch would raise at run time before another op's recv half, and
-    strand that op's slot: it is refused while tracing, and the Buffer goes on. The refused
-    program's open send, kept alive by the refusal's traceback (as an interactive session keeps
-    the last error), refuses no later program (that would be one process alone refusing)."""
+    strand that op's slot: it is refused while tracing, and the Buffer goes on."""
     mesh = make_mesh(2)
     buf = jax_ep.Buffer(
         mesh,
@@ -260,7 +258,7 @@ def test_check_invalid_between_the_halves_of_another_op_is_refused_at_trace_time
         d = buf.dispatch(x, bad)
         return buf.dispatch_recv(pending).num_recv, d.num_recv
 
-    with pytest.raises(ValueError, match="while another op's halves are open") as refused:
+    with pytest.raises(ValueError, match="while another op's halves are open"):
         run(mesh, between, x, good, bad)
 
     def after(x, good, bad):  # the same ops, the checked one after the recv: it raises
@@ -277,4 +275,3 @@ def test_check_invalid_between_the_halves_of_another_op_is_refused_at_trace_time
         d = run(mesh, lambda x, i: buf.dispatch(x, i)._replace(handle=None), x, good)
         assert list(np.asarray(d.num_recv)) == [2 * T, 0]
     assert buf.status() is None
-    assert any("pending" in entry.locals for entry in refused.traceback)  # held to here

@@ -41,8 +41,9 @@ class MoEConfig:
         max_nodes_per_token: on a Buffer over ("node", "ep"): the most nodes a token's experts
             may span (DeepSeek-V3's node-limited routing: the nodes with the best sums of
             their top num_topk / M scores), before the group limit; None: any. Those nodes'
-            experts must hold num_topk, and with num_groups > 1 each node whole groups
-            (num_groups a multiple of the nodes); both checked when the layer is traced.
+            experts must hold num_topk, and with a group limit groups and nodes must nest so
+            that the kept groups hold the top-k on a token's nodes; both checked when the
+            layer is traced.
         normalize_weights: top-k weights sum to 1 before routed_scaling.
         routed_scaling: the factor of the top-k weights.
         shared_ffn_hidden: the shared expert's SwiGLU width; 0: no shared expert.

@@ -27,12 +27,13 @@ def route(x, router, cfg: MoEConfig, routing_bias=None, num_nodes=1):
                 f"jax_ep.nn: num_topk={cfg.num_topk} experts do not fit in max_nodes_per_token="
                 f"{cfg.max_nodes_per_token} nodes of {cfg.num_experts // num_nodes} experts"
             )
-        if cfg.num_groups > 1 and cfg.num_groups % num_nodes:  # a group across two nodes
+        if not _group_limit_keeps_the_top_k(cfg, num_nodes):
             raise ValueError(
-                f"jax_ep.nn: with max_nodes_per_token, each of the {num_nodes} nodes must hold "
-                f"whole groups (num_groups={cfg.num_groups} is not a multiple of it): a group "
-                "across two nodes can leave the kept groups fewer experts than num_topk on the "
-                "nodes a token may use"
+                f"jax_ep.nn: num_groups={cfg.num_groups} groups (topk_groups={cfg.topk_groups}) "
+                f"and max_nodes_per_token={cfg.max_nodes_per_token} of {num_nodes} nodes may keep "
+                f"fewer than num_topk={cfg.num_topk} experts on a token's nodes: groups must lie "
+                "within nodes, or nodes within groups with the kept groups' nodes holding the "
+                "top-k"
             )
         # DeepSeek-V3's node-limited routing: the nodes with the best sums of their top K / M
         per_node_top = max(1, cfg.num_topk // cfg.max_nodes_per_token)
@@ -44,6 +45,22 @@ def route(x, router, cfg: MoEConfig, routing_bias=None, num_nodes=1):
     if cfg.normalize_weights:  # + a tiny term: sigmoid scores can all underflow to 0
         weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
     return topk_idx.astype(jnp.int32), weights * cfg.routed_scaling, scores
+
+
+def _group_limit_keeps_the_top_k(cfg: MoEConfig, num_nodes):
+    """Whether the group limit, applied after the node limit, always keeps num_topk experts on
+    a token's nodes. The node limit leaves the other nodes' experts at -inf, and a group scores
+    the sum of its top 2: a group with fewer than 2 experts left scores -inf and ties with
+    groups wholly elsewhere, which the top-k would then take from."""
+    groups, kept = cfg.num_groups, cfg.topk_groups
+    if groups == 1 or kept == groups or groups % num_nodes == 0:
+        return True  # no group dropped, or groups within nodes: a kept group is whole or -inf
+    per_node = cfg.num_experts // num_nodes
+    if num_nodes % groups or per_node < 2:  # groups across node boundaries
+        return False
+    # Nodes within groups: each kept group with a finite score holds at least one whole node
+    # of the token's, and all of them are kept when at most `kept` groups hold them.
+    return cfg.num_topk <= min(kept, cfg.max_nodes_per_token) * per_node
 
 
 def _keep_best_blocks(choose, num_blocks, keep, per_block_top):
