@@ -15,7 +15,7 @@ from jax_ep import _jax, bootstrap
 from jax_ep import layout as layouts
 from jax_ep.fp8 import FP8_BLOCK, dequantize_fp8
 from jax_ep.hierarchical import Hierarchical
-from jax_ep.primitives import all_varying, start
+from jax_ep.primitives import all_varying, as_stored, start
 from jax_ep.reference import Reference
 from jax_ep.types import DispatchResult, Handle, Pending, Receipt
 
@@ -807,6 +807,7 @@ class Buffer:
         _check(expert_out, "expert_out", rows_shape + (self.hidden,), FLOAT_ROWS)
         if bias is not None:
             _check(bias, "bias", (tokens, self.hidden), FLOAT_ROWS)
+            bias = as_stored(bias)  # rounded as the custom calls read it, on every backend
         if handle.layout == "rank":
             if topk_weights is not None:
                 _fail(

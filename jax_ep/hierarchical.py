@@ -37,7 +37,7 @@ from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jax_ep import layout
 from jax_ep.fp8 import FP8_BLOCK, quantize_fp8
-from jax_ep.primitives import RankRows, Routing, all_varying, as_stored, start
+from jax_ep.primitives import RankRows, Routing, all_varying, start
 
 Array = Any
 _F32 = jnp.dtype(jnp.float32)
@@ -263,7 +263,7 @@ class Hierarchical:
             fast, node_goes, bias = arrays
             partial = summed(fast)  # [M * T, W] float32: this node's sum for each token it got
             back = self._across_nodes(partial.reshape((m, len(partial) // m) + partial.shape[1:]))
-            acc = jnp.zeros(back.shape[1:], jnp.float32) if bias is None else as_stored(bias)
+            acc = jnp.zeros(back.shape[1:], jnp.float32) if bias is None else bias
             acc = acc.astype(jnp.float32)
             for n in range(m):  # fixed order: node 0 first
                 acc = jnp.where(node_goes[:, n, None], acc + back[n], acc)

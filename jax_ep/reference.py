@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jax_ep import layout
 from jax_ep.fp8 import quantize_fp8
-from jax_ep.primitives import RankRows, Routing, Unsplit, all_varying, as_stored
+from jax_ep.primitives import RankRows, Routing, Unsplit, all_varying
 
 
 def _kept_slot(send_pos):
@@ -131,7 +131,7 @@ class Reference(Unsplit):
         acc = (
             jnp.zeros((t, row_data.shape[1]), jnp.float32)
             if bias is None
-            else as_stored(bias).astype(jnp.float32)
+            else bias.astype(jnp.float32)
         )
         for d in range(self.num_ranks):  # fixed order: rank 0 first
             sent = slot[:, d] >= 0

@@ -53,7 +53,7 @@ def _group_limit_keeps_the_top_k(cfg: MoEConfig, num_nodes):
     the sum of its top 2: a group with fewer than 2 experts left scores -inf and ties with
     groups wholly elsewhere, which the top-k would then take from."""
     groups, kept = cfg.num_groups, cfg.topk_groups
-    if groups == 1 or kept == groups or groups % num_nodes == 0:
+    if kept == groups or groups % num_nodes == 0:
         return True  # no group dropped, or groups within nodes: a kept group is whole or -inf
     per_node = cfg.num_experts // num_nodes
     if num_nodes % groups or per_node < 2:  # groups across node boundaries
