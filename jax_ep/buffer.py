@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import itertools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +44,21 @@ def limits():
     from jax_ep import _native
 
     return _native.limits()
+
+
+def _resolve_impl(impl):
+    """impl="auto": the custom calls where the compiled extension is installed, else the
+    reference path, with a warning naming what to install."""
+    if impl != "auto":
+        return impl
+    if importlib.util.find_spec("jax_ep._native") is not None:
+        return "ffi"
+    warnings.warn(
+        "jax_ep: the compiled extension is not installed (pip install . from jax_ep's source "
+        "builds it), so this Buffer runs the reference path (jax.lax collectives)",
+        stacklevel=3,
+    )
+    return "reference"
 
 
 def _raise_if_invalid(here, everywhere, num_experts):
@@ -219,7 +236,7 @@ class Buffer:
         self.hidden, self.num_topk = hidden, num_topk
         self.max_tokens_per_rank = max_tokens_per_rank
         self.max_row_dtype = jnp.dtype(max_row_dtype)
-        self.impl = "ffi" if impl == "auto" else impl
+        self.impl = _resolve_impl(impl)
         _check_flag(check_invalid, "check_invalid")
         self.check_invalid = bool(check_invalid)
         if self.check_invalid:

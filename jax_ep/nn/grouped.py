@@ -46,12 +46,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _native, ffi_path
 from jax_ep.buffer import limits
 from jax_ep.fp8 import (
     FP8_BLOCK,
@@ -60,8 +60,25 @@ from jax_ep.fp8 import (
     quantize_weights_fp8,
     transpose_weights_fp8,
 )
-from jax_ep.nn import cutlass, mosaic
 from jax_ep.primitives import all_varying, varying_like
+
+
+class _OnFirstUse:
+    """A module imported when one of its names is first read: the GPU kernels' bindings (the
+    compiled extension, CUTLASS's and DeepGEMM's calls, Pallas Mosaic GPU, which imports absl)
+    load when a GPU program first needs them, never at `import jax_ep.nn`."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+_native = _OnFirstUse("jax_ep._native")
+ffi_path = _OnFirstUse("jax_ep.ffi_path")
+cutlass = _OnFirstUse("jax_ep.nn.cutlass")
+mosaic = _OnFirstUse("jax_ep.nn.mosaic")
 
 IMPLS = ("auto", "xla", "mosaic", "cutlass", "deepgemm")
 # What impl="auto" tries, fastest first (H200 and H100 at EP8's V3 shapes: docs/PERFORMANCE.md).
@@ -213,6 +230,8 @@ def _resolve(name, impl, misfits):
         if problems:
             raise ValueError(f"jax_ep.nn.{name}: impl={impl!r} cannot run: " + "; ".join(problems))
         return impl
+    if _platform_misfits():  # no GPU kernel runs here: nothing of theirs is loaded
+        return "xla"
     return next((each for each in AUTO_ORDER if not misfits[each]()), "xla")
 
 
@@ -520,8 +539,8 @@ def _quantize_kernels_run(x):
     """Whether jax_ep's FP8 quantization kernels take x here: a GPU and jax_ep's CUDA backend,
     float32 or bfloat16 values (the same bytes as jax_ep.fp8's rule, in one pass over x)."""
     return (
-        _native.has_cuda
-        and jax.devices()[0].platform == "gpu"
+        jax.devices()[0].platform == "gpu"
+        and _native.has_cuda
         and jnp.dtype(x.dtype) in ffi_path.ROWS_DTYPES
     )
 

@@ -10,6 +10,9 @@
 #include <pmmintrin.h>
 #include <xmmintrin.h>
 #endif
+#if defined(__linux__)
+#include <sys/prctl.h>
+#endif
 
 namespace jax_ep::cpu {
 namespace {
@@ -26,6 +29,15 @@ void flush_denormals() {
   uint64_t fpcr;
   asm volatile("mrs %0, fpcr" : "=r"(fpcr));
   asm volatile("msr fpcr, %0" ::"r"(fpcr | (uint64_t(1) << 24)));  // FZ
+#endif
+}
+
+// Linux lets a sleeping thread oversleep by its timer slack, 50 us by default: the backoff of a
+// wait for a peer (wait_op) and the hand-offs between a rank's threads would each cost that
+// much, which at small sizes is most of an op.
+void precise_sleeps() {
+#if defined(__linux__)
+  prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
 #endif
 }
 
@@ -71,6 +83,7 @@ void Rank::run(uint64_t op, std::function<std::string()> job, std::function<void
 // Jobs run while the rank lives: the calls in flight hold it (see cpu_handlers.cc).
 void Rank::work(std::shared_ptr<Queues> q, const Rank* rank) {
   flush_denormals();
+  precise_sleeps();
   std::unique_lock<std::mutex> lock(q->mu);
   while (true) {
     q->cv.wait(lock, [&] { return q->stop || !q->jobs.empty(); });
@@ -105,6 +118,7 @@ void Rank::work(std::shared_ptr<Queues> q, const Rank* rank) {
 
 void Rank::complete(std::shared_ptr<Queues> q) {
   flush_denormals();
+  precise_sleeps();
   std::unique_lock<std::mutex> lock(q->mu);
   while (true) {
     q->cv.wait(lock, [&] {
@@ -185,7 +199,8 @@ std::string Rank::wait_op(int64_t offset, uint64_t op, int peer, Wait what) cons
   using Clock = std::chrono::steady_clock;
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(timeout_s_));
-  // Peers are other threads or processes, often on fewer cores than ranks: back off to sleeps.
+  // Peers are other threads or processes, often on fewer cores than ranks: spin a moment, then
+  // yield the core (a peer that is runnable here runs at once), then back off to sleeps.
   for (int i = 0; load_acquire(w) < op; ++i) {
     if (load_acquire(abort_state) == kAbortWritten) {  // another rank gave up: stop at once
       uint64_t first_op = 0;
@@ -195,7 +210,10 @@ std::string Rank::wait_op(int64_t offset, uint64_t op, int peer, Wait what) cons
     }
     if (i < 64) continue;
     if (Clock::now() > deadline) return give_up(what, peer, op);
-    std::this_thread::sleep_for(std::chrono::microseconds(i < 128 ? 1 : i < 256 ? 20 : 200));
+    if (i < 1024)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(i < 2048 ? 2 : i < 4096 ? 20 : 200));
   }
   return {};
 }
