@@ -11,7 +11,7 @@ DeepEP's convention: logical = rows received including the local ones, physical 
 crossed NVLink; FP8 rows count H bytes + H/128 float32 scales, BF16 rows 2H bytes.
 With --nodes M the devices form a ("node", "ep") mesh of M x (devices / M), and the run times
 the tuple-axis Buffer's dispatch and combine whole and each of its two legs alone (bench_nodes).
-Writes bench/results/<config>-<machine>-<date>.json and a PNG; prints a table.
+Writes bench/results/ops/<config>-<machine>-<date>.json and a PNG; prints a table.
 """
 
 from __future__ import annotations
@@ -605,7 +605,7 @@ def main(argv=None):
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--num-sms", type=int, default=24)
     parser.add_argument("--bf16", action="store_true", help="BF16 dispatch instead of FP8")
-    common_arguments(parser)
+    common_arguments(parser, "ops")
     parser.add_argument(
         "--graphs",
         action="store_true",

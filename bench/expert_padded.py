@@ -39,7 +39,7 @@ def main(argv=None):
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--capacity", type=int, default=128, help="rows per expert C")
     parser.add_argument("--steps", type=int, default=200, help="calls in the traced program")
-    common_arguments(parser)
+    common_arguments(parser, "ops")
     args = parser.parse_args(argv)
     jax.devices()  # the backends exist before their targets are registered
     ffi_path.register_targets()

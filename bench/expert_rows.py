@@ -48,7 +48,7 @@ def main(argv=None):
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--topk", type=int, default=8)
-    common_arguments(parser)
+    common_arguments(parser, "ops")
     args = parser.parse_args(argv)
     src, rows = expert_maps(np.random.default_rng(0), args.tokens, args.experts, args.topk)
     x = jax.random.normal(jax.random.key(0), (args.tokens, args.hidden), jnp.bfloat16)

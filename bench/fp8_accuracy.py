@@ -105,7 +105,7 @@ def main(argv=None):
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--inputs", default=",".join(INPUTS))
-    common_arguments(parser)
+    common_arguments(parser, "accuracy")
     args = parser.parse_args(argv)
     base = nn.MoEConfig(
         num_experts=args.experts,

@@ -31,7 +31,7 @@ coarser than jax_ep's 1 x 128 / 128 x 128 blocks), timed as ours. Every timing s
 sustained work keeps it in (bench.gemm_clocks). The first case of each projection sweeps a
 few Mosaic block sizes per product (the other cases use the best) and CUTLASS's tile orders
 ("cutlass_order", "cutlass_fp8_order": cutlass.ORDERS takes the best). Prints a table; writes
-bench/results/grouped-matmul-<machine>-<date>.json.
+bench/results/grouped_matmul/grouped-matmul-<machine>-<date>.json.
 """
 
 from __future__ import annotations
@@ -541,7 +541,7 @@ def main(argv=None):
         default=128,
         help="tokens per rank of the decode MLP cases (expert_padded rows; 0: none)",
     )
-    common_arguments(parser)
+    common_arguments(parser, "grouped_matmul")
     args = parser.parse_args(argv)
     timing = Timing(tuple(int(c) for c in args.counts.split(",")), args.warm_s)
     rows = args.tokens * args.topk

@@ -96,10 +96,11 @@ def perturbed(inputs, i, value, kept):
     return jax.tree.unflatten(tree, leaves)
 
 
-def common_arguments(parser):
-    """The options every benchmark takes: where results go and under which machine name."""
+def common_arguments(parser, kind):
+    """The options every benchmark takes: where results go (by default bench/results/<kind>, the
+    folder of its kind: ops, grouped_matmul, moe_layer, accuracy) and under which machine name."""
     parser.add_argument("--machine", default=os.environ.get("JAX_EP_MACHINE", "unknown"))
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default=f"bench/results/{kind}")
     parser.add_argument("--no-plot", action="store_true")
 
 

@@ -33,8 +33,8 @@ rate ("fp8_tflops", the weights quantized as the layer does).
 --fp8-down multiplies the down projection in FP8 too (MoEConfig.fp8_down), --fp8-dgrad the FP8
 projections' row gradients (MoEConfig.fp8_dgrad). --trace adds each phase's kernel times on the
 devices (the whole layer's program, bench.trace).
-Writes bench/results/moe-layer-<machine>-<date>[-fp8-<fp8 experts>[-down][-dgrad]].json and a
-PNG.
+Writes bench/results/moe_layer/moe-layer-<machine>-<date>[-fp8-<fp8 experts>[-down][-dgrad]].json
+and a PNG.
 """
 
 from __future__ import annotations
@@ -519,7 +519,7 @@ def main(argv=None):
         action="store_true",
         help="also record the whole layer's kernel times on the devices (profiler)",
     )
-    common_arguments(parser)
+    common_arguments(parser, "moe_layer")
     args = parser.parse_args(argv)
     counts = tuple(int(c) for c in args.counts.split(","))
     devices = jax.devices()

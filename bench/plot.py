@@ -1,6 +1,6 @@
 """Time per op against tokens per rank, one line per implementation, from results JSON files.
 
-python -m bench.plot bench/results/v3-*.json -o bench/results/v3.png
+python -m bench.plot bench/results/ops/v3-*.json -o bench/results/ops/v3.png
 """
 
 from __future__ import annotations

@@ -52,18 +52,19 @@ if [ "$what" = probe ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout ${BENCH_TIMEOUT:-480} python3 -m bench.ep --machine "$JAX_EP_MACHINE" "$@" 2>&1 | tee "$results/bench.log" | tail -60 || failed=1
-  cp bench/results/*"$JAX_EP_MACHINE"* "$results/" 2>/dev/null
+  cp bench/results/ops/*"$JAX_EP_MACHINE"* "$results/" 2>/dev/null
 fi
 if [ "$what" = layer ]; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest tests/test_gpu_grouped.py -q -p no:cacheprovider --timeout 200 -rA \
     2>&1 | tee "$results/gpu_grouped_tests.log" | tail -20 || failed=1
   timeout ${BENCH_TIMEOUT:-480} python3 -m bench.grouped_matmul --machine "$JAX_EP_MACHINE" 2>&1 | tee "$results/grouped_matmul.log" | tail -40 || failed=1
   timeout ${BENCH_TIMEOUT:-600} python3 -m bench.moe_layer --machine "$JAX_EP_MACHINE" "$@" 2>&1 | tee "$results/moe_layer.log" | tail -30 || failed=1
-  cp bench/results/*"$JAX_EP_MACHINE"* "$results/" 2>/dev/null
+  cp bench/results/grouped_matmul/*"$JAX_EP_MACHINE"* bench/results/moe_layer/*"$JAX_EP_MACHINE"* \
+    "$results/" 2>/dev/null
 fi
 if [ "$what" = deepgemm ]; then
   timeout ${BENCH_TIMEOUT:-480} python3 -m bench.versus_deepgemm --machine "$JAX_EP_MACHINE" \
     --program "${VERSUS_DEEPGEMM:-build/versus_deepgemm}" "$@" 2>&1 | tee "$results/versus_deepgemm.log" || failed=1
-  cp bench/results/versus-deepgemm-"$JAX_EP_MACHINE"* "$results/" 2>/dev/null
+  cp bench/results/grouped_matmul/versus-deepgemm-"$JAX_EP_MACHINE"* "$results/" 2>/dev/null
 fi
 exit $failed

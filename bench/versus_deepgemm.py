@@ -127,7 +127,7 @@ def _text(out):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common_arguments(parser)
+    common_arguments(parser, "grouped_matmul")
     parser.add_argument("--program", default="build/versus_deepgemm")
     parser.add_argument("--products", default=",".join(PRODUCTS))
     parser.add_argument("--max-distance", type=float, default=1e-2)

@@ -1,8 +1,11 @@
 """The docs stay true: docs/API.md names every public argument, attribute and result field, the
-README's Python runs as written, and the docs point only at files that exist."""
+README's Python runs as written, the docs point only at files that exist, bench/results/ holds the
+files they cite and no others, and every number of a benchmark table is in the result file that
+the table names."""
 
 import glob
 import inspect
+import json
 import os
 import re
 
@@ -14,7 +17,10 @@ from helpers import make_mesh
 import jax_ep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/docs/*.md"))
+DOCS = ["README.md", "CHANGELOG.md"] + sorted(
+    os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/docs/*.md")
+)
+RESULTS = "bench/results"
 
 
 def read(path):
@@ -72,7 +78,7 @@ def test_the_check_sees_a_missing_name():
 
 def test_readme_python_runs():
     """Every ```python block of the README, in order, in one namespace (each continues the one
-    before, as the README says), on the test session's devices."""
+    before, as the README says), on the test run's devices."""
     blocks = re.findall(r"```python\n(.*?)```", read("README.md"), re.S)
     assert len(blocks) >= 3
     scope = {}
@@ -97,14 +103,26 @@ def linked_paths(text):
     return targets
 
 
+TABLE_SOURCE = re.compile(r"<!-- results: (.+?) -->")
+
+
+def cited_paths(doc):
+    """The repository paths doc points at, relative to the repository's root (a link from docs/
+    may be relative to docs/), and the result files its tables name."""
+    here, text = os.path.dirname(doc), read(doc)
+    paths = [p for names in TABLE_SOURCE.findall(text) for p in names.split()]
+    for t in linked_paths(text):
+        near = os.path.normpath(os.path.join(here, t))
+        paths.append(near if os.path.exists(os.path.join(ROOT, near)) else os.path.normpath(t))
+    return paths
+
+
 @pytest.mark.parametrize("doc", DOCS)
 def test_docs_point_at_files_that_exist(doc):
-    here = os.path.dirname(os.path.join(ROOT, doc))
-    missing = [
-        t
-        for t in linked_paths(read(doc))
-        if not (glob.glob(os.path.join(ROOT, t)) or glob.glob(os.path.join(here, t)))
-    ]
+    paths = cited_paths(doc)
+    globs = [p for p in paths if set(p) & set("*?[]{}")]
+    assert not globs, f"{doc} points at files by pattern, not by name: {globs}"
+    missing = [p for p in paths if not os.path.exists(os.path.join(ROOT, p))]
     assert not missing, f"{doc} points at missing files: {missing}"
 
 
@@ -114,3 +132,116 @@ def test_the_path_check_sees_a_missing_file():
         "SPEC.md",
         "bench/ep.py",
     ]
+
+
+def result_files():
+    """Every file under bench/results/ but its index, relative to the repository's root."""
+    return {
+        os.path.relpath(os.path.join(d, name), ROOT)
+        for d, _, names in os.walk(os.path.join(ROOT, RESULTS))
+        for name in names
+        if name != "README.md" or d != os.path.join(ROOT, RESULTS)
+    }
+
+
+def test_results_are_the_files_the_docs_cite_and_the_index_names():
+    cited = {p for doc in DOCS for p in cited_paths(doc) if p.startswith(RESULTS + "/")}
+    index = read(f"{RESULTS}/README.md")
+    indexed = {f"{RESULTS}/{p}" for p in re.findall(r"^\| `([^`]+)` \|", index, re.M)}
+    kept = result_files()
+    assert kept - cited == set(), "results no doc cites (git history keeps them: git rm them)"
+    assert kept == indexed, f"{RESULTS}/README.md lists {indexed ^ kept} wrongly"
+
+
+def test_docs_keep_their_length():
+    assert len(read("README.md").splitlines()) <= 150
+    assert len(read("docs/PERFORMANCE.md").splitlines()) <= 300
+
+
+# A word of the work's log, not of the product (in two pieces, so that this file has none).
+LOG_WORD = re.compile("ses" + "sion", re.I)
+
+
+@pytest.mark.parametrize("doc", DOCS + [f"{RESULTS}/README.md"])
+def test_docs_speak_of_runs_days_and_machines(doc):
+    assert not LOG_WORD.search(read(doc)), f"{doc}: say the run, the day or the machine instead"
+
+
+# A benchmark table names its result file on the line right before it, and every number in its
+# cells but the first column (the row's label) is a value of that file, rounded to the decimals
+# the table shows (a percentage also as a fraction).
+NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)(%?)")
+
+
+def tables(text):
+    """Each markdown table of text, as (the files its `<!-- results: ... -->` line names, or None;
+    its body rows as lists of cells)."""
+    lines, found, i = text.splitlines(), [], 0
+    while i < len(lines):
+        if not lines[i].startswith("|"):
+            i += 1
+            continue
+        end = i
+        while end < len(lines) and lines[end].startswith("|"):
+            end += 1
+        source = TABLE_SOURCE.fullmatch(lines[i - 1].strip()) if i else None
+        body = lines[i + 2 : end]
+        rows = [[c.strip() for c in row.strip().strip("|").split("|")] for row in body]
+        found.append((source.group(1).split() if source else None, rows))
+        i = end
+    return found
+
+
+def values(path):
+    """Every number in a result file: a JSON record's numeric values, or a text's numbers."""
+    text = read(path)
+    if not path.endswith(".json"):
+        return [float(n) for n in re.findall(r"\d+(?:\.\d+)?", text)]
+    found, stack = [], [json.loads(text)]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, int | float) and not isinstance(item, bool):
+            found.append(float(item))
+    return found
+
+
+def numbers_not_in(rows, known):
+    """The numbers of rows (first column left out) that no value of known rounds to."""
+    known = np.asarray(known, np.float64)
+    missing = []
+    for row in rows:
+        for cell in row[1:]:
+            for number, percent in NUMBER.findall(cell):
+                tolerance = 0.5 * 10.0 ** -len(number.partition(".")[2]) + 1e-9
+                scaled = known * 100 if percent else known
+                if not np.any(np.abs(scaled - float(number)) <= tolerance):
+                    missing.append(number + percent)
+    return missing
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_benchmark_tables_read_their_result_files(doc):
+    for sources, rows in tables(read(doc)):
+        if sources is None:
+            assert doc != "README.md", f"a README table names no result file: {rows[:1]}"
+            continue
+        if doc == "README.md":
+            assert len(sources) == 1, f"a README table cites one result file, not {sources}"
+        assert all(s.startswith(RESULTS + "/") for s in sources), sources
+        missing = numbers_not_in(rows, [v for s in sources for v in values(s)])
+        assert not missing, f"{doc}: {missing} are not in {sources} (rows {rows})"
+
+
+def test_the_table_check_sees_a_wrong_number_and_a_missing_source():
+    record = f"{RESULTS}/ops/v3-nvidia-h100-2026-12-05-prefetch.json"
+    table = "| op | us | GB/s |\n|---|---:|---:|\n| dispatch | 127.3 | 238 |\n"
+    text = f"<!-- results: {record} -->\n{table}"
+    ((sources, rows),) = tables(text)
+    assert sources == [record] and numbers_not_in(rows, values(record)) == []
+    wrong = rows[0][:1] + ["127.4", "238 (97%)"]
+    assert numbers_not_in([wrong], values(record)) == ["127.4", "97%"]
+    assert tables(table)[0][0] is None

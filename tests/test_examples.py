@@ -26,7 +26,7 @@ def test_train_moe_loss_falls():
 
 
 def test_demo_agrees_with_the_reference_on_the_devices_present():
-    """8 CPU devices without an accelerator (the test session's too), else the GPUs."""
+    """8 CPU devices without an accelerator (the test run's too), else the GPUs."""
     out = run_python("-m", "jax_ep.demo")
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     devices = jax.devices()

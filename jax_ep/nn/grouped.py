@@ -108,7 +108,8 @@ class Blocks(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class MosaicBlocks:
     """The kernels' block sizes, per product: the best of bench/grouped_matmul.py's sweep on an
-    H200 at DeepSeek-V3's expert shapes (bench/results/grouped-matmul-nvidia-h200-*.json)."""
+    H200 at DeepSeek-V3's expert shapes (each record of that benchmark holds its sweep's result as
+    "best_blocks")."""
 
     gmm: Blocks = Blocks(128, 128, 128, 3, 8)
     gmm_t: Blocks = Blocks(128, 128, 128, 3, 8)

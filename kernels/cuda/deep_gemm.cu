@@ -154,14 +154,15 @@ struct Kernel {
 };
 
 // The tiles, per product, from bench.versus_deepgemm's sweep on an H200 at DeepSeek-V3's expert
-// shapes (bench/results/versus-deepgemm-*.json): the best single-CTA tile of each projection,
-// gate/up (N < K) and down (N > K), TFLOP/s there. FP8 tiles wider than 128 straddle the
-// weights' 128-column scale blocks, and that kernel keeps its registers (no spills) only with N
-// fixed at compile time: instances for V3's two N, 128-wide tiles for any other. V3's FP8 down
-// projection itself (K 2048: 16 steps a tile) runs ~5% faster through JAX on a cluster of two
-// CTAs sharing the weights' loads with K fixed too, and on neither alone (an H100,
-// bench/results/deepgemm-variants-nvidia-h100-2026-12-05.txt). Each comes for every group count
-// of kGroupCounts.
+// shapes (bench/results/grouped_matmul/versus-deepgemm-nvidia-h200-2026-12-05.json): the best
+// single-CTA tile of each projection, gate/up (N < K) and down (N > K), TFLOP/s there. FP8 tiles
+// wider than 128 straddle the weights' 128-column scale blocks, and that kernel keeps its
+// registers (no spills) only with N fixed at compile time: instances for V3's two N, 128-wide
+// tiles for any other. V3's FP8 down projection itself (K 2048: 16 steps a tile) runs ~5% faster
+// through JAX on a cluster of two CTAs sharing the weights' loads with K fixed too, and on
+// neither alone (an H100,
+// bench/results/grouped_matmul/deepgemm-variants-nvidia-h100-2026-12-05.txt). Each comes for
+// every group count of kGroupCounts.
 template <uint32_t Groups>
 struct Kernels {
   using Fp8GateUp = Kernel<GroupedProduct::kGmmFp8, 128, 192, 2048, Groups>;  // 1202-1205
