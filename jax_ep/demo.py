@@ -4,7 +4,9 @@ expert matmuls, combine.
     python -m jax_ep.demo            # 8 CPU devices when there is no accelerator
 
 Runs the layer on jax_ep's custom calls and on its jax.lax reference path, checks that they
-agree and prints the time of each. On GPUs the layer is sized to the devices' memory.
+agree and prints the time of each: per Python call (as a program that calls the layer once per
+step meets it, host dispatch included) and per step of a loop inside one jitted program (the
+device's work alone). On GPUs the layer is sized to the devices' memory.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class Sizes:
     ffn: int  # hidden size of each expert
 
 
-CPU_SIZES = Sizes(tokens=128, hidden=256, experts_per_rank=8, topk=4, ffn=256)
+CPU_SIZES = Sizes(tokens=64, hidden=128, experts_per_rank=2, topk=2, ffn=128)
+LOOP_STEPS = {"cpu": 4, "gpu": 20}  # steps of the timed loop
 # DeepSeek-V3's hidden, top-k and expert ffn, largest first (XLA's ragged_dot, where the grouped
 # matmul falls back to it, holds a [experts, rows, hidden] array: 256 experts per rank would not
 # fit one GPU).
@@ -80,6 +83,20 @@ def round_trip(buf, x, topk_idx, topk_weights, w_in, w_out):
         x, topk_idx, topk_weights, layout="expert", expert_alignment=EXPERT_ALIGNMENT, fp8=True
     )
     return buf.combine(buf.dequantize(d, x), d.handle, topk_weights=d.topk_weights)
+
+
+def in_a_loop(body, steps):
+    """body run `steps` times in one jitted loop, each step's x the last step's output (scaled
+    to unit RMS, so that values stay finite): the time per step without a Python call each."""
+
+    def run(buf, x, *rest):
+        def step(_, x):
+            y = body(buf, x, *rest).astype(jnp.float32)
+            return (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(x.dtype)
+
+        return jax.lax.fori_loop(0, steps, step, x)
+
+    return run
 
 
 def make_buffer(mesh, sizes, impl):
@@ -169,14 +186,15 @@ def random_inputs(mesh, sizes):
     return make()
 
 
-def best_time_ms(fn, args, runs=3):
+def best_time_ms(fn, args, runs=3, steps=1):
+    """(fn's output, the best of `runs` timed calls in ms per step: fn runs `steps` steps)."""
     out = jax.block_until_ready(fn(*args))  # compiles, or warms up
     times = []
     for _ in range(runs):
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
-    return out, 1e3 * min(times)
+    return out, 1e3 * min(times) / steps
 
 
 def relative_difference(a, b):
@@ -213,16 +231,29 @@ def main():
         flush=True,
     )
     args = random_inputs(mesh, sizes)
+    steps = LOOP_STEPS["gpu" if devices[0].platform == "gpu" else "cpu"]
+    print(
+        f"  {'ms per step, best of 3':27s} {'layer':>9s} {'in a loop':>10s}   "
+        f"{'dispatch + combine':>18s} {'in a loop':>10s}\n"
+        f"  {'':27s} {'per call':>9s} {f'of {steps}':>10s}   {'per call':>18s} "
+        f"{f'of {steps}':>10s}",
+        flush=True,
+    )
     outputs = {}
     for impl, name in (("ffi", f"custom calls ({backend})"), ("reference", "jax.lax reference")):
         buf = make_buffer(mesh, sizes, impl)  # referenced until its programs' results are ready
         layer = reference_layer if impl == "reference" else compile_layer(mesh, sizes, buf)[0]
         layer_out, layer_ms = best_time_ms(layer, args)
         trip_out, trip_ms = best_time_ms(program(round_trip, mesh, buf), args)
+        times = [layer_ms]
+        for body, per_call in ((moe_layer, None), (round_trip, trip_ms)):
+            if per_call is not None:
+                times.append(per_call)
+            loop = program(in_a_loop(body, steps), mesh, buf)
+            times.append(best_time_ms(loop, args, steps=steps)[1])
         outputs[impl] = layer_out, trip_out
         print(
-            f"  {name:27s} layer {layer_ms:9.2f} ms, dispatch + combine alone "
-            f"{trip_ms:8.2f} ms (best of 3)",
+            f"  {name:27s} {times[0]:9.2f} {times[1]:10.2f}   {times[2]:18.2f} {times[3]:10.2f}",
             flush=True,
         )
     (layer, trip), (ref_layer, ref_trip) = outputs["ffi"], outputs["reference"]
@@ -235,6 +266,12 @@ def main():
     )
     if not same_trip or diff > 1e-4:
         raise SystemExit("jax_ep demo: MISMATCH between the custom calls and the reference path")
+    if len(devices) == 1:
+        print(
+            "  with one device no row crosses a link: these times are each path's local work "
+            "(the reference path's all_to_all moves nothing at all); the README's benchmark "
+            "tables (python -m bench.ep) have the figures across ranks"
+        )
     print("  OK")
 
 

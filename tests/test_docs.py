@@ -245,3 +245,21 @@ def test_the_table_check_sees_a_wrong_number_and_a_missing_source():
     wrong = rows[0][:1] + ["127.4", "238 (97%)"]
     assert numbers_not_in([wrong], values(record)) == ["127.4", "97%"]
     assert tables(table)[0][0] is None
+
+
+def readme_commands(text):
+    """The commands of the README's "Two commands" block, without their comments."""
+    block = re.search(r"## Two commands\n+```bash\n(.*?)```", text, re.S).group(1)
+    return [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_ci_runs_the_readme_commands_as_written():
+    ci = read(".ci/run")
+    ran = dict(re.findall(r'^(DEMO_COMMAND|TEST_COMMAND)="(.*)"$', ci, re.M))
+    assert readme_commands(read("README.md")) == [ran["DEMO_COMMAND"], ran["TEST_COMMAND"]]
+    assert ci.count('"$DEMO_COMMAND"') == 1 and ci.count('"$TEST_COMMAND"') == 2
+
+
+def test_the_command_check_sees_another_command():
+    text = "## Two commands\n\n```bash\npip install x  # a comment\npytest\n```\n"
+    assert readme_commands(text) == ["pip install x", "pytest"]
