@@ -1,6 +1,7 @@
-// CPU handlers: every cross-rank call queues its op on the rank's worker and returns a future
-// (kernels/cpu/rank.h says why); the op's number is drawn here, in the order XLA calls the
-// handlers of the device, which the Buffer's XLA token fixes.
+// CPU handlers: every cross-rank call runs what of its op would not wait at once, queues the rest
+// on the rank's worker and returns a future (kernels/cpu/rank.h says why); the op's number is
+// drawn here, in the order XLA calls the handlers of the device, which the Buffer's XLA token
+// fixes (so a rank's calls come one after another, each once the last completed).
 #include "ffi/backends.h"
 #include "ffi/calls.h"
 #include "kernels/cpu/rank.h"
@@ -49,6 +50,47 @@ ffi::Future queued(cpu::Rank& rank, uint64_t op, std::function<std::string()> jo
   return future;
 }
 
+ffi::Future available() {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  promise.SetAvailable();
+  return future;
+}
+
+// Op `op`'s part (its send stage, its recv stage, or both): each stage that would not wait runs
+// here, on XLA's thread, at once (Rank::ready_to_send / ready_to_receive): at small sizes the
+// hand-offs to the worker and back are most of an op. The first stage that would wait, and what
+// follows it, go to the worker. A stage that fails here leaves the part's poison and breaks the
+// rank, as on the worker.
+ffi::Future run_part(cpu::Rank& rank, uint64_t op, Part part, std::function<std::string()> send,
+                     std::function<std::string()> recv, std::function<void()> poison) {
+  bool sending = sends(part), receiving = receives(part);
+  // A stage that fails here: the failed op's parts leave NaN; later ops fail with the error.
+  auto failed = [&](const std::function<std::string()>& stage) {
+    std::string error = stage();
+    if (error.empty()) return false;
+    rank.broken(op, error);
+    poison();
+    return true;
+  };
+  if (sending && rank.ready_to_send(op)) {
+    if (failed(send)) return available();
+    sending = false;
+  }
+  if (!sending && receiving && rank.ready_to_receive(op)) {
+    if (failed(recv)) return available();
+    receiving = false;
+  }
+  if (!sending && !receiving) return available();
+  return queued(
+      rank, op,
+      [sending, receiving, send = std::move(send), recv = std::move(recv)] {
+        std::string err = sending ? send() : "";
+        return err.empty() && receiving ? recv() : err;
+      },
+      std::move(poison));
+}
+
 uint64_t op_of_call(cpu::Rank& r, Part part, const Tokens& tokens) {
   const uint64_t op = sends(part) ? r.next_op() : r.op_of_ticket(*tokens.ticket);
   *tokens.out = int32_t(op);
@@ -77,12 +119,9 @@ struct CpuBackend {
     DispatchSend s = send ? *send : DispatchSend{};
     DispatchRecv v = recv ? *recv : DispatchRecv{};
     const Window& w = rank.window;
-    return queued(
-        rank, op,
-        [r = &rank, part, op, s, v] {
-          std::string err = sends(part) ? cpu::dispatch_send(*r, op, s) : "";
-          return err.empty() && receives(part) ? cpu::dispatch_recv(*r, op, v) : err;
-        },
+    return run_part(
+        rank, op, part, [r = &rank, op, s] { return cpu::dispatch_send(*r, op, s); },
+        [r = &rank, op, v] { return cpu::dispatch_recv(*r, op, v); },
         [part, s, v, R = w.num_ranks, El = w.experts_per_rank] {
           if (sends(part)) cpu::poison(s, R);
           if (receives(part)) cpu::poison(v, R, El);
@@ -94,12 +133,9 @@ struct CpuBackend {
     const uint64_t op = op_of_call(rank, part, tokens);
     CombineSend s = send ? *send : CombineSend{};
     CombineRecv v = recv ? *recv : CombineRecv{};
-    return queued(
-        rank, op,
-        [r = &rank, part, op, s, v] {
-          std::string err = sends(part) ? cpu::combine_send(*r, op, s) : "";
-          return err.empty() && receives(part) ? cpu::combine_recv(*r, op, v) : err;
-        },
+    return run_part(
+        rank, op, part, [r = &rank, op, s] { return cpu::combine_send(*r, op, s); },
+        [r = &rank, op, v] { return cpu::combine_recv(*r, op, v); },
         [part, v] {
           if (receives(part)) cpu::poison(v);
         });

@@ -80,6 +80,38 @@ void Rank::run(uint64_t op, std::function<std::string()> job, std::function<void
   queues_->cv.notify_all();
 }
 
+bool Rank::ready_to_send(uint64_t op) const { return idle() && slot_free(op); }
+
+bool Rank::ready_to_receive(uint64_t op) const {
+  if (!idle()) return false;
+  for (int s = 0; s < window.num_ranks; ++s)
+    if (load_acquire(word(rank, window.counts_at(int(op % kSlots), s))) < op) return false;
+  return true;
+}
+
+bool Rank::slot_free(uint64_t op) const {
+  if (op <= kSlots) return true;
+  for (int d = 0; d < window.num_ranks; ++d)
+    if (load_acquire(word(rank, window.released_at(int(op % kSlots), d))) < op - kSlots)
+      return false;
+  return true;
+}
+
+bool Rank::idle() const {
+  {
+    std::lock_guard<std::mutex> lock(queues_->mu);
+    if (!queues_->jobs.empty() || queues_->running || !queues_->broken.empty()) return false;
+  }
+  return load_acquire(word(rank, window.aborted_at())) == kNoAbort;
+}
+
+void Rank::broken(uint64_t op, const std::string& error) {
+  std::lock_guard<std::mutex> lock(queues_->mu);
+  if (!queues_->broken.empty()) return;
+  queues_->broken = error;
+  queues_->broken_op = op;
+}
+
 // Jobs run while the rank lives: the calls in flight hold it (see cpu_handlers.cc).
 void Rank::work(std::shared_ptr<Queues> q, const Rank* rank) {
   flush_denormals();

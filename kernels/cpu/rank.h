@@ -44,6 +44,16 @@ class Rank {
   // before it starts is the same as a failed one (poisoned if it is of the abort's op).
   void run(uint64_t op, std::function<std::string()> job, std::function<void()> poison, Done done);
 
+  // Whether a send (or recv) part of op `op` would run without waiting: nothing of the rank is
+  // queued, running, broken or aborted, and every word the part waits for is written already
+  // (send: the slot is free; recv: every count record of the op has come). Such a part may run
+  // on the caller's thread (no hand-off to the worker and back); a part that fails there is
+  // reported with broken().
+  bool ready_to_send(uint64_t op) const;
+  bool ready_to_receive(uint64_t op) const;
+  // Op `op` failed with `error` outside the worker: the rank is broken, as when a job fails.
+  void broken(uint64_t op, const std::string& error);
+
   // The error that stopped the rank (or an abort a peer wrote into its window), or "".
   std::string status() const;
 
@@ -90,6 +100,8 @@ class Rank {
     int running = 0;         // jobs taken whose completion is not queued yet
     bool stop = false;
   };
+  bool idle() const;
+  bool slot_free(uint64_t op) const;
   static void work(std::shared_ptr<Queues> q, const Rank* rank);
   static void complete(std::shared_ptr<Queues> q);
 
