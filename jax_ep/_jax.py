@@ -32,6 +32,9 @@ mesh meet to bring a Buffer up) and its coordinator's address (`coordinator_addr
 mesh axes a value varies over inside shard_map (`varying_axes`), whose attribute changed name
 between jax versions, and whether ops run one by one in shard_map (`in_eager_shard_map`).
 
+The four mends replace JAX functions, so they are applied only once a process makes its first
+Buffer (`install`, from Buffer's constructor): `import jax_ep` alone changes nothing in JAX.
+
 None of this is public JAX API, so it fails loudly here, naming the jax version, rather than as
 wrong results later.
 """
@@ -39,6 +42,7 @@ wrong results later.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any
 
@@ -133,6 +137,14 @@ _jax_token_result = dispatch.RuntimeTokenSet.set_token_result
 _jax_execute = pxla.ExecuteReplicated.__call__
 
 
+@functools.lru_cache(maxsize=64)
+def _token_sharding(devices: tuple) -> jax.sharding.NamedSharding:
+    """The sharding JAX gives a program's input token on these devices (get_token_input)."""
+    return jax.sharding.NamedSharding(
+        jax.sharding.Mesh(devices, "x"), jax.sharding.PartitionSpec("x")
+    )
+
+
 def _token_input(self, effect, devices):
     if isinstance(effect, BufferOrder):
         token = _buffer_tokens.get(effect)
@@ -140,6 +152,9 @@ def _token_input(self, effect, devices):
             self.current_tokens.pop(effect, None)
         else:
             self.current_tokens[effect] = token
+            # Already where JAX would put it: JAX's device_put of it again costs ~0.1 ms a call.
+            if getattr(token._buf, "sharding", None) == _token_sharding(tuple(devices)):
+                return token
     return _jax_token_input(self, effect, devices)
 
 
@@ -193,11 +208,6 @@ def _execute(self, *args):
         return out
 
 
-dispatch.RuntimeTokenSet.get_token_input = _token_input
-dispatch.RuntimeTokenSet.set_token_result = _token_result
-pxla.ExecuteReplicated.__call__ = _execute
-
-
 # An ahead-of-time compiled program (jit(f).lower(...).compile()) runs its second call through
 # JAX's C++ fast path, which passes no runtime tokens: XLA then refuses the call ("Execution
 # supplied N arguments but compiled program expected N + 1"). Programs that use a Buffer keep
@@ -209,9 +219,6 @@ def _create_cpp_call(self, params):
     if any(isinstance(e, BufferOrder) for e in getattr(self.unsafe_call, "ordered_effects", ())):
         return None
     return _jax_create_cpp_call(self, params)
-
-
-pxla.MeshExecutable.create_cpp_call = _create_cpp_call
 
 
 # jax.checkpoint's rounding of saved residuals, for float types without inf (float8_e4m3fn and
@@ -238,7 +245,31 @@ def _remat_residual_rounding(jaxpr, num_res):
     return jaxpr.replace(eqns=eqns)
 
 
-ad_checkpoint._insert_reduce_precision = _remat_residual_rounding
+# The mends, as (owner, name, jax_ep's function): applied by install(), not at import.
+_MENDS = (
+    (dispatch.RuntimeTokenSet, "get_token_input", _token_input),
+    (dispatch.RuntimeTokenSet, "set_token_result", _token_result),
+    (pxla.ExecuteReplicated, "__call__", _execute),
+    (pxla.MeshExecutable, "create_cpp_call", _create_cpp_call),
+    (ad_checkpoint, "_insert_reduce_precision", _remat_residual_rounding),
+)
+_install = threading.Lock()
+
+
+def install():
+    """Applies the mends above, once per process, when its first Buffer is made: importing
+    jax_ep changes nothing in JAX, and a process that makes no Buffer runs JAX's own code. Each
+    mend hands JAX every effect and program that is not a Buffer's unchanged (the float8
+    rounding excepted, which keeps the values of float8_e4m3fn residuals of any program)."""
+    with _install:
+        for owner, name, mend in _MENDS:
+            if getattr(owner, name) is not mend:
+                setattr(owner, name, mend)
+
+
+def installed() -> bool:
+    """Whether install() has mended JAX in this process."""
+    return all(getattr(owner, name) is mend for owner, name, mend in _MENDS)
 
 
 call_p = core.Primitive("jax_ep_call")

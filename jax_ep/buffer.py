@@ -194,6 +194,7 @@ class Buffer:
         max_row_dtype=jnp.float32,
         direct_local=True,
     ):
+        _jax.install()  # the process's first Buffer mends JAX (jax_ep/_jax.py)
         self._axes = axes = _axes(mesh, axis_name)
         fast_axis, outer_axes = axes[-1], axes[:-1]
         num_nodes = math.prod(mesh.shape[a] for a in outer_axes)

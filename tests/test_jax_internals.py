@@ -38,10 +38,45 @@ def test_distributed_client_says_what_to_do_when_jax_distributed_is_off():
         _jax.distributed_client()
 
 
+def test_importing_jax_ep_changes_nothing_in_jax_and_a_buffer_mends_it():
+    """A process that imports jax_ep but makes no Buffer runs JAX's own functions (its fast path
+    included); its first Buffer applies the mends (_jax.install)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import jax
+        from jax._src import ad_checkpoint, dispatch
+        from jax._src.interpreters import pxla
+        owners = [(dispatch.RuntimeTokenSet, "get_token_input"),
+                  (dispatch.RuntimeTokenSet, "set_token_result"),
+                  (pxla.ExecuteReplicated, "__call__"),
+                  (pxla.MeshExecutable, "create_cpp_call"),
+                  (ad_checkpoint, "_insert_reduce_precision")]
+        before = [getattr(o, n) for o, n in owners]
+        import jax_ep, jax_ep.nn
+        from jax_ep import _jax
+        assert [getattr(o, n) for o, n in owners] == before and not _jax.installed()
+        assert [m for _, _, m in _jax._MENDS] != before
+        mesh = jax.sharding.Mesh(jax.devices()[:1], ("ep",))
+        jax_ep.Buffer(mesh, "ep", num_experts=2, hidden=128, num_topk=1, max_tokens_per_rank=2,
+                      impl="reference")
+        assert _jax.installed() and [getattr(o, n) for o, n in owners] != before
+        print("OK")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stdout + out.stderr[-3000:]
+
+
 def test_a_float8_residual_saved_by_checkpoint_keeps_its_values():
     """float8_e4m3fn has no inf: 256..448 use the top exponent. jax.checkpoint's rounding of saved
     residuals must leave them finite (XLA's reduce_precision would make them NaN)."""
     from jax.ad_checkpoint import checkpoint_name
+
+    _jax.install()  # as a process's first Buffer does
 
     def f(x):
         q = checkpoint_name((x * jnp.array([1.0, 300.0, -448.0])).astype(jnp.float8_e4m3fn), "q")
