@@ -84,7 +84,4 @@ def get_requires_for_build_wheel(config_settings=None):
 
 
 def get_requires_for_build_editable(config_settings=None):
-    return (
-        _build.get_requires_for_build_editable(config_settings) + _CCACHE + _cuda_requirements()
-    )
-
+    return _build.get_requires_for_build_editable(config_settings) + _CCACHE + _cuda_requirements()
