@@ -316,13 +316,19 @@ def _reduce_fwd(expert_out, weights, expert_src, expert_rows):
 
 
 def _reduce_bwd(res, ct):
+    """The padding rows of expert_out and their weights are unspecified (NaN, inf, anything):
+    every product here is of valid rows only, selected (never multiplied by a mask: 0 * NaN is
+    NaN), and so is each factor, so that neither these cotangents nor their own (a gradient of
+    this gradient) read a padding row."""
     expert_out, weights, expert_src = res
-    ct_rows = take(ct, expert_src)  # [C, W] float32
-    ct_out = ct_rows if weights is None else ct_rows * weights[:, None]
-    ct_weights = None
-    if weights is not None:  # padding rows of expert_out are unspecified: left out, NaN or not
-        ct_weights = (ct_rows * expert_out.astype(jnp.float32)).sum(axis=1)
-        ct_weights = jnp.where(expert_src >= 0, ct_weights, 0).astype(weights.dtype)
+    valid = expert_src >= 0
+    ct_rows = take(ct, expert_src)  # [C, W] float32, 0 on padding
+    ct_out, ct_weights = ct_rows, None
+    if weights is not None:
+        w = jnp.where(valid, weights, 0)
+        out = jnp.where(valid[:, None], expert_out.astype(jnp.float32), 0)
+        ct_out = jnp.where(valid[:, None], ct_rows * w[:, None], 0)
+        ct_weights = jnp.where(valid, (ct_rows * out).sum(axis=1), 0).astype(weights.dtype)
     return ct_out.astype(expert_out.dtype), ct_weights, None, None
 
 

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep.fp8 import dequantize_fp8
+from jax_ep.layout import default_capacity
 
 T, H, E, K = 8, 128, 16, 4
 
@@ -469,3 +470,241 @@ def test_a_bias_gets_the_cotangent_of_y_unrounded(layout, impl):
     got = grad(*put(mesh, bias))
     assert got.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(c))
+
+
+# ---------------------------------------------------------------- NaN in padding rows
+# Padding rows (docs/API.md): the rank layout's rows past num_recv, the expert layout's
+# alignment padding and rows past its groups, expert_padded's rows past tokens_per_expert
+# (unspecified: the custom calls leave whatever bytes were there). An expert function may turn
+# them into anything; none of it may reach y or a gradient.
+
+
+def _valid_rows(d, layout):
+    """[rows..., 1] bool: the rows of a dispatch that hold data."""
+    if layout == "rank":
+        return (jnp.arange(d.x.shape[0]) < d.num_recv)[:, None]
+    return (d.topk_idx >= 0)[..., None]
+
+
+def _nan_where_padding(rows, expert_src):
+    if rows is None:
+        return None
+    keep = (expert_src >= 0).reshape((-1,) + (1,) * (rows.ndim - 1))
+    return jnp.where(keep, rows, jnp.asarray(jnp.nan, rows.dtype))
+
+
+@pytest.fixture
+def nan_padding(monkeypatch):
+    """expert_padded's unspecified rows (x and scales) made NaN on both paths, as the custom
+    calls may leave them (any bytes; float8 0x7f is NaN), where the reference path writes
+    zeros."""
+    from jax_ep import ffi_path, reference
+
+    def poisoned(make):
+        def expert_padded(self, *args, **kwargs):
+            maps, weights, rows = make(self, *args, **kwargs)
+            return maps, weights, tuple(_nan_where_padding(r, maps.expert_src) for r in rows)
+
+        return expert_padded
+
+    for cls in (reference.Reference, ffi_path.Ffi):
+        monkeypatch.setattr(cls, "expert_padded", poisoned(cls.expert_padded))
+
+
+def _routed_inputs(seed, devices, tokens, hidden, unused=0.1):
+    """x, topk_idx (a share `unused` of the slots -1), topk_weights, and two [N, H] float32
+    arrays (bias, cotangent)."""
+    rng = np.random.default_rng(seed)
+    x, idx, w = random_inputs(rng, devices, tokens, hidden, E, K, devices, "random", jnp.float32)
+    idx = np.where(rng.random(idx.shape) < unused, -1, np.asarray(idx)).astype(np.int32)
+    bias, c = (rng.standard_normal(x.shape).astype(np.float32) for _ in range(2))
+    return np.asarray(x), idx, np.asarray(w), bias, c
+
+
+def _fp8_values(x):
+    """[N, H] float32 -> what FP8 rows of x hold, q * scale (tests/oracle.py's rule)."""
+    return np.stack(
+        [
+            (q.astype(np.float32).reshape(-1, 128) * s[:, None]).reshape(-1)
+            for q, s in (oracle.quantize(row, False) for row in x)
+        ]
+    )
+
+
+def _tanh_layer_y(x, idx, w, bias, layout, fp8, ranks):
+    """y of combine(tanh(rows), weights=d.topk_weights, bias) in closed form (see
+    oracle.layer_gradients): bias + S * tanh(x'), S the token's destination ranks (rank layout)
+    or its valid weights' sum."""
+    xq = _fp8_values(x) if fp8 else x
+    valid = idx >= 0
+    if layout == "rank":
+        owners = [len({e // (E // ranks) for e in row[ok]}) for row, ok in zip(idx, valid)]
+        scale = np.array(owners, np.float32)
+    else:
+        scale = (w * valid).sum(1)
+    return bias + scale[:, None] * np.tanh(xq)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("layout", ["rank", "expert", "expert_padded"])
+def test_nan_in_padding_reaches_no_result_or_gradient(layout, fp8):
+    """expert_out NaN on every padding row (expert layout: alignment padding and the rows past
+    the groups too), and the combine's weights NaN there: y and the gradients of x, topk_weights,
+    expert_out and bias are finite; y, x's and topk_weights' are the closed form
+    (tests/oracle.py), the bias's is y's cotangent, expert_out's is 0 on every padding row, and
+    the two paths agree."""
+    ranks, tokens, hidden = 2, 4, 128
+    mesh = make_mesh(ranks)
+    x, idx, w, bias, c = _routed_inputs(51, ranks, tokens, hidden, unused=0.2)
+    alignment = 4 if layout == "expert" else 1
+    capacity = default_capacity(layout, ranks, tokens, K, E // ranks, alignment)
+    blocks = (E // ranks, capacity) if layout == "expert_padded" else (capacity,)
+    delta = np.zeros((ranks * blocks[0], *blocks[1:], hidden), np.float32)  # like expert_out
+    want_y = _tanh_layer_y(x, idx, w, bias, layout, fp8, ranks)
+    want_x, want_w = oracle.layer_gradients(x, idx, w, c, layout, fp8, E, ranks)
+    names = ("y", "x", "topk_weights", "bias", "expert_out")
+    results = {}
+    for impl in ("reference", "ffi"):
+        buf = jax_ep.Buffer(
+            mesh,
+            "ep",
+            num_experts=E,
+            hidden=hidden,
+            num_topk=K,
+            max_tokens_per_rank=tokens,
+            impl=impl,
+        )
+
+        def layer(x, idx, w, bias, delta, buf=buf):
+            d = buf.dispatch(x, idx, w, layout=layout, expert_alignment=alignment, fp8=fp8)
+            valid = _valid_rows(d, layout)
+            rows = buf.dequantize(d, x) if fp8 else d.x
+            out = jnp.where(valid, jnp.tanh(rows), jnp.nan) + delta  # d/d delta: expert_out's
+            weights = None
+            if layout != "rank":  # the rank layout's combine takes no weights
+                weights = jnp.where(valid[..., 0], d.topk_weights, jnp.nan)
+            return buf.combine(out, d.handle, topk_weights=weights, bias=bias), valid
+
+        f = jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        y, valid = jax.jit(f)(*put(mesh, x, idx, w, bias, delta))
+        loss = lambda x, w, bias, delta, f=f: jnp.vdot(f(x, idx, w, bias, delta)[0], c)  # noqa: E731
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*put(mesh, x, w, bias, delta))
+        results[impl] = got = dict(zip(names, (np.asarray(a) for a in (y, *grads))))
+        for name, a in got.items():
+            assert np.isfinite(a).all(), f"{impl}: {name} is not finite"
+        assert relative_error(got["y"], want_y) < 1e-5, impl
+        assert relative_error(got["x"], want_x) < 1e-5, impl
+        if layout != "rank":
+            assert relative_error(got["topk_weights"], want_w) < 1e-5, impl
+        np.testing.assert_array_equal(got["bias"], c)
+        padding = ~np.asarray(valid)[..., 0]
+        assert padding.any() and not np.abs(got["expert_out"][padding]).max(), impl
+        assert np.abs(got["expert_out"]).max() > 0, impl
+    for name in names:  # tanh may differ by an ulp between two programs
+        assert relative_error(results["ffi"][name], results["reference"][name]) < 1e-6, name
+
+
+def _padded_layer(buf, fp8, axis, nan_weights=False):
+    """The decode layer of the README over expert_padded, its expert function applied to every
+    row (padding too, unmasked): tanh(h * a[e] + c[e]), a and c [E, H] sharded by expert.
+    nan_weights: the combine's weights NaN on the padding rows too."""
+
+    def layer(x, idx, w, bias, a, c):
+        d = buf.dispatch(x, idx, w, layout="expert_padded", fp8=fp8)
+        h = buf.dequantize(d, x) if fp8 else d.x
+        out = jnp.tanh(h * a[:, None, :] + c[:, None, :])
+        weights = d.topk_weights
+        if nan_weights:
+            weights = jnp.where(d.topk_idx >= 0, weights, jnp.nan)
+        return buf.combine(out, d.handle, topk_weights=weights, bias=bias)
+
+    spec = P(axis)
+    return jax.shard_map(layer, mesh=buf.mesh, in_specs=spec, out_specs=spec)
+
+
+def _dense_padded_layer(idx, a, c, x_fp8=None):
+    """_padded_layer without expert parallelism: y[t] = bias[t] + sum over t's slots k with an
+    expert of w[t, k] * tanh(x'[t] * a[e] + c[e]); x' = x, or x_fp8 (x's FP8 value) with x's
+    gradient straight through."""
+
+    def layer(x, w, bias):
+        if x_fp8 is not None:
+            x = x + jax.lax.stop_gradient(x_fp8 - x)
+        e = np.maximum(idx, 0)
+        out = jnp.tanh(x[:, None, :] * a[e] + c[e])  # [N, K, H]
+        return bias + jnp.einsum("nkh,nk->nh", out, jnp.where(idx >= 0, w, 0.0))
+
+    return layer
+
+
+def _padded_layer_setup(impl, nodes, seed):
+    ranks, tokens, hidden = 4, 8, 128
+    if nodes > 1:
+        grid = np.array(jax.devices()[:ranks]).reshape(nodes, ranks // nodes)
+        mesh, axis = jax.sharding.Mesh(grid, ("node", "ep")), ("node", "ep")
+    else:
+        mesh, axis = make_mesh(ranks), "ep"
+    x, idx, w, bias, cot = _routed_inputs(seed, ranks, tokens, hidden)
+    rng = np.random.default_rng(seed + 1)
+    a, c = (rng.standard_normal((E, hidden)).astype(np.float32) for _ in range(2))
+    buf = jax_ep.Buffer(
+        mesh,
+        axis,
+        num_experts=E,
+        hidden=hidden,
+        num_topk=K,
+        max_tokens_per_rank=tokens,
+        impl=impl,
+    )
+    return buf, axis, (x, idx, w, bias, a, c), cot
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("impl,nodes", [("ffi", 1), ("reference", 1), ("ffi", 2)])
+def test_unmasked_expert_function_over_unspecified_padding(impl, nodes, fp8, nan_padding):
+    """Issue 54: expert_padded rows dequantized, an elementwise expert function of every row
+    (NaN on the padding rows, as the custom calls may leave them), a weighted combine with a
+    bias, 10% of the slots -1: y and the gradients of x, topk_weights and bias are the dense
+    layer's."""
+    buf, axis, (x, idx, w, bias, a, c), cot = _padded_layer_setup(impl, nodes, 61)
+    f = _padded_layer(buf, fp8, axis)
+    loss = lambda x, w, bias: jnp.vdot(f(x, idx, w, bias, a, c), cot)  # noqa: E731
+    y = jax.jit(f)(*put(buf.mesh, x, idx, w, bias, a, c))
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*put(buf.mesh, x, w, bias))
+    dense = _dense_padded_layer(idx, a, c, _fp8_values(x) if fp8 else None)
+    want_y = dense(x, w, bias)
+    want = jax.grad(lambda *args: jnp.vdot(dense(*args), cot), argnums=(0, 1, 2))(x, w, bias)
+    assert np.isfinite(np.asarray(y)).all() and relative_error(y, want_y) < 1e-5
+    for name, got, expected in zip(("x", "topk_weights", "bias"), grads, want):
+        assert np.isfinite(np.asarray(got)).all(), name
+        assert relative_error(got, expected) < 1e-5, name
+
+
+@pytest.mark.parametrize(
+    "impl,nodes,nan_weights",
+    [("ffi", 1, False), ("reference", 1, False), ("ffi", 1, True), ("ffi", 2, True)],
+)
+def test_hessian_vector_product_over_unspecified_padding(impl, nodes, nan_weights, nan_padding):
+    """Reverse over reverse through an expert_padded dispatch and combine without FP8, the
+    expert function over every row (NaN padding), the combine's weights d.topk_weights (0 on
+    padding) or NaN on padding: the product with x's and the weights' Hessian is finite and the
+    dense layer's."""
+    buf, axis, (x, idx, w, bias, a, c), cot = _padded_layer_setup(impl, nodes, 71)
+    f = _padded_layer(buf, False, axis, nan_weights)
+    dense = _dense_padded_layer(idx, a, c)
+    v = np.random.default_rng(72).standard_normal(x.shape).astype(np.float32)
+
+    def hvp(layer):
+        first = jax.grad(lambda x, w: jnp.vdot(jnp.tanh(layer(x, w)), cot), argnums=(0, 1))
+
+        def along_v(x, w):
+            gx, gw = first(x, w)
+            return jnp.vdot(gx, v) + jnp.vdot(gw, w)
+
+        return jax.grad(along_v, argnums=(0, 1))
+
+    got = jax.jit(hvp(lambda x, w: f(x, idx, w, bias, a, c)))(*put(buf.mesh, x, w))
+    want = hvp(lambda x, w: dense(x, w, bias))(x, w)
+    for name, g, expected in zip(("x", "topk_weights"), got, want):
+        assert np.isfinite(np.asarray(g)).all(), name
+        assert relative_error(g, expected) < 1e-5, name
