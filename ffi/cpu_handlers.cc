@@ -77,7 +77,7 @@ ffi::Future run_part(cpu::Rank& rank, uint64_t op, Part part, std::function<std:
     if (failed(send)) return available();
     sending = false;
   }
-  if (!sending && receiving && rank.ready_to_receive(op)) {
+  if (!sending && receiving && rank.ready_soon(op)) {
     if (failed(recv)) return available();
     receiving = false;
   }

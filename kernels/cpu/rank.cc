@@ -17,6 +17,8 @@
 namespace jax_ep::cpu {
 namespace {
 
+constexpr int kReadySoonUs = 30;  // how long a handler waits for its peers before the hand-off
+
 // XLA:CPU runs its computations with denormals flushed to zero, as inputs and as results. So do
 // a rank's threads: they sum a combine's rows, and completing an op runs the device's next XLA
 // work on them; without it both kept denormals that the reference path and the rest of the
@@ -86,6 +88,16 @@ bool Rank::ready_to_receive(uint64_t op) const {
   if (!idle()) return false;
   for (int s = 0; s < window.num_ranks; ++s)
     if (load_acquire(word(rank, window.counts_at(int(op % kSlots), s))) < op) return false;
+  return true;
+}
+
+bool Rank::ready_soon(uint64_t op) const {
+  using Clock = std::chrono::steady_clock;
+  const auto until = Clock::now() + std::chrono::microseconds(kReadySoonUs);
+  while (!ready_to_receive(op)) {
+    if (Clock::now() > until) return false;
+    std::this_thread::yield();
+  }
   return true;
 }
 

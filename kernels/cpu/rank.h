@@ -51,6 +51,9 @@ class Rank {
   // reported with broken().
   bool ready_to_send(uint64_t op) const;
   bool ready_to_receive(uint64_t op) const;
+  // ready_to_receive, or becomes so within a few microseconds (the peers are a moment behind);
+  // bounded, so that the caller's thread is never held up for long.
+  bool ready_soon(uint64_t op) const;
   // Op `op` failed with `error` outside the worker: the rank is broken, as when a job fails.
   void broken(uint64_t op, const std::string& error);
 
