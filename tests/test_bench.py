@@ -271,3 +271,17 @@ def test_versus_deepgemm_records_every_case_and_never_counts_a_wrong_kernel(tmp_
             }[case["product"]]
         )
         assert kernels == (everything if case["product"] == "gmm" else without_3)
+
+
+def test_call_cost_times_each_program_with_placed_and_unplaced_inputs(tmp_path):
+    from bench import call_cost
+
+    call_cost.main(["--calls", "3", "--repeats", "1", "--machine", "test", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("call-cost-test-*.json")
+    with open(path) as f:
+        record = json.load(f)
+    assert record["config"] == "call_cost" and record["num_ranks"] == 2
+    assert [r["inputs"] for r in record["results"]] == ["sharded on the mesh", "on one device"]
+    for r in record["results"]:
+        assert set(r["ms_per_call"]) == set(call_cost.PROGRAMS)
+        assert all(math.isfinite(ms) and ms > 0 for ms in r["ms_per_call"].values())
