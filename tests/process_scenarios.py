@@ -595,6 +595,12 @@ def killed():
         mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=60
     )
     if stage == "idle":
+        from jax_ep import bootstrap
+
+        listener = bootstrap._listener
+        host, port = listener.server.getsockname()[:2]
+        published = distributed_client().key_value_try_get(f"jax_ep/alive/{jax.process_index()}")
+        print(f"LISTENER bound {host}:{port} published {published}", flush=True)
         print("AT idle", flush=True)
         while True:
             time.sleep(60)

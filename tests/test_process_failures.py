@@ -1,6 +1,7 @@
 """Jobs that end abruptly (tests/processes.py, CPU devices): every process of a job killed
 (SIGKILL) at any stage of a Buffer's life leaves nothing behind, no /dev/shm segment, socket or
-port; Ctrl-C (SIGINT) ends a wait at creation at once."""
+port; Ctrl-C (SIGINT) ends a wait at creation at once. (On the way: the liveness listener of a
+job on 127.0.0.1 binds the address it publishes.)"""
 
 import os
 import signal
@@ -94,6 +95,13 @@ def test_a_job_killed_at_any_stage_leaves_nothing_behind(stage, tmp_path):
     named = sorted(m for m in mapped if not m.endswith("(deleted)") and os.path.exists(m))
     assert not named and not left, (named, left)
     assert not sockets & open_sockets()
+    if stage == "idle":  # the liveness listener binds the address it publishes, never 0.0.0.0
+        for log in logs:
+            said = next(
+                line for line in log.read_text().splitlines() if line.startswith("LISTENER")
+            )
+            _, _, bound, _, published = said.split()
+            assert bound == published and bound.startswith("127.0.0.1:"), said
 
 
 def test_ctrl_c_ends_a_wait_at_creation_at_once(tmp_path):
