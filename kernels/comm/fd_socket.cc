@@ -263,8 +263,11 @@ int receive(const std::string& name, int group, int rank, const std::string& sec
   std::memcpy(request.secret, secret.data(), kSecretBytes);
   request.group = group;
   request.rank = rank;
+  const std::string refused =
+      "closed the connection without an answer: it refused this process (the processes of a "
+      "Buffer must be one job, of one user), or its process ended";
   if (send(conn, &request, sizeof(request), MSG_NOSIGNAL) != ssize_t(sizeof(request)))
-    throw fail("closed the connection before the request (did its process end?)");
+    throw fail(refused);
   Reply reply{};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
   iovec iov{&reply, sizeof(reply)};
@@ -295,10 +298,7 @@ int receive(const std::string& name, int group, int rank, const std::string& sec
     if (fd >= 0) close(fd);
     return std::runtime_error("jax_ep: " + who + where + " " + what);
   };
-  if (got <= 0)
-    throw bad(
-        "closed the connection without an answer: it refused this process (the processes of "
-        "a Buffer must be one job, of one user), or its process ended");
+  if (got <= 0) throw bad(refused);
   if (got != ssize_t(sizeof(reply)) || reply.magic != kMagic)
     throw bad("answered with something else than a window (another protocol)");
   if (std::memcmp(reply.secret, secret.data(), kSecretBytes) != 0)
