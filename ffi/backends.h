@@ -2,9 +2,11 @@
 // side is built on it. Building is split into steps so that the processes of a mesh can meet
 // between them (jax_ep/bootstrap.py drives the steps and the meetings).
 #pragma once
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ffi/buffers.h"
@@ -37,16 +39,23 @@ Targets cpu_targets();
 XLA_FFI_TypeId* cpu_state_type_id();
 const XLA_FFI_TypeInfo* cpu_state_type_info();
 
-// CPU devices: windows in POSIX shared memory named `prefix`_g<group>_r<rank> (ffi/cpu_buffer.cc).
+// CPU devices: windows in shared memory with no name (kernels/comm/shm.h; ffi/cpu_buffer.cc).
 // Built in steps with every process of the mesh between them, as a CudaIpcBuffer: the
-// constructor (this process's windows), connect() (maps the peers' and makes the ranks), unlink().
+// constructor (this process's windows, served at the abstract socket `socket_name` or, if that is
+// taken, another: socket()), connect() (maps the peers' and, once none is missing, makes the
+// ranks), stop_serving().
 class CpuBuffer : public NativeBuffer {
  public:
-  // Ops are numbered from first_op + 1 (0 but in tests of op numbers past 2^32).
-  CpuBuffer(const Window& window, const std::string& prefix, double timeout_s,
-            const std::vector<LocalRank>& local, uint64_t first_op);
-  void connect();
-  void unlink();
+  // Ops are numbered from first_op + 1 (0 but in tests of op numbers past 2^32). `secret` and
+  // `pids`: who may ask for this process's windows (kernels/comm/fd_socket.h).
+  CpuBuffer(const Window& window, const std::string& socket_name, const std::string& secret,
+            const std::vector<int>& pids, double timeout_s, const std::vector<LocalRank>& local,
+            uint64_t first_op);
+  std::string socket() const;
+  std::vector<std::string> notes() const;
+  // The (group, rank) whose windows are still missing after trying for slice_s.
+  std::vector<std::pair<int, int>> connect(const std::vector<EnginePeer>& peers, double slice_s);
+  void stop_serving();
   ~CpuBuffer() override;
   std::string status() const override;
 
@@ -69,22 +78,27 @@ int64_t cuda_handler_calls();
 // processes.
 class CudaBuffer : public NativeBuffer {
  public:
+  // interrupted(): asked while it waits for the group's other processes (nccl::Group).
   CudaBuffer(const Window& window, const std::string& nccl_library, double timeout_s, int num_sms,
              std::vector<LocalRank> local, const std::map<int, std::string>& unique_ids,
-             bool direct_local, uint64_t first_op);
+             bool direct_local, uint64_t first_op, const std::function<bool()>& interrupted);
   ~CudaBuffer() override;
   std::string status() const override;
 };
 
 // CUDA devices of one host, without NCCL: windows in VMM memory shared between the processes
 // through the CUDA driver's IPC (kernels/comm/cuda_ipc.h); ranks may share a GPU. Built in
-// steps with every process of the mesh between them: the constructor (allocate, export, serve
-// at `prefix`_g<group>_r<rank>), connect() (import and map the peers'), stop_serving().
+// steps with every process of the mesh between them, as a CpuBuffer: the constructor (allocate,
+// export, serve at `socket_name` or, if taken, another: socket()), connect() (import and map the
+// peers'; once none is missing, make the ranks), stop_serving().
 class CudaIpcBuffer : public NativeBuffer {
  public:
-  CudaIpcBuffer(const Window& window, const std::string& prefix, uint64_t tag, double timeout_s,
-                int num_sms, std::vector<LocalRank> local, bool direct_local, uint64_t first_op);
-  void connect();
+  CudaIpcBuffer(const Window& window, const std::string& socket_name, const std::string& secret,
+                const std::vector<int>& pids, double timeout_s, int num_sms,
+                std::vector<LocalRank> local, bool direct_local, uint64_t first_op);
+  std::string socket() const;
+  std::vector<std::string> notes() const;
+  std::vector<std::pair<int, int>> connect(const std::vector<EnginePeer>& peers, double slice_s);
   void stop_serving();
   ~CudaIpcBuffer() override;
   std::string status() const override;

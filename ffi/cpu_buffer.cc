@@ -6,15 +6,16 @@
 
 namespace jax_ep {
 
-CpuBuffer::CpuBuffer(const Window& window, const std::string& prefix, double timeout_s,
+CpuBuffer::CpuBuffer(const Window& window, const std::string& socket_name,
+                     const std::string& secret, const std::vector<int>& pids, double timeout_s,
                      const std::vector<LocalRank>& local, uint64_t first_op)
     : window_(window), timeout_s_(timeout_s), first_op_(first_op) {
-  engine_ =
-      std::make_shared<shm::Engine>(prefix, window.num_ranks, local, size_t(window.total_bytes()));
+  engine_ = std::make_shared<shm::Engine>(window.num_ranks, local, size_t(window.total_bytes()));
   for (const shm::Engine::Member& m : engine_->members)  // before any peer maps them
     initial_words(window, first_op, [mine = m.window](int64_t at, uint64_t value) {
       *reinterpret_cast<uint64_t*>(mine + at) = value;
     });
+  engine_->serve(socket_name, secret, pids);
 }
 
 CpuBuffer::~CpuBuffer() { ranks.clear(); }
@@ -25,13 +26,21 @@ std::string CpuBuffer::status() const {
   return {};
 }
 
-void CpuBuffer::connect() {
-  engine_->connect();
+std::string CpuBuffer::socket() const { return engine_->socket(); }
+
+std::vector<std::string> CpuBuffer::notes() const { return engine_->notes(); }
+
+std::vector<std::pair<int, int>> CpuBuffer::connect(const std::vector<EnginePeer>& peers,
+                                                    double slice_s) {
+  if (!ranks.empty()) return {};
+  auto missing = engine_->connect(peers, slice_s);
+  if (!missing.empty()) return missing;
   for (const shm::Engine::Member& m : engine_->members)
     ranks[m.device] = std::make_shared<cpu::Rank>(window_, m.group, m.rank, m.peers, engine_,
                                                   timeout_s_, first_op_);
+  return {};
 }
 
-void CpuBuffer::unlink() { engine_->unlink(); }
+void CpuBuffer::stop_serving() { engine_->stop_serving(); }
 
 }  // namespace jax_ep

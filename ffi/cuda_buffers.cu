@@ -24,15 +24,16 @@ size_t window_allocation(const Window& window) {
 CudaBuffer::CudaBuffer(const Window& window, const std::string& nccl_library, double timeout_s,
                        int num_sms, std::vector<LocalRank> local,
                        const std::map<int, std::string>& unique_ids, bool direct_local,
-                       uint64_t first_op) {
+                       uint64_t first_op, const std::function<bool()>& interrupted) {
   const cuda::RankConfig config{window, num_sms, timeout_s, direct_local, first_op};
   int previous = 0;
   cudaGetDevice(&previous);
   std::map<int, std::vector<std::pair<int, int>>> by_group;  // in group order on every process
   for (const LocalRank& l : local) by_group[l.group].push_back({l.device, l.rank});
   for (const auto& [group, members] : by_group) {
-    auto comms = std::make_shared<nccl::Group>(nccl_library, unique_ids.at(group), window.num_ranks,
-                                               members, window_allocation(window), timeout_s);
+    auto comms =
+        std::make_shared<nccl::Group>(nccl_library, unique_ids.at(group), window.num_ranks, members,
+                                      window_allocation(window), timeout_s, interrupted);
     for (const nccl::Group::Member& m : comms->members)
       ranks[m.device] = cuda::make_rank(config, group, m.rank, m.device, m.peers, comms);
   }
@@ -43,22 +44,31 @@ CudaBuffer::~CudaBuffer() { ranks.clear(); }
 
 std::string CudaBuffer::status() const { return ranks_status(ranks); }
 
-CudaIpcBuffer::CudaIpcBuffer(const Window& window, const std::string& prefix, uint64_t tag,
+CudaIpcBuffer::CudaIpcBuffer(const Window& window, const std::string& socket_name,
+                             const std::string& secret, const std::vector<int>& pids,
                              double timeout_s, int num_sms, std::vector<LocalRank> local,
                              bool direct_local, uint64_t first_op)
     : config_(std::make_shared<cuda::RankConfig>(
           cuda::RankConfig{window, num_sms, timeout_s, direct_local, first_op})) {
-  engine_ = std::make_shared<cuda_ipc::Engine>(prefix, tag, window.num_ranks, local,
-                                               window_allocation(window), timeout_s);
+  engine_ = std::make_shared<cuda_ipc::Engine>(socket_name, secret, pids, window.num_ranks, local,
+                                               window_allocation(window));
 }
 
-void CudaIpcBuffer::connect() {
-  engine_->connect();
+std::string CudaIpcBuffer::socket() const { return engine_->socket(); }
+
+std::vector<std::string> CudaIpcBuffer::notes() const { return engine_->notes(); }
+
+std::vector<std::pair<int, int>> CudaIpcBuffer::connect(const std::vector<EnginePeer>& peers,
+                                                        double slice_s) {
+  if (!ranks.empty()) return {};
+  auto missing = engine_->connect(peers, slice_s);
+  if (!missing.empty()) return missing;
   int previous = 0;
   cudaGetDevice(&previous);
   for (const cuda_ipc::Engine::Member& m : engine_->members)
     ranks[m.device] = cuda::make_rank(*config_, m.group, m.rank, m.device, m.peers, engine_);
   cudaSetDevice(previous);
+  return {};
 }
 
 void CudaIpcBuffer::stop_serving() { engine_->stop(); }

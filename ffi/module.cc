@@ -2,6 +2,7 @@
 // and the native side of a Buffer (built in steps by jax_ep/bootstrap.py).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -50,6 +51,19 @@ std::vector<LocalRank> local_ranks(const std::vector<std::tuple<int, int, int>>&
   return out;
 }
 
+std::vector<EnginePeer> engine_peers(
+    const std::vector<std::tuple<int, int, std::string, int>>& peers) {
+  std::vector<EnginePeer> out;
+  for (const auto& [group, rank, socket, pid] : peers) out.push_back({group, rank, socket, pid});
+  return out;
+}
+
+std::string as_string(const nb::bytes& b) {
+  return std::string(static_cast<const char*>(b.data()), b.size());
+}
+
+using Peers = std::vector<std::tuple<int, int, std::string, int>>;  // (group, rank, socket, pid)
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -94,36 +108,67 @@ NB_MODULE(_native, m) {
 
   m.def("cpu_targets", [] { return as_handlers(cpu_targets()); });
   m.def("cpu_state_type", [] { return state_type(cpu_state_type_id(), cpu_state_type_info()); });
+  // Built in steps by jax_ep/bootstrap.py: the constructor, connect(peers, slice_s) until it
+  // returns no missing (group, rank), stop_serving().
   nb::class_<CpuBuffer, NativeBuffer>(m, "CpuBuffer")
-      .def(nb::new_([](const Window& w, const std::string& prefix, double timeout_s,
+      .def(nb::new_([](const Window& w, const std::string& socket, const nb::bytes& secret,
+                       const std::vector<int>& pids, double timeout_s,
                        const std::vector<std::tuple<int, int, int>>& local, uint64_t first_op) {
-        return std::make_shared<CpuBuffer>(w, prefix, timeout_s, local_ranks(local), first_op);
+        const std::string key = as_string(secret);
+        nb::gil_scoped_release release;
+        return std::make_shared<CpuBuffer>(w, socket, key, pids, timeout_s, local_ranks(local),
+                                           first_op);
       }))
-      .def("connect", &CpuBuffer::connect)
-      .def("unlink", &CpuBuffer::unlink);
+      .def_prop_ro("socket", &CpuBuffer::socket)
+      .def_prop_ro("notes", &CpuBuffer::notes)
+      .def(
+          "connect",
+          [](CpuBuffer& b, const Peers& peers, double slice_s) {
+            auto p = engine_peers(peers);
+            nb::gil_scoped_release release;
+            return b.connect(p, slice_s);
+          },
+          nb::arg("peers"), nb::arg("slice_s"))
+      .def("stop_serving", &CpuBuffer::stop_serving, nb::call_guard<nb::gil_scoped_release>());
 
-  // The descriptor passing of the CUDA-IPC engine, on any descriptor (tests run it without GPUs).
+  // The descriptor passing of both engines, on any descriptor (tests run it on their own files).
   nb::class_<fd_socket::Server>(m, "FdServer")
       .def(
           "__init__",
-          [](fd_socket::Server* s, const std::string& name, int fd, uint64_t bytes, uint64_t tag) {
-            new (s) fd_socket::Server(name, fd, {fd_socket::kMagic, bytes, tag});
+          [](fd_socket::Server* s, const std::string& name, const nb::bytes& secret,
+             const std::map<std::pair<int, int>, std::pair<int, uint64_t>>& descriptors,
+             const std::vector<int>& pids) {
+            std::map<std::pair<int, int>, fd_socket::Descriptor> served;
+            for (const auto& [where, d] : descriptors) served[where] = {d.first, d.second};
+            new (s) fd_socket::Server(name, as_string(secret), pids, std::move(served));
           },
-          nb::arg("name"), nb::arg("fd"), nb::arg("bytes"), nb::arg("tag"))
+          nb::arg("name"), nb::arg("secret"), nb::arg("descriptors"),
+          nb::arg("pids") = std::vector<int>())
       .def("stop", &fd_socket::Server::stop)
-      .def_prop_ro("served", &fd_socket::Server::served);
+      .def_prop_ro("name", &fd_socket::Server::name)
+      .def_prop_ro("notes", &fd_socket::Server::notes)
+      .def_prop_ro("served", &fd_socket::Server::served)
+      .def_prop_ro("refused", &fd_socket::Server::refused);
   m.def(
       "receive_fd",
-      [](const std::string& name, uint64_t tag, double timeout_s, const std::string& who) {
-        fd_socket::Header h{};
+      [](const std::string& name, int group, int rank, const nb::bytes& secret, double timeout_s,
+         int pid) {
+        const std::string key = as_string(secret), who = rank_name(group, rank);
+        uint64_t bytes = 0;
         int fd;
         {
           nb::gil_scoped_release release;
-          fd = fd_socket::receive(name, tag, timeout_s, who, &h);
+          fd = fd_socket::receive(name, group, rank, key, pid, timeout_s, who, &bytes);
         }
-        return std::make_tuple(fd, h.bytes);
+        if (fd == -2 && PyErr_CheckSignals() != 0) throw nb::python_error();
+        if (fd < 0)
+          throw std::runtime_error("jax_ep: " + who + " did not serve its window within " +
+                                   std::to_string(timeout_s) + " s (socket '@" + name + "')");
+        return std::make_tuple(fd, bytes);
       },
-      nb::arg("name"), nb::arg("tag"), nb::arg("timeout_s"), nb::arg("who"));
+      nb::arg("name"), nb::arg("group"), nb::arg("rank"), nb::arg("secret"), nb::arg("timeout_s"),
+      nb::arg("pid") = 0);
+  m.def("socket_owner", &fd_socket::owner, nb::arg("name"));
 
 #ifdef JAX_EP_WITH_CUDA
   m.attr("has_cuda") = true;
@@ -151,22 +196,50 @@ NB_MODULE(_native, m) {
         std::map<int, std::string> unique_ids;
         for (const auto& [group, id] : ids)
           unique_ids[group] = std::string(static_cast<const char*>(id.data()), id.size());
-        nb::gil_scoped_release release;  // collective: other threads may join it
-        return std::make_shared<CudaBuffer>(w, library, timeout_s, num_sms, local_ranks(local),
-                                            unique_ids, direct_local, first_op);
+        // Ctrl-C while the processes meet: Python's signal handlers run every 100 ms (in the
+        // main thread), and a KeyboardInterrupt they raise ends the wait.
+        auto interrupted = [] {
+          nb::gil_scoped_acquire acquire;
+          return PyErr_CheckSignals() != 0;
+        };
+        std::shared_ptr<CudaBuffer> made;
+        std::string error;
+        {
+          nb::gil_scoped_release release;  // collective: other threads may join it
+          try {
+            made = std::make_shared<CudaBuffer>(w, library, timeout_s, num_sms, local_ranks(local),
+                                                unique_ids, direct_local, first_op, interrupted);
+          } catch (const std::exception& e) {
+            error = e.what();
+          }
+        }
+        if (PyErr_Occurred()) throw nb::python_error();  // the KeyboardInterrupt
+        if (!error.empty()) throw std::runtime_error(error);
+        return made;
       }));
   m.def("nccl_built_version", &nccl::built_version);
   m.def("nccl_library_version", &nccl::library_version, nb::arg("path"));
   m.def("cuda_device_uuid", &cuda_ipc::device_uuid, nb::arg("device"));
   nb::class_<CudaIpcBuffer, NativeBuffer>(m, "CudaIpcBuffer")
-      .def(nb::new_([](const Window& w, const std::string& prefix, uint64_t tag, double timeout_s,
-                       int num_sms, const std::vector<std::tuple<int, int, int>>& local,
-                       bool direct_local, uint64_t first_op) {
+      .def(nb::new_([](const Window& w, const std::string& socket, const nb::bytes& secret,
+                       const std::vector<int>& pids, double timeout_s, int num_sms,
+                       const std::vector<std::tuple<int, int, int>>& local, bool direct_local,
+                       uint64_t first_op) {
+        const std::string key = as_string(secret);
         nb::gil_scoped_release release;
-        return std::make_shared<CudaIpcBuffer>(w, prefix, tag, timeout_s, num_sms,
+        return std::make_shared<CudaIpcBuffer>(w, socket, key, pids, timeout_s, num_sms,
                                                local_ranks(local), direct_local, first_op);
       }))
-      .def("connect", &CudaIpcBuffer::connect, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("socket", &CudaIpcBuffer::socket)
+      .def_prop_ro("notes", &CudaIpcBuffer::notes)
+      .def(
+          "connect",
+          [](CudaIpcBuffer& b, const Peers& peers, double slice_s) {
+            auto p = engine_peers(peers);
+            nb::gil_scoped_release release;
+            return b.connect(p, slice_s);
+          },
+          nb::arg("peers"), nb::arg("slice_s"))
       .def("stop_serving", &CudaIpcBuffer::stop_serving, nb::call_guard<nb::gil_scoped_release>());
 #else
   m.attr("has_cuda") = false;

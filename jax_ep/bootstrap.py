@@ -3,11 +3,13 @@
 A Buffer owns the communication window of every EP group of its axis: the devices along the axis
 at one coordinate of the other mesh axes, in axis order (their position is their rank). Each
 process builds the windows of its own devices; processes meet in jax.distributed's key-value
-store between the steps (one process draws what must be shared: NCCL's unique id, shared-memory
-and socket names; every process publishes its GPUs, from which all choose the GPU engine) and
-check that they all asked for the same Buffer. Nothing of this depends on what else a process
-traced or compiled: the Buffer's key is the same on every process as long as every
-process of the mesh creates the mesh's Buffers in the same order (like any collective).
+store between the steps (one process draws what must be shared: NCCL's unique id, the secret
+and nonce of the descriptor sockets; every process publishes its process id and GPUs, from which
+all choose the GPU engine) and check that they all asked for the same Buffer. Nothing of this
+depends on what else a process traced or compiled: the Buffer's key is the same on every process
+as long as every process of the mesh creates the mesh's Buffers in the same order (like any
+collective). Creation holds a lock of the process (several threads may create Buffers), and
+every wait returns to Python at least once a second (so that Ctrl-C acts at once).
 """
 
 from __future__ import annotations
@@ -18,16 +20,28 @@ import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import secrets
 import socket
 import threading
+import time
 
 import numpy as np
 
 from jax_ep._jax import BufferOrder, coordinator_address, distributed_client, release_tokens
 
 _created: dict[tuple, int] = {}  # Buffers created so far, per set of processes
+_log = logging.getLogger("jax_ep")
+
+# One Buffer is created at a time in a process: a Buffer's key counts the Buffers created before
+# it, and the processes meet in the key-value store under that key. Held from the plan to the
+# registered native side; reentrant (creation drops the Buffers collected meanwhile).
+creating = threading.RLock()
+
+# The longest a key-value call or native wait of creation lasts before Python runs again (a
+# signal's handler, e.g. Ctrl-C's KeyboardInterrupt, runs between two).
+SLICE_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +53,7 @@ class Plan:
     group_owners: tuple  # per group: the process that draws what the group shares
     processes: tuple  # the processes holding devices of the mesh, sorted
     process: int  # this process
+    rank_processes: tuple = ()  # per group, per rank: the process that holds it
 
     @property
     def multi_process(self):
@@ -71,7 +86,14 @@ def plan(mesh, axis_name):
     digest = hashlib.sha256(repr((processes, seq)).encode()).digest()
     key = int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
     return Plan(
-        key, seq, platform, local, tuple(int(row[0].process_index) for row in groups), processes, me
+        key,
+        seq,
+        platform,
+        local,
+        tuple(int(row[0].process_index) for row in groups),
+        processes,
+        me,
+        tuple(tuple(int(d.process_index) for d in row) for row in groups),
     )
 
 
@@ -81,8 +103,8 @@ def commit(p: Plan):
     together (from there on, all processes either create the Buffer or raise alike)."""
     if _created.get(p.processes, 0) != p.seq - 1:
         raise RuntimeError(
-            "jax_ep: Buffers were created concurrently on several threads; create "
-            "them one at a time, in the same order on every process"
+            "jax_ep: two Buffers of the same processes were planned at once (jax_ep."
+            "bootstrap.creating must be held from plan() to commit())"
         )
     _created[p.processes] = p.seq
 
@@ -97,14 +119,30 @@ def first_op():
     return value
 
 
+def blocking_get(client, key: str, timeout_s: float, *, as_bytes: bool = False):
+    """The value of `key` in the key-value store, waiting up to timeout_s for it to be set: in
+    calls of at most SLICE_S, so that Python handles signals (Ctrl-C) between them. Raises what
+    the store raised: DEADLINE_EXCEEDED once timeout_s is over."""
+    get = client.blocking_key_value_get_bytes if as_bytes else client.blocking_key_value_get
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return get(key, max(1, int(min(SLICE_S, left) * 1000)))
+        except Exception as e:
+            if "DEADLINE_EXCEEDED" not in str(e) or time.monotonic() >= deadline:
+                raise
+
+
 def _wait_all(p: Plan, step: str, timeout_s: float):
     """Every process of the mesh has reached `step`; names the missing ones after timeout_s."""
     client = distributed_client()
     prefix = f"jax_ep/{p.key:x}/{step}"
     client.key_value_set(f"{prefix}/{p.process}", "1", allow_overwrite=True)
+    deadline = time.monotonic() + timeout_s
     try:
         for q in p.processes:
-            client.blocking_key_value_get(f"{prefix}/{q}", int(timeout_s * 1000))
+            blocking_get(client, f"{prefix}/{q}", max(deadline - time.monotonic(), 0.001))
     except Exception:
         missing = [q for q in p.processes if not _try_get(client, f"{prefix}/{q}")]
         raise RuntimeError(
@@ -122,34 +160,103 @@ def _try_get(client, key):
 
 
 _ALIVE = b"+"  # a running process's answer on its liveness socket
-_liveness_address: str | None = None  # this process's liveness socket, once listening
-_peer_liveness: dict[int, str] = {}  # the others', as read from the store (they never change)
+_CLOSED = "closed"  # its liveness address in the store once it closed its last Buffer
+_exiting = False  # set at the interpreter's exit
+_liveness_lock = threading.Lock()  # guards the two below (never held while waiting for a peer)
+_listener = None  # this process's liveness listener, while a Buffer that announced it is open
+_listening_for: set[int] = set()  # the keys of those Buffers
+_peer_liveness: dict[int, str] = {}  # the others' addresses, as last read from the store
 
 
-def announce_liveness(p: Plan):
+class Listener:
+    """A TCP socket bound to `address` (never to every interface) and a thread that answers each
+    connection with one byte and closes it (serve_liveness). close() stops both."""
+
+    def __init__(self, family: int, address: str):
+        self.server = socket.create_server((address, 0), family=family, backlog=64)
+        port = self.server.getsockname()[1]
+        self.address = f"[{address}]:{port}" if family == socket.AF_INET6 else f"{address}:{port}"
+        self.key = None  # where the store holds the address
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(
+            target=serve_liveness,
+            args=(self.server, self.stopping),
+            name="jax_ep liveness",
+            daemon=True,
+        )
+        self.thread.start()
+
+    def close(self):
+        self.stopping.set()
+        try:
+            self.server.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept()
+        except OSError:
+            pass
+        self.thread.join(timeout=5)
+        self.server.close()
+
+
+def announce_liveness(p: Plan, hello: dict):
     """Lets the mesh's other processes ask whether this one still runs (stopped_processes): a
-    TCP socket listens, a thread answers each connection with one byte and closes it, and the
-    key-value store holds the address. When the process ends, however it ends, the kernel
-    closes the socket; while it is ending, its kernel may still accept a connection, but no
-    thread answers it."""
-    global _liveness_address
+    Listener on this host's address towards the others (local_address), its address in the
+    key-value store. One per process, shared by its Buffers: it closes with the last of them
+    (release_liveness), and the store then says so. When the process ends, however it ends, the
+    kernel closes the socket; while it is ending, its kernel may still accept a connection, but
+    no thread answers it."""
+    global _listener
     if not p.multi_process:
         return
-    if _liveness_address is None:
-        server = socket.create_server(("", 0), backlog=64)
-        threading.Thread(
-            target=serve_liveness, args=(server,), name="jax_ep liveness", daemon=True
-        ).start()
-        _liveness_address = f"{_reachable_address()}:{server.getsockname()[1]}"
-    distributed_client().key_value_set(
-        f"jax_ep/alive/{p.process}", _liveness_address, allow_overwrite=True
-    )
+    with _liveness_lock:
+        if _listener is None:
+            _listener = Listener(*local_address(p, hello))
+            _listener.key = f"jax_ep/alive/{p.process}"
+            distributed_client().key_value_set(
+                _listener.key, _listener.address, allow_overwrite=True
+            )
+        _listening_for.add(p.key)
 
 
-def serve_liveness(server: socket.socket):
-    """Answers each connection to the listening `server` with one byte, forever."""
-    while True:
-        connection, _ = server.accept()
+def release_liveness(key: int):
+    """Buffer `key` is gone: the listener closes if it was the last that announced it."""
+    global _listener
+    with _liveness_lock:
+        if key not in _listening_for:
+            return
+        _listening_for.discard(key)
+        if _listening_for or _listener is None:
+            return
+        listener, _listener = _listener, None
+        listener.close()
+        if _exiting:  # the closed port says that the process has ended
+            return
+        try:  # while it runs, the others learn that it has no Buffer open
+            distributed_client().key_value_set(listener.key, _CLOSED, allow_overwrite=True)
+        except Exception:  # jax.distributed already shut down: nobody asks any more
+            pass
+
+
+def serve_liveness(server: socket.socket, stopping: threading.Event | None = None):
+    """Answers each connection to the listening `server` with one byte, until `stopping` is set
+    (or the socket is closed). An accept() that fails (out of descriptors, say) is logged and
+    tried again, ever more slowly: the thread never ends on it."""
+    failures = 0
+    while not (stopping is not None and stopping.is_set()):
+        try:
+            connection, _ = server.accept()
+        except OSError as e:
+            if (stopping is not None and stopping.is_set()) or server.fileno() < 0:
+                return
+            failures += 1
+            if failures == 1 or failures % 100 == 0:
+                _log.warning(
+                    "jax_ep: the liveness listener's accept() failed (%s; %d time(s) in a row); "
+                    "retrying",
+                    e,
+                    failures,
+                )
+            time.sleep(min(0.01 * failures, 1.0))
+            continue
+        failures = 0
         with connection:
             try:
                 connection.sendall(_ALIVE)
@@ -157,42 +264,99 @@ def serve_liveness(server: socket.socket):
                 pass
 
 
-def _reachable_address() -> str:
-    """This host's address on the route to jax.distributed's coordinator (how the others reach
-    it; no packet is sent)."""
-    host = (coordinator_address() or "127.0.0.1").rsplit(":", 1)[0]
+def _is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address == "::1"
+
+
+def route_address(host: str, port: int) -> tuple[int, str] | None:
+    """(family, this host's address) on the route to host:port (a UDP connect(): the routing
+    table answers, no packet is sent), or None where there is no route."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host.strip("[]"), 9))
-            return probe.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return None
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(sockaddr)
+                return family, probe.getsockname()[0]
+        except OSError:
+            continue
+    return None
+
+
+def _coordinator_route() -> tuple[int, str] | None:
+    address = coordinator_address()
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    return route_address(host.strip("[]"), int(port) if port.isdigit() else 9)
+
+
+def local_address(p: Plan, hello: dict) -> tuple[int, str]:
+    """(family, address) of this host that the mesh's other processes reach: the one on the
+    route to jax.distributed's coordinator; where that is a loopback address but processes of
+    the mesh run on other hosts (a coordinator named "localhost" on its own host), the one on
+    the route to their addresses."""
+    mine = hello.get(p.process, {})
+    found = _coordinator_route() or (socket.AF_INET, "127.0.0.1")
+    if _is_loopback(found[1]):
+        for _, theirs in sorted(hello.items()):
+            route = theirs.get("route", "")
+            if theirs.get("host") != mine.get("host") and route and not _is_loopback(route):
+                found = route_address(route, 9) or found
+                break
+    return found
 
 
 def stopped_processes(p: Plan, timeout_s: float = 2.0) -> dict:
     """{process: why} for the mesh's other processes that no longer run (their liveness socket
-    refuses connections, or closes one unanswered: a process that is ending) or do not answer
-    within timeout_s. Asks each once; waits for nothing else."""
+    refuses connections, or closes one unanswered: a process that is ending), do not answer
+    within timeout_s, or closed their last Buffer. Asks each once, at the address last read from
+    the store (read again where that one does not answer: the process may have moved to a new
+    listener); waits for nothing else. A process that has not announced itself is not asked."""
     if not p.multi_process:
         return {}
     client, stopped = distributed_client(), {}
     for q in p.processes:
-        if q != p.process and q not in _peer_liveness:
-            if address := _try_get(client, f"jax_ep/alive/{q}"):
-                _peer_liveness[q] = address
-        if q == p.process or q not in _peer_liveness:
+        if q == p.process:
             continue
-        if why := why_stopped(_peer_liveness[q], timeout_s):
+        address = _peer_liveness.get(q) or _read_liveness(client, q)
+        why = _why_stopped(address, timeout_s) if address else None
+        if why:
+            fresh = _read_liveness(client, q)
+            if fresh != address:
+                why = _why_stopped(fresh, timeout_s) if fresh else None
+        if why:
             stopped[q] = why
     return stopped
 
 
+def _read_liveness(client, q: int) -> str | None:
+    """Process q's liveness address as the store holds it now (None: it has not announced one);
+    where the store does not answer (its process may have ended), the one last read."""
+    try:
+        _peer_liveness[q] = client.key_value_try_get(f"jax_ep/alive/{q}")
+    except Exception as e:
+        if "NOT_FOUND" in str(e):
+            _peer_liveness.pop(q, None)
+    return _peer_liveness.get(q)
+
+
+def _why_stopped(address: str, timeout_s: float) -> str | None:
+    if address == _CLOSED:
+        return "it has closed its Buffers (it runs, with no Buffer open)"
+    return why_stopped(address, timeout_s)
+
+
 def why_stopped(address: str, timeout_s: float) -> str | None:
-    """Why the process with this liveness address ("host:port") no longer runs, or None while
-    it answers."""
+    """Why the process with this liveness address ("host:port", "[v6 host]:port") no longer
+    runs, or None while it answers."""
     host, port = address.rsplit(":", 1)
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s) as connection:
+        with socket.create_connection(
+            (host.strip("[]"), int(port)), timeout=timeout_s
+        ) as connection:
             answer = connection.recv(len(_ALIVE))
     except (ConnectionRefusedError, ConnectionResetError):
         answer = b""
@@ -218,19 +382,12 @@ def share(p: Plan, name: str, make, owner: int, timeout_s: float) -> bytes:
         client.key_value_set_bytes(key, value)
         return value
     try:
-        return client.blocking_key_value_get_bytes(key, int(timeout_s * 1000))
+        return blocking_get(client, key, timeout_s, as_bytes=True)
     except Exception:
         raise RuntimeError(
             f"jax_ep: process {owner} did not share '{name}' within {timeout_s} s "
             f"while creating a Buffer"
         ) from None
-
-
-def nonce(p: Plan, timeout_s: float) -> str:
-    """Random, the same on every process: names the Buffer's shared memory on each host."""
-    return share(
-        p, "nonce", lambda: secrets.token_hex(8).encode(), p.processes[0], timeout_s
-    ).decode()
 
 
 def check_same_arguments(p: Plan, arguments: dict, timeout_s: float):
@@ -244,9 +401,12 @@ def check_same_arguments(p: Plan, arguments: dict, timeout_s: float):
     first = p.processes[0]
     if p.process == first:
         verdict = "same"
+        deadline = time.monotonic() + timeout_s
         for q in p.processes[1:]:
             try:
-                theirs = client.blocking_key_value_get(f"{prefix}/{q}", int(timeout_s * 1000))
+                theirs = blocking_get(
+                    client, f"{prefix}/{q}", max(deadline - time.monotonic(), 0.001)
+                )
             except Exception:
                 verdict = f"process {q} did not create the Buffer within {timeout_s} s"
                 break
@@ -261,7 +421,7 @@ def check_same_arguments(p: Plan, arguments: dict, timeout_s: float):
         verdict = _first_verdict(client, f"{prefix}/verdict", verdict)
     else:
         try:
-            verdict = client.blocking_key_value_get(f"{prefix}/verdict", int(timeout_s * 1000))
+            verdict = blocking_get(client, f"{prefix}/verdict", timeout_s)
         except Exception:
             # Said where the late first process reads it: it then fails at once rather than
             # waiting for this process in the next step (and every retry would be off by it).
@@ -280,7 +440,7 @@ def _first_verdict(client, key, verdict):
     try:
         client.key_value_set(key, verdict)
     except Exception:  # already set: the first word stands
-        return client.blocking_key_value_get(key, 1000)
+        return blocking_get(client, key, 1.0)
     return verdict
 
 
@@ -403,11 +563,11 @@ def exchange(p: Plan, name: str, mine: dict, timeout_s: float) -> dict:
     client = distributed_client()
     prefix = f"jax_ep/{p.key:x}/{name}"
     client.key_value_set(f"{prefix}/{p.process}", json.dumps(mine))
-    out = {}
+    out, deadline = {}, time.monotonic() + timeout_s
     for q in p.processes:
         try:
             out[q] = json.loads(
-                client.blocking_key_value_get(f"{prefix}/{q}", int(timeout_s * 1000))
+                blocking_get(client, f"{prefix}/{q}", max(deadline - time.monotonic(), 0.001))
             )
         except Exception:
             missing = [
@@ -435,10 +595,95 @@ def gpu_engine(p: Plan, timeout_s: float) -> tuple[str, str]:
     return choose_engine(requested, exchange(p, "engine", mine, timeout_s))
 
 
-def ipc_prefix(p: Plan, timeout_s: float) -> str:
-    """Names the Buffer's sockets on the host: its key and a nonce (a Buffer of an earlier run
-    with the same key, still alive, cannot answer for this one)."""
-    return f"jax_ep_{p.key:x}_{nonce(p, timeout_s)}"
+def pid_namespace() -> str:
+    """This process's pid namespace ("pid:[4026531836]"), or "" where /proc does not say."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def introductions(p: Plan, timeout_s: float) -> dict:
+    """Every process's introduction, by process: its process id and pid namespace, its host, its
+    address towards the coordinator, and a secret and a nonce (the first process's are the
+    Buffer's: see descriptor_sockets)."""
+    route = _coordinator_route()
+    mine = dict(
+        pid=os.getpid(),
+        pidns=pid_namespace(),
+        host=host_id(),
+        route=route[1] if route else "",
+        secret=secrets.token_hex(16),
+        nonce=secrets.token_hex(8),
+    )
+    return exchange(p, "hello", mine, timeout_s)
+
+
+def _comparable_pids(mine: dict, theirs: dict) -> bool:
+    """Whether this process sees the other's process id as it published it: one host, one pid
+    namespace."""
+    return bool(mine["pidns"]) and (mine["host"], mine["pidns"]) == (
+        theirs["host"],
+        theirs["pidns"],
+    )
+
+
+def descriptor_sockets(p: Plan, hello: dict) -> tuple[str, bytes, list]:
+    """Where this process serves its windows' descriptors (the CPU engine's and CUDA IPC's,
+    kernels/comm/fd_socket.h), the job's secret that both ends check, and the processes allowed
+    to ask: (socket name, secret, pids). The name carries the Buffer's key, the first process's
+    nonce (a Buffer of an earlier run with the same key, still alive, cannot answer for this one)
+    and this process's number. Process ids are checked where every process of this host shares
+    this process's pid namespace (elsewhere an id is not comparable): pids is then theirs, else
+    empty (any process of this user)."""
+    first, mine = hello[p.processes[0]], hello[p.process]
+    here = [h for h in hello.values() if h["host"] == mine["host"]]
+    same = all(_comparable_pids(mine, h) for h in here)
+    pids = sorted({h["pid"] for h in here}) if same else []
+    name = f"jax_ep_{p.key:x}_{first['nonce']}_p{p.process}"
+    return name, bytes.fromhex(first["secret"]), pids
+
+
+def join_windows(p: Plan, native, hello: dict, timeout_s: float):
+    """After `native` made and served this process's windows: every process publishes where it
+    serves them, receives its peers' (in slices of at most SLICE_S, so that Ctrl-C acts at once;
+    a rank not served within timeout_s is named), and stops serving once all did."""
+    for note in native.notes:
+        _log.warning("%s", note)
+    served = exchange(p, "created", {"socket": native.socket}, timeout_s)
+    mine, peers = hello[p.process], []
+    for group in sorted({g for _, g, _ in p.local}):
+        for rank, q in enumerate(p.rank_processes[group]):
+            if q != p.process:
+                theirs = hello[q]
+                pid = theirs["pid"] if _comparable_pids(mine, theirs) else 0
+                peers.append((group, rank, served[q]["socket"], pid))
+    deadline = time.monotonic() + timeout_s
+    while missing := native.connect(peers, max(min(SLICE_S, deadline - time.monotonic()), 0.001)):
+        if time.monotonic() >= deadline:
+            names = ", ".join(
+                f"rank {r} of EP group {g} (process {p.rank_processes[g][r]}, socket "
+                f"'@{served[p.rank_processes[g][r]]['socket']}')"
+                for g, r in missing
+            )
+            raise RuntimeError(
+                f"jax_ep: {names} did not serve its window within {timeout_s} s (did its "
+                f"process stop?)"
+            )
+    meet(p, "connected", timeout_s)
+    native.stop_serving()
+
+
+def _one_host(p: Plan, hello: dict):
+    """The CPU engine's windows are one host's shared memory: every EP group on one host."""
+    for group in sorted({g for _, g, _ in p.local}):
+        hosts = {hello[q]["host"] for q in p.rank_processes[group]}
+        if len(hosts) > 1:
+            raise ValueError(
+                f"jax_ep: EP group {group} spans {len(hosts)} hosts, but the CPU backend's "
+                f"windows are one host's shared memory: put each EP group's processes on one "
+                f"host (a tuple axis ('node', 'ep') crosses hosts)"
+            )
 
 
 def connect(p: Plan, window, *, timeout_s, num_sms, direct_local):
@@ -446,15 +691,12 @@ def connect(p: Plan, window, *, timeout_s, num_sms, direct_local):
     from jax_ep import _native
 
     forget()  # Buffers collected since: their memory first
-
+    met = introductions(p, timeout_s)
     if p.platform == "cpu":
-        native = _native.CpuBuffer(
-            window, f"/jax_ep_{nonce(p, timeout_s)}", timeout_s, list(p.local), first_op()
-        )
-        meet(p, "created", timeout_s)
-        native.connect()
-        meet(p, "connected", timeout_s)
-        native.unlink()
+        _one_host(p, met)
+        name, secret, pids = descriptor_sockets(p, met)
+        native = _native.CpuBuffer(window, name, secret, pids, timeout_s, list(p.local), first_op())
+        join_windows(p, native, met, timeout_s)
         engines[p.key] = "shm"
     else:
         if not _native.has_cuda:
@@ -482,24 +724,23 @@ def connect(p: Plan, window, *, timeout_s, num_sms, direct_local):
             )
             meet(p, "connected", timeout_s)
         else:
+            name, secret, pids = descriptor_sockets(p, met)
             native = _native.CudaIpcBuffer(
                 window,
-                ipc_prefix(p, timeout_s),
-                p.key,
+                name,
+                secret,
+                pids,
                 timeout_s,
                 num_sms,
                 list(p.local),
                 direct_local,
                 first_op(),
             )
-            meet(p, "created", timeout_s)  # every window is zeroed and served
-            native.connect()
-            meet(p, "connected", timeout_s)
-            native.stop_serving()
+            join_windows(p, native, met, timeout_s)  # every window is zeroed when served
         engines[p.key] = engine
     _native.register_buffer(p.key, native)
     _forget_at_exit()
-    announce_liveness(p)
+    announce_liveness(p, met)
     return native
 
 
@@ -514,7 +755,8 @@ def forget_later(key):
 def forget(key=None):
     """Drops the native side of Buffer `key` (and of the Buffers collected since the last call)
     from the registry; its memory goes when the last program using it does. A failed last
-    program's tokens go too (`release_tokens`: JAX would raise its error again at exit)."""
+    program's tokens go too (`release_tokens`: JAX would raise its error again at exit), and
+    the liveness listener with the last Buffer."""
     from jax_ep import _native
 
     keys = [] if key is None else [key]
@@ -523,6 +765,7 @@ def forget(key=None):
     for k in keys:
         _native.forget_buffer(k)
         release_tokens(BufferOrder(k))
+        release_liveness(k)
 
 
 @functools.cache
@@ -533,4 +776,10 @@ def _forget_at_exit():
     from jax_ep import _native
 
     atexit.register(_native.forget_all_buffers)
-    atexit.register(forget)
+    atexit.register(_forget_at_exit_now)
+
+
+def _forget_at_exit_now():
+    global _exiting
+    _exiting = True
+    forget()

@@ -317,6 +317,11 @@ class Buffer:
                 f"low_latency_tokens must be an integer in [0, min({nodes}max_tokens_per_rank, "
                 f"{bounds['max_in_block_tokens']})], got {low_latency_tokens!r}"
             )
+        with bootstrap.creating:  # one at a time in this process: keys count the Buffers
+            return self._create(num_sms, timeout_s, low_latency_tokens, direct_local, ffi_path)
+
+    def _create(self, num_sms, timeout_s, low_latency_tokens, direct_local, ffi_path):
+        bounds = limits()
         plan = bootstrap.plan(self.mesh, self._fast_axis)
         if plan.platform is None:
             _fail(

@@ -50,7 +50,12 @@ def pytest_report_header(config):
 
 # Files of the longest tests (several processes each), run first: with pytest-xdist's worksteal
 # the workers then take the short tests last and end together.
-LONGEST_FIRST = ("test_processes.py", "test_examples.py", "test_bench.py")
+LONGEST_FIRST = (
+    "test_processes.py",
+    "test_process_failures.py",
+    "test_examples.py",
+    "test_bench.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -559,3 +559,75 @@ def nodes_running_different_ops():
                 os._exit(1)  # at once: an exception would wait for process 1 at shutdown
     print("SCENARIO OK", flush=True)
     os._exit(0)
+
+
+# ---- jobs that end abruptly (tests/test_process_failures.py)
+
+
+def _held_at(step):
+    """Stops this process inside Buffer creation at `step` (a meeting or an exchange of
+    jax_ep.bootstrap), after saying so, until it is killed."""
+    from jax_ep import bootstrap
+
+    def holding(real):
+        def held(p, what, *args, **kwargs):
+            if what == step:
+                print(f"AT {step}", flush=True)
+                while True:
+                    time.sleep(60)
+            return real(p, what, *args, **kwargs)
+
+        return held
+
+    for name in ("meet", "exchange"):
+        setattr(bootstrap, name, holding(getattr(bootstrap, name)))
+
+
+def killed():
+    """Runs until it is killed, at $STAGE: created (inside Buffer creation, once every process
+    made its windows, before any maps its peers'), connected (once each mapped its peers', before
+    the processes meet to say so), idle (a Buffer made) or running (ops in a loop)."""
+    stage = os.environ["STAGE"]
+    if stage in ("created", "connected"):
+        _held_at(stage)
+    mesh = global_mesh()
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=60
+    )
+    if stage == "idle":
+        from jax_ep import bootstrap
+
+        listener = bootstrap._listener
+        host, port = listener.server.getsockname()[:2]
+        published = distributed_client().key_value_try_get(f"jax_ep/alive/{jax.process_index()}")
+        print(f"LISTENER bound {host}:{port} published {published}", flush=True)
+        print("AT idle", flush=True)
+        while True:
+            time.sleep(60)
+    x, idx, w, _ = inputs(mesh)
+    step = runner(mesh, lambda x, i, w: buf.dispatch(x, i, w).x)
+    jax.block_until_ready(step(x, idx, w))
+    print("AT running", flush=True)
+    while True:
+        jax.block_until_ready(step(x, idx, w))
+
+
+def interrupted():
+    """Process 0 creates a Buffer that process 1 never creates, and is interrupted (SIGINT, as
+    Ctrl-C) while it waits: it says after how long the KeyboardInterrupt came."""
+    mesh = global_mesh()
+    if jax.process_index() == 1:
+        print("AT idle", flush=True)
+        while True:
+            time.sleep(60)
+    print("AT waiting", flush=True)
+    start = time.monotonic()
+    try:
+        jax_ep.Buffer(
+            mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=60
+        )
+    except KeyboardInterrupt:
+        print(f"INTERRUPTED after {time.monotonic() - start:.2f} s", flush=True)
+        os._exit(0)  # the coordination service would wait for process 1 at shutdown
+    print("NOT INTERRUPTED", flush=True)
+    os._exit(1)

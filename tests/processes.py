@@ -27,10 +27,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
-    """Runs `scenario` in num_processes processes; [(returncode, stdout + stderr)] per process
-    (a process still running `timeout` s after the start prints its threads' stacks and is
-    killed: returncode None)."""
+def start(scenario, num_processes, devices_per_process, env=None, output=None):
+    """Starts `scenario` in num_processes processes; their Popen objects. `output`: a list of
+    open files, one per process, for what each prints (else pipes)."""
     port = free_port()
     # Each process sets its own device count; XLA's other flags (tests/conftest.py) carry over,
     # unless launch(env=) gives its own.
@@ -44,7 +43,7 @@ def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
-    procs = [
+    return [
         subprocess.Popen(
             [
                 sys.executable,
@@ -55,7 +54,7 @@ def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
                 str(port),
                 str(devices_per_process),
             ],
-            stdout=subprocess.PIPE,
+            stdout=output[p] if output else subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
@@ -63,6 +62,13 @@ def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
         )
         for p in range(num_processes)
     ]
+
+
+def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
+    """Runs `scenario` in num_processes processes; [(returncode, stdout + stderr)] per process
+    (a process still running `timeout` s after the start prints its threads' stacks and is
+    killed: returncode None)."""
+    procs = start(scenario, num_processes, devices_per_process, env)
     results, deadline = [], time.monotonic() + timeout
     for proc in procs:
         try:

@@ -1,11 +1,21 @@
-"""jax_ep.bootstrap's liveness probe, on local sockets: a running process answers, an ending one
-(its kernel accepts, no thread answers, then the socket closes) and an ended one (the port
-refuses) are told apart."""
+"""jax_ep.bootstrap in one process: the liveness probe, on local sockets (a running process
+answers, an ending one (its kernel accepts, no thread answers, then the socket closes) and an
+ended one (the port refuses) are told apart); the liveness listener (the address it binds and
+publishes, accept errors, closing with the last Buffer); Buffers created from several threads."""
 
+import dataclasses
+import errno
+import logging
+import os
 import socket
+import sys
 import threading
 import time
 
+import jax
+import pytest
+
+import jax_ep
 from jax_ep import bootstrap
 
 
@@ -46,3 +56,145 @@ def test_a_closed_port_has_ended():
     closed = address(server)
     server.close()
     assert bootstrap.why_stopped(closed, timeout_s=5) == "it has ended"
+
+
+# ---- the listener: the address it binds, errors, closing with the last Buffer
+
+
+class Store:
+    """The key-value calls of jax.distributed's client that the listener makes."""
+
+    def __init__(self):
+        self.values = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.values[key] = value
+
+    def key_value_delete(self, key):
+        self.values.pop(key, None)
+
+    def key_value_try_get(self, key):
+        if key not in self.values:
+            raise RuntimeError(f"NOT_FOUND: Config key {key} not found.")
+        return self.values[key]
+
+
+def two_processes(key):
+    return bootstrap.Plan(key, 1, "cpu", ((0, 0, 0),), (0,), (0, 1), 0, ((0, 1),))
+
+
+def introductions(route="127.0.0.1", peer_host="this host"):
+    return {
+        0: dict(pid=os.getpid(), pidns="", host="this host", route="127.0.0.1"),
+        1: dict(pid=1, pidns="", host=peer_host, route=route),
+    }
+
+
+@pytest.fixture
+def store(monkeypatch):
+    store = Store()
+    monkeypatch.setattr(bootstrap, "distributed_client", lambda: store)
+    monkeypatch.setattr(bootstrap, "coordinator_address", lambda: "127.0.0.1:8476")
+    yield store
+    for key in list(bootstrap._listening_for):
+        bootstrap.release_liveness(key)
+
+
+def test_the_listener_binds_the_address_it_publishes_and_closes_with_the_last_buffer(store):
+    bootstrap.announce_liveness(two_processes(1), introductions())
+    published = store.values["jax_ep/alive/0"]
+    host, port = bootstrap._listener.server.getsockname()[:2]
+    assert published == f"{host}:{port}" and host == "127.0.0.1"  # not 0.0.0.0
+    bootstrap.announce_liveness(two_processes(2), introductions())  # shared by both Buffers
+    assert store.values["jax_ep/alive/0"] == published
+    thread = bootstrap._listener.thread
+    bootstrap.release_liveness(1)
+    assert bootstrap.why_stopped(published, timeout_s=5) is None  # Buffer 2 is still open
+    bootstrap.release_liveness(2)
+    assert bootstrap.why_stopped(published, timeout_s=5) == "it has ended"
+    assert not thread.is_alive() and store.values["jax_ep/alive/0"] == "closed"
+    assert bootstrap.stopped_processes(dataclasses.replace(two_processes(3), process=1)) == {
+        0: "it has closed its Buffers (it runs, with no Buffer open)"
+    }
+    bootstrap.announce_liveness(two_processes(4), introductions())  # a new Buffer: a new port
+    assert store.values["jax_ep/alive/0"] not in (published, "closed")
+    assert bootstrap.stopped_processes(dataclasses.replace(two_processes(3), process=1)) == {}
+
+
+def test_a_loopback_coordinator_with_peers_on_other_hosts():
+    """The coordinator named as 127.0.0.1 here while processes of the mesh run on other hosts:
+    the address towards them is published, not loopback."""
+    found = bootstrap.route_address("10.11.12.13", 9)
+    if found is None or found[1].startswith("127."):
+        pytest.skip("this host has no route beyond loopback")
+    plan = two_processes(1)
+    assert bootstrap.local_address(plan, introductions())[1] == "127.0.0.1"
+    other = introductions(route="10.11.12.13", peer_host="another host")
+    assert bootstrap.local_address(plan, other) == found
+
+
+def test_the_listener_survives_accept_errors(caplog):
+    server = socket.create_server(("127.0.0.1", 0))
+
+    class OutOfDescriptors:  # accept() fails three times, then works
+        failures = 3
+
+        def accept(self):
+            if self.failures:
+                self.failures -= 1
+                raise OSError(errno.EMFILE, "Too many open files")
+            return server.accept()
+
+        def fileno(self):
+            return server.fileno()
+
+    stopping = threading.Event()
+    thread = threading.Thread(target=bootstrap.serve_liveness, args=(OutOfDescriptors(), stopping))
+    with caplog.at_level(logging.WARNING, logger="jax_ep"):
+        thread.start()
+        assert bootstrap.why_stopped(address(server), timeout_s=5) is None
+        assert bootstrap.why_stopped(address(server), timeout_s=5) is None
+    assert thread.is_alive() and "accept() failed" in caplog.text
+    stopping.set()
+    server.shutdown(socket.SHUT_RDWR)
+    thread.join(timeout=5)
+    server.close()
+    assert not thread.is_alive()
+
+
+# ---- creation from several threads
+
+
+def test_buffers_created_from_several_threads_at_once():
+    """Creation is one at a time in a process (bootstrap.creating): each thread's Buffer comes
+    up, with a key of its own."""
+    mesh = jax.sharding.Mesh(jax.devices()[:2], ("ep",))
+    kwargs = dict(num_experts=4, hidden=128, num_topk=2, max_tokens_per_rank=4)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns often: without the lock, most runs fail
+    try:
+        create_in_pairs(mesh, kwargs, rounds=16)
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def create_in_pairs(mesh, kwargs, rounds):
+    for _ in range(rounds):
+        made, errors, start = [], [], threading.Barrier(2)
+
+        def create():
+            start.wait()
+            try:
+                made.append(jax_ep.Buffer(mesh, "ep", **kwargs))
+            except Exception as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=create) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert len({b._key for b in made}) == 2
+        for b in made:
+            b.close()

@@ -114,7 +114,10 @@ def test_cpu_buffers_name_their_engine():
     assert jax_ep.Buffer(mesh, "ep", impl="reference", **kwargs).engine is None
 
 
-# ---- descriptor passing (the CUDA-IPC engine's, on memfds)
+# ---- descriptor passing (both engines', on memfds)
+
+
+SECRET = bytes(range(16))
 
 
 def memfd(content: bytes):
@@ -132,43 +135,81 @@ def name():
 
 
 def test_a_descriptor_passes_to_every_peer_that_asks():
-    fd, where = memfd(b"window of rank 0"), name()
-    server = _native.FdServer(where, fd, 4096, 77)
+    fd, other, where = memfd(b"window of rank 0"), memfd(b"rank 1"), name()
+    server = _native.FdServer(where, SECRET, {(0, 0): (fd, 4096), (0, 1): (other, 6)})
     try:
+        assert server.name == where and server.notes == []
         for i in range(3):
-            got, size = _native.receive_fd(where, 77, 5.0, "rank 0 of EP group 0")
+            got, size = _native.receive_fd(where, 0, 0, SECRET, 5.0, os.getpid())
             assert got != fd and size == 4096
             assert read_all(got) == b"window of rank 0" + b"!" * i
             os.write(got, b"!")  # the same file, not a copy
             os.close(got)
         assert read_all(fd) == b"window of rank 0!!!"
+        got, size = _native.receive_fd(where, 0, 1, SECRET, 5.0)
+        assert size == 6 and read_all(got) == b"rank 1"
+        os.close(got)
+        with pytest.raises(RuntimeError, match="serves no window of rank 2 of EP group 0"):
+            _native.receive_fd(where, 0, 2, SECRET, 5.0)
         deadline = time.monotonic() + 10  # the server counts a peer after answering it
-        while server.served < 3 and time.monotonic() < deadline:
+        while server.served < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert server.served == 3
+        assert server.served == 4 and server.refused == 0
+    finally:
+        server.stop()
+        os.close(fd)
+        os.close(other)
+
+
+def run_python(code):
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        cwd=ROOT,
+    )
+
+
+def test_a_descriptor_passes_to_another_process():
+    fd, where = memfd(b"shared"), name()
+    server = _native.FdServer(where, SECRET, {(1, 0): (fd, 6)})
+    code = (
+        f"import os; from jax_ep import _native; fd, n = _native.receive_fd({where!r}, 1, 0, "
+        f"{SECRET!r}, 10.0, {os.getpid()}); os.write(fd, b' by a peer'); print(n)"
+    )
+    try:
+        out = run_python(code)
+        assert out.returncode == 0 and out.stdout.split() == ["6"], out.stderr[-2000:]
+        assert read_all(fd) == b"shared by a peer"
     finally:
         server.stop()
         os.close(fd)
 
 
-def test_a_descriptor_passes_to_another_process():
-    fd, where = memfd(b"shared"), name()
-    server = _native.FdServer(where, fd, 6, 5)
-    code = (
-        f"import os; from jax_ep import _native; fd, n = _native.receive_fd({where!r}, 5, 10.0,"
-        f" 'rank 1 of EP group 0'); os.write(fd, b' by a peer'); print(n)"
-    )
+def test_both_ends_check_the_other():
+    """The server answers only the processes it expects, with the job's secret; the client takes
+    a window only from the process it expects, with the secret back."""
+    fd, where = memfd(b"x"), name()
+    me = os.getpid()
+    server = _native.FdServer(where, SECRET, {(0, 0): (fd, 1)}, pids=[me + 1])
+    try:  # this process is not among those expected
+        with pytest.raises(RuntimeError, match="closed the connection without an answer"):
+            _native.receive_fd(where, 0, 0, SECRET, 2.0)
+        assert server.refused == 1
+    finally:
+        server.stop()
+    server = _native.FdServer(where, SECRET, {(0, 0): (fd, 1)}, pids=[me])
     try:
-        out = subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=dict(os.environ, PYTHONPATH=ROOT),
-            cwd=ROOT,
-        )
-        assert out.returncode == 0 and out.stdout.split() == ["6"], out.stderr[-2000:]
-        assert read_all(fd) == b"shared by a peer"
+        with pytest.raises(RuntimeError, match="closed the connection without an answer"):
+            _native.receive_fd(where, 0, 0, bytes(16), 2.0)  # another job's secret
+        with pytest.raises(RuntimeError, match=rf"is served by process {me} .*, not by process 1 "):
+            _native.receive_fd(where, 0, 0, SECRET, 2.0, 1)  # not the process expected
+        with pytest.raises(RuntimeError, match="must be 16 bytes"):
+            _native.receive_fd(where, 0, 0, b"key", 2.0)
+        got, _ = _native.receive_fd(where, 0, 0, SECRET, 2.0, me)
+        os.close(got)
     finally:
         server.stop()
         os.close(fd)
@@ -177,40 +218,41 @@ def test_a_descriptor_passes_to_another_process():
 def test_a_peer_that_never_serves_is_named_after_the_timeout():
     start = time.monotonic()
     with pytest.raises(
-        RuntimeError,
-        match=r"rank 3 of EP group 1 did not serve its window "
-        r"within 0\.3",
+        RuntimeError, match=r"rank 3 of EP group 1 did not serve its window within 0\.3"
     ):
-        _native.receive_fd(name(), 1, 0.3, "rank 3 of EP group 1")
+        _native.receive_fd(name(), 1, 3, SECRET, 0.3)
     assert 0.25 < time.monotonic() - start < 5
 
 
-def test_a_stopped_server_frees_its_name_and_answers_no_more():
+def test_a_taken_name_is_named_and_another_is_served():
     fd, where = memfd(b"x"), name()
-    server = _native.FdServer(where, fd, 1, 9)
-    with pytest.raises(RuntimeError, match="the name is taken"):
-        _native.FdServer(where, fd, 1, 9)
+    server = _native.FdServer(where, SECRET, {(0, 0): (fd, 1)})
+    assert _native.socket_owner(where).startswith(f"process {os.getpid()} (uid ")
+    second = _native.FdServer(where, SECRET, {(0, 0): (fd, 1)})
+    try:
+        assert second.name != where and second.name.startswith(where + "_")
+        assert (
+            len(second.notes) == 1
+            and f"'@{where}' is taken (by process {os.getpid()}" in (second.notes[0])
+        )
+        got, _ = _native.receive_fd(second.name, 0, 0, SECRET, 2.0)
+        os.close(got)
+    finally:
+        second.stop()
     server.stop()
     with pytest.raises(RuntimeError, match="did not serve its window"):
-        _native.receive_fd(where, 9, 0.2, "rank 0 of EP group 0")
-    again = _native.FdServer(where, fd, 1, 9)  # the name is free again
+        _native.receive_fd(where, 0, 0, SECRET, 0.2)
+    assert _native.socket_owner(where) == ""
+    again = _native.FdServer(where, SECRET, {(0, 0): (fd, 1)})  # the name is free again
+    assert again.name == where
     again.stop()
     os.close(fd)
 
 
-def test_another_buffers_descriptor_is_refused():
-    fd, where = memfd(b"x"), name()
-    server = _native.FdServer(where, fd, 1, 1234)
-    try:
-        with pytest.raises(RuntimeError, match="another Buffer's tag"):
-            _native.receive_fd(where, 4321, 2.0, "rank 1 of EP group 0")
-    finally:
-        server.stop()
-        os.close(fd)
-
-
 def test_socket_names_are_bounded():
     with pytest.raises(RuntimeError, match="longer than 107 bytes"):
-        _native.receive_fd("n" * 200, 1, 0.1, "rank 0 of EP group 0")
-    # The Buffer's names: key and nonce, then group and rank, well within the bound.
-    assert len(f"jax_ep_{(1 << 62) - 1:x}_{'f' * 16}_g{4095}_r{1023}") < 107
+        _native.receive_fd("n" * 200, 0, 0, SECRET, 0.1)
+    with pytest.raises(RuntimeError, match="longer than 107 bytes"):  # with a retry's suffix
+        _native.FdServer("n" * 100, SECRET, {})
+    # The Buffer's names: key, nonce and process, and a retry's suffix, well within the bound.
+    assert len(f"jax_ep_{(1 << 62) - 1:x}_{'f' * 16}_p{65535}_ffffffff") < 107

@@ -100,14 +100,6 @@ CUmemAllocationProp allocation(CUdevice device) {
   return prop;
 }
 
-std::string socket_name(const std::string& prefix, int group, int rank) {
-  return prefix + "_g" + std::to_string(group) + "_r" + std::to_string(rank);
-}
-
-std::string who(int group, int rank) {
-  return "rank " + std::to_string(rank) + " of EP group " + std::to_string(group);
-}
-
 }  // namespace
 
 std::string device_uuid(int device) {
@@ -149,14 +141,12 @@ struct Mapping {
 };
 
 struct Engine::Impl {
-  std::string prefix;
-  uint64_t tag;
+  std::string secret;
   int num_ranks;
   size_t window_bytes;
-  double timeout_s;
-  std::vector<Mapping> own;   // by member
-  std::vector<int> exported;  // by member: the descriptor served, or -1
-  std::vector<std::unique_ptr<fd_socket::Server>> servers;
+  std::vector<Mapping> own;                          // by member
+  std::vector<int> exported;                         // by member: the descriptor served, or -1
+  std::unique_ptr<fd_socket::Server> server;         // while peers may still ask
   std::map<std::pair<int, int>, Mapping> imported;   // (group, rank) of other processes
   std::map<int, std::vector<int>> devices_of_group;  // this process's devices of each group
 
@@ -188,15 +178,14 @@ struct Engine::Impl {
   }
 };
 
-Engine::Engine(const std::string& prefix, uint64_t tag, int num_ranks,
-               const std::vector<Member>& local, size_t window_bytes, double timeout_s)
+Engine::Engine(const std::string& socket_name, const std::string& secret,
+               const std::vector<int>& pids, int num_ranks, const std::vector<Member>& local,
+               size_t window_bytes)
     : members(local), impl_(new Impl) {
   Impl& im = *impl_;
-  im.prefix = prefix;
-  im.tag = tag;
+  im.secret = secret;
   im.num_ranks = num_ranks;
   im.window_bytes = window_bytes;
-  im.timeout_s = timeout_s;
   im.own.resize(members.size());
   im.exported.assign(members.size(), -1);
   for (const Member& m : members) im.devices_of_group[m.group].push_back(m.device);
@@ -204,6 +193,7 @@ Engine::Engine(const std::string& prefix, uint64_t tag, int num_ranks,
   cudaGetDevice(&previous);
   try {
     const Driver& d = driver();
+    std::map<std::pair<int, int>, fd_socket::Descriptor> served;
     for (size_t i = 0; i < members.size(); ++i) {
       Member& m = members[i];
       if (std::string why = unsupported(m.device); !why.empty())
@@ -228,10 +218,13 @@ Engine::Engine(const std::string& prefix, uint64_t tag, int num_ranks,
                                          0),
             "cuMemExportToShareableHandle");
       im.exported[i] = fd;
-      im.servers.push_back(std::make_unique<fd_socket::Server>(
-          socket_name(prefix, m.group, m.rank), fd,
-          fd_socket::Header{fd_socket::kMagic, own.bytes, tag}));
+      served[{m.group, m.rank}] = {fd, uint64_t(own.bytes)};
     }
+    bool shared = false;  // a rank of these groups lives in another process
+    for (const auto& [group, devices] : im.devices_of_group)
+      shared = shared || int(devices.size()) < num_ranks;
+    if (shared)
+      im.server = std::make_unique<fd_socket::Server>(socket_name, secret, pids, std::move(served));
   } catch (...) {
     cudaSetDevice(previous);
     release();
@@ -240,62 +233,79 @@ Engine::Engine(const std::string& prefix, uint64_t tag, int num_ranks,
   cudaSetDevice(previous);
 }
 
-void Engine::connect() {
+std::string Engine::socket() const {
+  return impl_ && impl_->server ? impl_->server->name() : std::string();
+}
+
+std::vector<std::string> Engine::notes() const {
+  return impl_ && impl_->server ? impl_->server->notes() : std::vector<std::string>();
+}
+
+std::vector<std::pair<int, int>> Engine::connect(const std::vector<EnginePeer>& peers,
+                                                 double slice_s) {
   Impl& im = *impl_;
-  const auto start = std::chrono::steady_clock::now();
   std::map<std::pair<int, int>, uint8_t*> windows;  // (group, rank) -> address in this process
   for (const Member& m : members) windows[{m.group, m.rank}] = m.window;
+  for (const auto& [key, m] : im.imported) windows[key] = reinterpret_cast<uint8_t*>(m.address);
   int previous = 0;
   cudaGetDevice(&previous);
+  std::vector<std::pair<int, int>> missing;
   try {
-    for (const auto& [group, devices] : im.devices_of_group)
-      for (int r = 0; r < im.num_ranks; ++r) {
-        if (windows.count({group, r})) continue;
-        const double spent =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        const double left = im.timeout_s - spent > 0.001 ? im.timeout_s - spent : 0.001;
-        fd_socket::Header header{};
-        const int fd = fd_socket::receive(socket_name(im.prefix, group, r), im.tag, left,
-                                          who(group, r), &header);
-        if (header.bytes < im.window_bytes) {
-          close(fd);
-          throw std::runtime_error("jax_ep: " + who(group, r) + " has a " +
-                                   std::to_string(header.bytes) +
-                                   "-byte window, this Buffer "
-                                   "needs " +
-                                   std::to_string(im.window_bytes));
-        }
-        check_cuda(cudaSetDevice(devices[0]), "cudaSetDevice");
-        Mapping& m = im.imported[{group, r}];
-        m.bytes = header.bytes;
-        CUresult imported = driver().MemImportFromShareableHandle(
-            &m.handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
-            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-        close(fd);  // the handle holds the memory now
-        check(imported, "importing the window of " + who(group, r));
-        const CUmemAllocationProp prop = allocation(cu_device(devices[0]));
-        size_t granularity = 0;
-        check(driver().MemGetAllocationGranularity(&granularity, &prop,
-                                                   CU_MEM_ALLOC_GRANULARITY_MINIMUM),
-              "cuMemGetAllocationGranularity");
-        Impl::map(m, granularity, devices);
-        windows[{group, r}] = reinterpret_cast<uint8_t*>(m.address);
-      }
+    missing = fd_socket::receive_windows(
+        peers, im.secret, slice_s,
+        [&](int group, int rank) { return windows.count({group, rank}) > 0; },
+        [&](const EnginePeer& p, int fd, uint64_t bytes) {
+          const std::string who = rank_name(p.group, p.rank);
+          if (bytes < im.window_bytes) {
+            close(fd);
+            throw std::runtime_error("jax_ep: " + who + " has a " + std::to_string(bytes) +
+                                     "-byte window, this Buffer needs " +
+                                     std::to_string(im.window_bytes));
+          }
+          auto devices = im.devices_of_group.find(p.group);
+          if (devices == im.devices_of_group.end()) {
+            close(fd);
+            throw std::runtime_error("jax_ep: this process holds no rank of EP group " +
+                                     std::to_string(p.group));
+          }
+          check_cuda(cudaSetDevice(devices->second[0]), "cudaSetDevice");
+          Mapping& m = im.imported[{p.group, p.rank}];
+          m.bytes = bytes;
+          CUresult imported = driver().MemImportFromShareableHandle(
+              &m.handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+          close(fd);  // the handle holds the memory now
+          check(imported, "importing the window of " + who);
+          const CUmemAllocationProp prop = allocation(cu_device(devices->second[0]));
+          size_t granularity = 0;
+          check(driver().MemGetAllocationGranularity(&granularity, &prop,
+                                                     CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                "cuMemGetAllocationGranularity");
+          Impl::map(m, granularity, devices->second);
+          windows[{p.group, p.rank}] = reinterpret_cast<uint8_t*>(m.address);
+        });
   } catch (...) {
     cudaSetDevice(previous);
     throw;  // the destructor frees what was mapped
   }
   cudaSetDevice(previous);
+  if (!missing.empty()) return missing;
   for (Member& m : members) {
     m.peers.resize(im.num_ranks);
-    for (int r = 0; r < im.num_ranks; ++r) m.peers[r] = windows.at({m.group, r});
+    for (int r = 0; r < im.num_ranks; ++r) {
+      auto it = windows.find({m.group, r});
+      if (it == windows.end())
+        throw std::runtime_error("jax_ep: nobody gave the window of " + rank_name(m.group, r));
+      m.peers[r] = it->second;
+    }
   }
+  return {};
 }
 
 void Engine::stop() {
   if (!impl_) return;
-  for (auto& s : impl_->servers) s->stop();
-  impl_->servers.clear();
+  if (impl_->server) impl_->server->stop();
+  impl_->server.reset();
   for (int& fd : impl_->exported)
     if (fd >= 0) close(fd), fd = -1;
 }

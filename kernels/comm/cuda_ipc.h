@@ -1,6 +1,6 @@
 // The engine on GPUs that share a host without NCCL: the CUDA driver's IPC. Each rank's window
 // is a VMM allocation (cuMemCreate) exportable as a POSIX file descriptor; the owner serves that
-// descriptor on an abstract Unix socket named after the Buffer and the rank (fd_socket.h); every
+// descriptor on its process's abstract Unix socket (fd_socket.h, which checks both ends); every
 // other process of the group receives it (SCM_RIGHTS), imports it
 // (cuMemImportFromShareableHandle) and maps it into its own address space (cuMemAddressReserve,
 // cuMemMap, cuMemSetAccess for its devices of the group). The kernels get the same per-rank
@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/comm/engine.h"
@@ -33,19 +34,24 @@ std::string device_uuid(int device);
 // Why this driver cannot serve the engine on `device`, or "".
 std::string unsupported(int device);
 
-// This process's ranks of a Buffer's EP groups, over CUDA IPC. Built in three steps, with every
-// process of the mesh between them (jax_ep/bootstrap.py): the constructor, connect(), stop().
+// This process's ranks of a Buffer's EP groups, over CUDA IPC. Built in steps, with every
+// process of the mesh between them (jax_ep/bootstrap.py): the constructor, connect() (called
+// again until no window is missing), stop().
 class Engine {
  public:
   using Member = EngineMember;
-  // Allocates, zeroes and exports the windows of this process's ranks (device, group, rank) and
-  // serves them at `prefix`_g<group>_r<rank>; `tag` (the Buffer's key) must match on the peers.
-  Engine(const std::string& prefix, uint64_t tag, int num_ranks, const std::vector<Member>& local,
-         size_t window_bytes, double timeout_s);
-  // Once every process of the mesh was constructed: receives, imports and maps every other
-  // rank's window of this process's groups (a rank that does not answer within timeout_s is
-  // named in the error) and fills members[i].peers.
-  void connect();
+  // Allocates, zeroes and exports the windows of this process's ranks (device, group, rank) and,
+  // if a rank of their groups lives in another process, serves them at the abstract socket
+  // `socket_name` (or another name if it is taken: socket()) to the processes `pids` (empty: any
+  // of this user) that send `secret` (kernels/comm/fd_socket.h).
+  Engine(const std::string& socket_name, const std::string& secret, const std::vector<int>& pids,
+         int num_ranks, const std::vector<Member>& local, size_t window_bytes);
+  std::string socket() const;              // "" when nothing is served
+  std::vector<std::string> notes() const;  // socket names found taken, and by whom
+  // Once every process of the mesh was constructed: receives, imports and maps the windows of
+  // `peers` not mapped yet, trying for up to slice_s; returns the (group, rank) still missing.
+  // Once none is, fills members[i].peers.
+  std::vector<std::pair<int, int>> connect(const std::vector<EnginePeer>& peers, double slice_s);
   // Once every process connected: stops serving the descriptors.
   void stop();
   ~Engine();

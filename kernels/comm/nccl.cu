@@ -115,17 +115,25 @@ struct Group::Impl {
 
 namespace {
 
-// Nonblocking communicators: polls them until their calls are done, or gives up.
+// Nonblocking communicators: polls them until their calls are done, or gives up (at the
+// deadline, or when interrupted() says so, asked every 100 ms).
 void wait_ready(const Library& lib, const std::vector<ncclComm_t>& comms,
-                std::chrono::steady_clock::time_point deadline, const char* what) {
+                std::chrono::steady_clock::time_point deadline, const char* what,
+                const std::function<bool()>& interrupted) {
+  auto asked = std::chrono::steady_clock::now();
   for (ncclComm_t comm : comms) {
     ncclResult_t state = ncclInProgress;
     while (true) {
       check(lib, lib.CommGetAsyncError(comm, &state), what);
       if (state != ncclInProgress) break;
-      if (std::chrono::steady_clock::now() > deadline)
+      const auto now = std::chrono::steady_clock::now();
+      if (now > deadline)
         throw std::runtime_error(std::string("jax_ep: ") + what + " did not finish in time: " +
                                  "not every rank of the EP group joined (did a process stop?)");
+      if (interrupted && now - asked > std::chrono::milliseconds(100)) {
+        asked = now;
+        if (interrupted()) throw std::runtime_error(std::string("jax_ep: interrupted ") + what);
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     check(lib, state, what);
@@ -136,7 +144,7 @@ void wait_ready(const Library& lib, const std::vector<ncclComm_t>& comms,
 
 Group::Group(const std::string& path, const std::string& id_bytes, int num_ranks,
              const std::vector<std::pair<int, int>>& devices_and_ranks, size_t window_bytes,
-             double timeout_s)
+             double timeout_s, const std::function<bool()>& interrupted)
     : impl_(new Impl{&load(path), {}, {}}) {
   const Library& lib = *impl_->lib;
   ncclUniqueId id;
@@ -162,7 +170,7 @@ Group::Group(const std::string& path, const std::string& id_bytes, int num_ranks
             "ncclCommInitRankConfig");
     }
     check(lib, lib.GroupEnd(), "ncclGroupEnd");
-    wait_ready(lib, impl_->comms, deadline, "creating the NCCL communicator");
+    wait_ready(lib, impl_->comms, deadline, "creating the NCCL communicator", interrupted);
     for (size_t i = 0; i < members.size(); ++i) {
       const ncclTeam_t lsa = lib.TeamLsa(impl_->comms[i]);
       if (lsa.nRanks != num_ranks)
@@ -183,7 +191,7 @@ Group::Group(const std::string& path, const std::string& id_bytes, int num_ranks
                                    &impl_->windows[i], NCCL_WIN_COLL_SYMMETRIC),
             "ncclCommWindowRegister");
     check(lib, lib.GroupEnd(), "ncclGroupEnd");
-    wait_ready(lib, impl_->comms, deadline, "registering the Buffer's windows");
+    wait_ready(lib, impl_->comms, deadline, "registering the Buffer's windows", interrupted);
     for (size_t i = 0; i < members.size(); ++i) {
       check_cuda(cudaSetDevice(members[i].device), "cudaSetDevice");
       uint8_t** table = nullptr;

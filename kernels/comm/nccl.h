@@ -6,6 +6,7 @@
 // plugin loads), so a build with the CUDA backend imports without it.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -28,10 +29,12 @@ class Group {
     void* window = nullptr;       // this rank's window (ncclMemAlloc), zeroed
     std::vector<uint8_t*> peers;  // every rank's window as this device reaches it
   };
-  // Collective over the group's processes; gives up after timeout_s. Throws on failure.
+  // Collective over the group's processes; gives up after timeout_s, or as soon as
+  // interrupted() says so (asked every 100 ms while it waits for the others: e.g. Ctrl-C).
+  // Throws on failure.
   Group(const std::string& path, const std::string& unique_id, int num_ranks,
         const std::vector<std::pair<int, int>>& devices_and_ranks, size_t window_bytes,
-        double timeout_s);
+        double timeout_s, const std::function<bool()>& interrupted = {});
   ~Group();
   std::vector<Member> members;
 

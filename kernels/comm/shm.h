@@ -1,17 +1,24 @@
-// The engine for CPU devices: each rank's window is a POSIX shared-memory segment, which every
-// process of the host maps (ranks of one process map them too: one code path). Segments are
-// named after the Buffer; the owner creates and zeroes its own, peers open them once they exist,
-// and every name is unlinked once all processes have mapped it (the memory lives as long as a
-// mapping does).
+// The engine for CPU devices: each rank's window is a file of shared memory that has no name at
+// any time (O_TMPFILE in /dev/shm, so that /dev/shm's size limit holds; memfd_create where
+// /dev/shm cannot make one), mapped by every process of the host that holds a rank of its group
+// (ranks of one process map them too: one code path). Peers in other processes receive its
+// descriptor from the owner's descriptor socket (fd_socket.h). The memory goes with the last
+// descriptor or mapping, and the socket's name with the process: a job killed at any point
+// leaves nothing behind.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "kernels/comm/engine.h"
+
+namespace jax_ep::fd_socket {
+class Server;
+}
 
 namespace jax_ep::shm {
 
@@ -23,41 +30,51 @@ class Segment {
   Segment(const Segment&) = delete;
   ~Segment();
 
-  // Creates `name` with `bytes` zero bytes (fails if it exists) and maps it.
-  static std::string create(const std::string& name, size_t bytes, Segment* out);
-  // Maps the existing segment `name`, which must hold `bytes`.
-  static std::string open(const std::string& name, size_t bytes, Segment* out);
+  // Creates a window of `bytes` zero bytes for `what` (e.g. "rank 0 of EP group 1") and maps
+  // it; keeps its descriptor (to serve it) until close_fd().
+  static std::string create(size_t bytes, const std::string& what, Segment* out);
+  // Maps the window of descriptor `fd` (taken: closed here), which must hold `bytes`.
+  static std::string map(int fd, size_t bytes, const std::string& what, Segment* out);
 
   uint8_t* data() const { return data_; }
-  void unlink();  // removes the name; the mapping stays
+  int fd() const { return fd_; }
+  void close_fd();  // the mapping stays
 
  private:
-  std::string name_;
   uint8_t* data_ = nullptr;
   size_t bytes_ = 0;
-  bool owner_ = false;
+  int fd_ = -1;
 };
 
 // This process's ranks of a Buffer's EP groups, in shared memory. Built in steps with every
 // process of the host between them (jax_ep/bootstrap.py): the constructor creates this
-// process's windows as `prefix`_g<group>_r<rank>, connect() maps every other window of their
-// groups, unlink() removes the names. Each throws on failure.
+// process's windows, serve() offers them to the others, connect() maps every other window of
+// their groups (called again until none is missing), stop_serving() closes the socket. Each
+// throws on failure.
 class Engine {
  public:
   using Member = EngineMember;
-  Engine(const std::string& prefix, int num_ranks, const std::vector<Member>& local,
-         size_t window_bytes);
-  void connect();  // once every process of the host has constructed its engine
-  void unlink();   // once every process has connected
+  Engine(int num_ranks, const std::vector<Member>& local, size_t window_bytes);
+  ~Engine();
+  // Serves this process's windows at the abstract socket `name` (or another name if it is
+  // taken: socket() says which) to the processes `pids` (empty: any of this user) that send
+  // `secret`; only if a rank of their groups lives in another process (socket() is "" if not).
+  void serve(const std::string& name, const std::string& secret, const std::vector<int>& pids);
+  std::string socket() const;
+  std::vector<std::string> notes() const;  // socket names found taken, and by whom
+  // Maps the windows of `peers` not mapped yet, trying each for up to slice_s in all; returns
+  // the (group, rank) still missing. Once none is, fills members[i].peers.
+  std::vector<std::pair<int, int>> connect(const std::vector<EnginePeer>& peers, double slice_s);
+  void stop_serving();  // once every process has connected
 
   std::vector<Member> members;
 
  private:
-  std::string name(int group, int rank) const;
-  std::string prefix_;
   int num_ranks_;
   size_t window_bytes_;
+  std::string secret_;
   std::map<std::pair<int, int>, Segment> segments_;  // by (group, rank)
+  std::unique_ptr<fd_socket::Server> server_;
 };
 
 }  // namespace jax_ep::shm

@@ -1,0 +1,130 @@
+"""Jobs that end abruptly (tests/processes.py, CPU devices): every process of a job killed
+(SIGKILL) at any stage of a Buffer's life leaves nothing behind, no /dev/shm segment, socket or
+port; Ctrl-C (SIGINT) ends a wait at creation at once. (On the way: the liveness listener of a
+job on 127.0.0.1 binds the address it publishes.)"""
+
+import os
+import signal
+import time
+
+import pytest
+from processes import start
+
+
+def wait_for(procs, logs, marker, timeout=180):
+    """Until every process printed `marker`; fails with their output if one ends first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        outputs = [log.read_text() for log in logs]
+        if all(marker in out for out in outputs):
+            return
+        ended = [p for p, proc in enumerate(procs) if proc.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            every = "\n".join(f"---- process {p}:\n{out[-4000:]}" for p, out in enumerate(outputs))
+            raise AssertionError(f"no '{marker}' from every process (ended: {ended})\n{every}")
+        time.sleep(0.05)
+
+
+def held_by(pid):
+    """What process `pid` holds that could outlive it: the shared-memory files it maps (their
+    paths as /proc shows them) and the inodes of its sockets."""
+    mapped, sockets = set(), set()
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                mapped.add(fields[5].strip())
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            sockets.add(target[len("socket:[") : -1])
+    return mapped, sockets
+
+
+def open_sockets():
+    """The inodes of this network namespace's Unix and TCP sockets."""
+    inodes = set()
+    for table, column in (("unix", 6), ("tcp", 9), ("tcp6", 9)):
+        try:
+            with open(f"/proc/net/{table}") as f:
+                next(f)
+                inodes.update(line.split()[column] for line in f if len(line.split()) > column)
+        except OSError:
+            pass
+    return inodes - {"0"}
+
+
+def shm_names():
+    return {n for n in os.listdir("/dev/shm") if "jax_ep" in n}
+
+
+def start_logged(tmp_path, scenario, num_processes, devices, env):
+    logs = [tmp_path / f"process{p}.log" for p in range(num_processes)]
+    files = [open(log, "w") for log in logs]
+    try:
+        procs = start(scenario, num_processes, devices, env=env, output=files)
+    finally:
+        for f in files:
+            f.close()
+    return procs, logs
+
+
+@pytest.mark.parametrize(
+    "stage,num_processes",
+    [("created", 2), ("created", 4), ("connected", 2), ("idle", 2), ("running", 2)],
+    ids=["created", "created-4-processes", "connected", "idle", "running"],
+)
+def test_a_job_killed_at_any_stage_leaves_nothing_behind(stage, num_processes, tmp_path):
+    before = shm_names()
+    devices = 4 // num_processes
+    procs, logs = start_logged(tmp_path, "killed", num_processes, devices, {"STAGE": stage})
+    try:
+        wait_for(procs, logs, f"AT {stage}")
+        held = [held_by(proc.pid) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()  # SIGKILL
+        for proc in procs:
+            proc.wait()
+    mapped = set().union(*(m for m, _ in held))
+    sockets = set().union(*(s for _, s in held))
+    assert len(mapped) >= num_processes, mapped  # the windows exist: each maps its own at least
+    # Segments of other jobs on this host may come and go meanwhile: only new ones that stay
+    # count, and every named file this job mapped.
+    deadline = time.monotonic() + 5
+    while (left := shm_names() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    named = sorted(m for m in mapped if not m.endswith("(deleted)") and os.path.exists(m))
+    assert not named and not left, (named, left)
+    assert not sockets & open_sockets()
+    if stage == "idle":  # the liveness listener binds the address it publishes, never 0.0.0.0
+        for log in logs:
+            said = next(
+                line for line in log.read_text().splitlines() if line.startswith("LISTENER")
+            )
+            _, _, bound, _, published = said.split()
+            assert bound == published and bound.startswith("127.0.0.1:"), said
+
+
+def test_ctrl_c_ends_a_wait_at_creation_at_once(tmp_path):
+    """Process 0 waits for a Buffer that process 1 never creates; SIGINT raises
+    KeyboardInterrupt there within about a second, not after timeout_s (60 s)."""
+    procs, logs = start_logged(tmp_path, "interrupted", 2, 1, {})
+    try:
+        wait_for(procs[:1], logs[:1], "AT waiting")
+        wait_for(procs[1:], logs[1:], "AT idle")
+        time.sleep(1.5)  # inside the wait
+        sent = time.monotonic()
+        procs[0].send_signal(signal.SIGINT)
+        procs[0].wait(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    out = logs[0].read_text()
+    assert procs[0].returncode == 0 and "INTERRUPTED" in out, out[-4000:]
+    assert took < 2.5, (took, out[-2000:])
