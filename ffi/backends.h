@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "ffi/buffers.h"
-#include "kernels/comm/engine.h"
+#include "transport/engine.h"
 #include "kernels/window.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -39,7 +39,7 @@ Targets cpu_targets();
 XLA_FFI_TypeId* cpu_state_type_id();
 const XLA_FFI_TypeInfo* cpu_state_type_info();
 
-// CPU devices: windows in shared memory with no name (kernels/comm/shm.h; ffi/cpu_buffer.cc).
+// CPU devices: windows in shared memory with no name (transport/shm.h; ffi/cpu_buffer.cc).
 // Built in steps with every process of the mesh between them, as a CudaIpcBuffer: the
 // constructor (this process's windows, served at the abstract socket `socket_name` or, if that is
 // taken, another: socket()), connect() (maps the peers' and, once none is missing, makes the
@@ -47,7 +47,7 @@ const XLA_FFI_TypeInfo* cpu_state_type_info();
 class CpuBuffer : public NativeBuffer {
  public:
   // Ops are numbered from first_op + 1 (0 but in tests of op numbers past 2^32). `secret` and
-  // `pids`: who may ask for this process's windows (kernels/comm/fd_socket.h).
+  // `pids`: who may ask for this process's windows (transport/fd_socket.h).
   CpuBuffer(const Window& window, const std::string& socket_name, const std::string& secret,
             const std::vector<int>& pids, double timeout_s, const std::vector<LocalRank>& local,
             uint64_t first_op);
@@ -87,7 +87,7 @@ class CudaBuffer : public NativeBuffer {
 };
 
 // CUDA devices of one host, without NCCL: windows in VMM memory shared between the processes
-// through the CUDA driver's IPC (kernels/comm/cuda_ipc.h); ranks may share a GPU. Built in
+// through the CUDA driver's IPC (transport/cuda_ipc.h); ranks may share a GPU. Built in
 // steps with every process of the mesh between them, as a CpuBuffer: the constructor (allocate,
 // export, serve at `socket_name` or, if taken, another: socket()), connect() (import and map the
 // peers'; once none is missing, make the ranks), stop_serving().

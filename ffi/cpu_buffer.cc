@@ -1,7 +1,7 @@
-// The CPU side of a Buffer: the shared-memory engine's windows (kernels/comm/shm.h) and a
+// The CPU side of a Buffer: the shared-memory engine's windows (transport/shm.h) and a
 // cpu::Rank on each of them.
 #include "ffi/backends.h"
-#include "kernels/comm/shm.h"
+#include "transport/shm.h"
 #include "kernels/cpu/rank.h"
 
 namespace jax_ep {

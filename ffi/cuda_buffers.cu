@@ -1,8 +1,8 @@
-// The CUDA sides of a Buffer: the windows of an engine (kernels/comm/nccl.h or cuda_ipc.h) and a
+// The CUDA sides of a Buffer: the windows of an engine (transport/nccl.h or cuda_ipc.h) and a
 // cuda::Rank on each of them (kernels/cuda/rank.h).
 #include "ffi/backends.h"
-#include "kernels/comm/cuda_ipc.h"
-#include "kernels/comm/nccl.h"
+#include "transport/cuda_ipc.h"
+#include "transport/nccl.h"
 #include "kernels/cuda/rank.h"
 
 namespace jax_ep {

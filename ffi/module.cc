@@ -9,11 +9,11 @@
 #include <nanobind/stl/vector.h>
 
 #include "ffi/backends.h"
-#include "kernels/comm/fd_socket.h"
+#include "transport/fd_socket.h"
 #include "kernels/limits.h"
 #ifdef JAX_EP_WITH_CUDA
-#include "kernels/comm/cuda_ipc.h"
-#include "kernels/comm/nccl.h"
+#include "transport/cuda_ipc.h"
+#include "transport/nccl.h"
 #endif
 
 namespace nb = nanobind;

@@ -630,7 +630,7 @@ def _comparable_pids(mine: dict, theirs: dict) -> bool:
 
 def descriptor_sockets(p: Plan, hello: dict) -> tuple[str, bytes, list]:
     """Where this process serves its windows' descriptors (the CPU engine's and CUDA IPC's,
-    kernels/comm/fd_socket.h), the job's secret that both ends check, and the processes allowed
+    transport/fd_socket.h), the job's secret that both ends check, and the processes allowed
     to ask: (socket name, secret, pids). The name carries the Buffer's key, the first process's
     nonce (a Buffer of an earlier run with the same key, still alive, cannot answer for this one)
     and this process's number. Process ids are checked where every process of this host shares

@@ -1,5 +1,5 @@
 """The GPU engine choice (jax_ep/bootstrap.py: JAX_EP_ENGINE, NCCL or CUDA IPC) and the
-descriptor passing of the CUDA-IPC engine (kernels/comm/fd_socket.h), which need no GPU."""
+descriptor passing of the CUDA-IPC engine (transport/fd_socket.h), which need no GPU."""
 
 import os
 import secrets

@@ -5,6 +5,7 @@ job on 127.0.0.1 binds the address it publishes.)"""
 
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -119,7 +120,12 @@ def test_ctrl_c_ends_a_wait_at_creation_at_once(tmp_path):
         time.sleep(1.5)  # inside the wait
         sent = time.monotonic()
         procs[0].send_signal(signal.SIGINT)
-        procs[0].wait(timeout=30)
+        try:
+            procs[0].wait(timeout=30)
+        except subprocess.TimeoutExpired:  # where it waits: its threads' stacks, in its log
+            procs[0].send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            raise AssertionError(f"no exit 30 s after SIGINT:\n{logs[0].read_text()[-6000:]}") from None
         took = time.monotonic() - sent
     finally:
         for proc in procs:

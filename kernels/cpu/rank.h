@@ -1,5 +1,5 @@
 // The CPU backend: one Rank per CPU device of an EP group, its window and its peers' windows
-// mapped in this process (kernels/comm/shm.h), the same protocol as on GPUs (kernels/window.h).
+// mapped in this process (transport/shm.h), the same protocol as on GPUs (kernels/window.h).
 //
 // XLA:CPU calls each device's handlers on its own threads and may run independent work of one
 // device in any order, also between processes. So no handler ever blocks: it queues its op on

@@ -1,5 +1,5 @@
 // The CUDA backend's rank: one GPU of an EP group, the windows of its group as this GPU reaches
-// them (kernels/comm/nccl.h), and what its kernels need to find their peers and give up on them.
+// them (transport/nccl.h), and what its kernels need to find their peers and give up on them.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -77,7 +77,7 @@ struct RankConfig {
   uint64_t first_op;  // ops are numbered from first_op + 1
 };
 
-// A rank of either engine (kernels/comm/nccl.h, cuda_ipc.h): `peers` are the group's windows as
+// A rank of either engine (transport/nccl.h, cuda_ipc.h): `peers` are the group's windows as
 // `device` reaches them, `engine` holds what they live in; its window gets its owner's words.
 // Throws on a CUDA error.
 std::shared_ptr<Rank> make_rank(const RankConfig& config, int group, int rank, int device,

@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/comm/engine.h"
+#include "transport/engine.h"
 
 namespace jax_ep::fd_socket {
 class Server;

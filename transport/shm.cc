@@ -1,4 +1,4 @@
-#include "kernels/comm/shm.h"
+#include "transport/shm.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -10,7 +10,7 @@
 #include <fstream>
 #include <stdexcept>
 
-#include "kernels/comm/fd_socket.h"
+#include "transport/fd_socket.h"
 
 namespace jax_ep::shm {
 namespace {

@@ -1,4 +1,4 @@
-#include "kernels/comm/nccl.h"
+#include "transport/nccl.h"
 
 #include <cuda_runtime.h>
 #include <dlfcn.h>

@@ -23,7 +23,7 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/comm/engine.h"
+#include "transport/engine.h"
 
 namespace jax_ep::cuda_ipc {
 
@@ -43,7 +43,7 @@ class Engine {
   // Allocates, zeroes and exports the windows of this process's ranks (device, group, rank) and,
   // if a rank of their groups lives in another process, serves them at the abstract socket
   // `socket_name` (or another name if it is taken: socket()) to the processes `pids` (empty: any
-  // of this user) that send `secret` (kernels/comm/fd_socket.h).
+  // of this user) that send `secret` (transport/fd_socket.h).
   Engine(const std::string& socket_name, const std::string& secret, const std::vector<int>& pids,
          int num_ranks, const std::vector<Member>& local, size_t window_bytes);
   std::string socket() const;              // "" when nothing is served

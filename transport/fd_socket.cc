@@ -1,4 +1,4 @@
-#include "kernels/comm/fd_socket.h"
+#include "transport/fd_socket.h"
 
 #include <fcntl.h>
 #include <poll.h>

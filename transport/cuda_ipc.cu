@@ -1,4 +1,4 @@
-#include "kernels/comm/cuda_ipc.h"
+#include "transport/cuda_ipc.h"
 
 #include <cuda.h>  // the driver's types and prototypes only: its functions are looked up below
 #include <cuda_runtime.h>
@@ -10,7 +10,7 @@
 #include <mutex>
 #include <stdexcept>
 
-#include "kernels/comm/fd_socket.h"
+#include "transport/fd_socket.h"
 
 namespace jax_ep::cuda_ipc {
 namespace {
