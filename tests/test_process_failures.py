@@ -125,7 +125,8 @@ def test_ctrl_c_ends_a_wait_at_creation_at_once(tmp_path):
         except subprocess.TimeoutExpired:  # where it waits: its threads' stacks, in its log
             procs[0].send_signal(signal.SIGUSR1)
             time.sleep(2)
-            raise AssertionError(f"no exit 30 s after SIGINT:\n{logs[0].read_text()[-6000:]}") from None
+            out = logs[0].read_text()[-6000:]
+            raise AssertionError(f"no exit 30 s after SIGINT:\n{out}") from None
         took = time.monotonic() - sent
     finally:
         for proc in procs:
