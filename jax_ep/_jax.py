@@ -153,7 +153,9 @@ def _token_input(self, effect, devices):
         else:
             self.current_tokens[effect] = token
             # Already where JAX would put it: JAX's device_put of it again costs ~0.1 ms a call.
-            if getattr(token._buf, "sharding", None) == _token_sharding(tuple(devices)):
+            if getattr(getattr(token, "_buf", None), "sharding", None) == _token_sharding(
+                tuple(devices)
+            ):
                 return token
     return _jax_token_input(self, effect, devices)
 
