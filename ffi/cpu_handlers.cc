@@ -67,6 +67,7 @@ ffi::Future run_part(cpu::Rank& rank, uint64_t op, Part part, std::function<std:
   bool sending = sends(part), receiving = receives(part);
   // A stage that fails here: the failed op's parts leave NaN; later ops fail with the error.
   auto failed = [&](const std::function<std::string()>& stage) {
+    cpu::FlushDenormals flushing;  // as on the worker: its sums round as XLA's and the reference's
     std::string error = stage();
     if (error.empty()) return false;
     rank.broken(op, error);

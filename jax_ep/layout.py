@@ -299,11 +299,17 @@ def reduce_expert_rows(expert_out, weights, expert_src, expert_rows):
     (weights [C] or None = 1) and summed in expert order. The adjoint of expand_rows.
     expert_src is only used by the gradient."""
     acc = jnp.zeros((expert_rows.shape[0], expert_out.shape[1]), jnp.float32)
+    # On CPUs each product is rounded before its sum (a barrier): XLA:CPU (jax 0.12.1) may fuse
+    # the two into one multiply-add, rounding once, in one program and not in another, and the
+    # paths agree bit for bit there. GPUs compare within a tolerance; the barrier would cost a
+    # pass over the rows per slot.
+    rounded = jax.default_backend() == "cpu"
     for m in range(expert_rows.shape[1]):
         index = expert_rows[:, m]
         value = take(expert_out, index).astype(jnp.float32)
         if weights is not None:
             value = value * take(weights, index)[:, None]
+            value = jax.lax.optimization_barrier(value) if rounded else value
         acc = jnp.where((index >= 0)[:, None], acc + value, acc)
     return acc
 

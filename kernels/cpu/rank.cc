@@ -43,7 +43,32 @@ void precise_sleeps() {
 #endif
 }
 
+uint64_t float_mode() {
+#if defined(__x86_64__) || defined(__i386__)
+  return _mm_getcsr();
+#elif defined(__aarch64__)
+  uint64_t fpcr;
+  asm volatile("mrs %0, fpcr" : "=r"(fpcr));
+  return fpcr;
+#else
+  return 0;
+#endif
+}
+
+void set_float_mode(uint64_t mode) {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_setcsr(static_cast<unsigned>(mode));
+#elif defined(__aarch64__)
+  asm volatile("msr fpcr, %0" ::"r"(mode));
+#else
+  (void)mode;
+#endif
+}
+
 }  // namespace
+
+FlushDenormals::FlushDenormals() : saved_(float_mode()) { flush_denormals(); }
+FlushDenormals::~FlushDenormals() { set_float_mode(saved_); }
 
 Rank::Rank(const Window& window, int group, int rank, std::vector<uint8_t*> windows,
            std::shared_ptr<void> keep, double timeout_s, uint64_t first_op)

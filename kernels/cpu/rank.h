@@ -27,6 +27,20 @@ namespace jax_ep::cpu {
 
 using Done = std::function<void(const std::string& error)>;
 
+// While it lives, the calling thread computes with denormals flushed to zero, as XLA:CPU's
+// computations and the rank's own threads do; the thread's mode is restored after. For a stage
+// of an op run on a thread of XLA's (which need not flush at that moment).
+class FlushDenormals {
+ public:
+  FlushDenormals();
+  ~FlushDenormals();
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+
+ private:
+  uint64_t saved_;
+};
+
 class Rank {
  public:
   // windows[r]: rank r's window as mapped here; `keep` keeps the mappings alive.
