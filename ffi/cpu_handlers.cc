@@ -58,7 +58,7 @@ ffi::Future available() {
 }
 
 // Op `op`'s part (its send stage, its recv stage, or both): each stage that would not wait runs
-// here, on XLA's thread, at once (Rank::ready_to_send / ready_to_receive): at small sizes the
+// here, on XLA's thread, at once (Rank::ready_to_send / ready_soon): at small sizes the
 // hand-offs to the worker and back are most of an op. The first stage that would wait, and what
 // follows it, go to the worker. A stage that fails here leaves the part's poison and breaks the
 // rank, as on the worker.

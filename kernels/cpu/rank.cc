@@ -109,20 +109,20 @@ void Rank::run(uint64_t op, std::function<std::string()> job, std::function<void
 
 bool Rank::ready_to_send(uint64_t op) const { return idle() && slot_free(op); }
 
-bool Rank::ready_to_receive(uint64_t op) const {
-  if (!idle()) return false;
-  for (int s = 0; s < window.num_ranks; ++s)
-    if (load_acquire(word(rank, window.counts_at(int(op % kSlots), s))) < op) return false;
-  return true;
-}
-
 bool Rank::ready_soon(uint64_t op) const {
+  if (!idle()) return false;  // nothing else of the rank can start meanwhile: checked once
   using Clock = std::chrono::steady_clock;
   const auto until = Clock::now() + std::chrono::microseconds(kReadySoonUs);
-  while (!ready_to_receive(op)) {
+  while (!counts_in(op)) {
     if (Clock::now() > until) return false;
     std::this_thread::yield();
   }
+  return true;
+}
+
+bool Rank::counts_in(uint64_t op) const {
+  for (int s = 0; s < window.num_ranks; ++s)
+    if (load_acquire(word(rank, window.counts_at(int(op % kSlots), s))) < op) return false;
   return true;
 }
 

@@ -58,15 +58,13 @@ class Rank {
   // before it starts is the same as a failed one (poisoned if it is of the abort's op).
   void run(uint64_t op, std::function<std::string()> job, std::function<void()> poison, Done done);
 
-  // Whether a send (or recv) part of op `op` would run without waiting: nothing of the rank is
-  // queued, running, broken or aborted, and every word the part waits for is written already
-  // (send: the slot is free; recv: every count record of the op has come). Such a part may run
-  // on the caller's thread (no hand-off to the worker and back); a part that fails there is
-  // reported with broken().
+  // Whether a send (or recv) stage of op `op` runs without waiting: nothing of the rank is
+  // queued, running, broken or aborted, and every word the stage waits for is written already
+  // (send: the slot is free; recv: every count record of the op has come, or comes within a few
+  // microseconds, bounded so that the caller's thread is never held up for long). Such a stage
+  // may run on the caller's thread (no hand-off to the worker and back); a stage that fails
+  // there is reported with broken().
   bool ready_to_send(uint64_t op) const;
-  bool ready_to_receive(uint64_t op) const;
-  // ready_to_receive, or becomes so within a few microseconds (the peers are a moment behind);
-  // bounded, so that the caller's thread is never held up for long.
   bool ready_soon(uint64_t op) const;
   // Op `op` failed with `error` outside the worker: the rank is broken, as when a job fails.
   void broken(uint64_t op, const std::string& error);
@@ -118,7 +116,8 @@ class Rank {
     bool stop = false;
   };
   bool idle() const;
-  bool slot_free(uint64_t op) const;
+  bool slot_free(uint64_t op) const;  // the waits of wait_slot_free, done
+  bool counts_in(uint64_t op) const;  // the waits of received_rows, done
   static void work(std::shared_ptr<Queues> q, const Rank* rank);
   static void complete(std::shared_ptr<Queues> q);
 
