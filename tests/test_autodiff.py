@@ -548,14 +548,20 @@ def _tanh_layer_y(x, idx, w, bias, layout, fp8, ranks):
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("layout", ["rank", "expert", "expert_padded"])
 def test_nan_in_padding_reaches_no_result_or_gradient(layout, fp8):
+    check_nan_in_padding(layout, fp8)
+
+
+def check_nan_in_padding(layout, fp8, devices=None):
     """expert_out NaN on every padding row (expert layout: alignment padding and the rows past
     the groups too), and the combine's weights NaN there: y and the gradients of x, topk_weights,
     expert_out and bias are finite; y, x's and topk_weights' are the closed form
     (tests/oracle.py), the bias's is y's cotangent, expert_out's is 0 on every padding row, and
-    the two paths agree."""
-    ranks, tokens, hidden = 2, 4, 128
-    mesh = make_mesh(ranks)
+    the two paths agree. One rank per device of `devices` (tests/test_gpu.py), else 2 CPU
+    devices."""
+    ranks, tokens, hidden = len(devices) if devices else 2, 4, 128
+    mesh = make_mesh(ranks, devices=devices)
     x, idx, w, bias, c = _routed_inputs(51, ranks, tokens, hidden, unused=0.2)
+    idx[0] = -1  # a token routed nowhere: padding in the rank layout at any rank count
     alignment = 4 if layout == "expert" else 1
     capacity = default_capacity(layout, ranks, tokens, K, E // ranks, alignment)
     blocks = (E // ranks, capacity) if layout == "expert_padded" else (capacity,)

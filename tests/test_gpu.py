@@ -27,6 +27,7 @@ from helpers import (
     random_inputs,
     run,
 )
+from test_autodiff import check_nan_in_padding
 
 import jax_ep
 
@@ -722,3 +723,9 @@ def test_cuda_expert_padded_call_shapes(kind, num_local, k, hidden):
     """The expert_padded call alone, with duplicate experts and drops, for slot counts and row
     sizes that take the kernel's other paths."""
     check_expert_padded_call(np.random.default_rng(k), kind, 1500, 300, num_local, k, hidden)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("layout", ["rank", "expert", "expert_padded"])
+def test_cuda_nan_in_padding_reaches_no_result_or_gradient(layout, fp8):
+    check_nan_in_padding(layout, fp8, gpus())
