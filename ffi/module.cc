@@ -99,7 +99,8 @@ NB_MODULE(_native, m) {
           nb::arg("num_ranks"), nb::arg("experts_per_rank"), nb::arg("hidden"), nb::arg("num_topk"),
           nb::arg("rows_per_source"), nb::arg("element_bytes"))
       .def("total_bytes", &Window::total_bytes)
-      .def("row_bytes", &Window::row_bytes);
+      .def("row_bytes", &Window::row_bytes)
+      .def("rows_at", &Window::rows_at);  // the control words' bytes: the rows start there
 
   nb::class_<NativeBuffer>(m, "NativeBuffer").def("status", &NativeBuffer::status);
   m.def("register_buffer", &register_buffer, nb::arg("key"), nb::arg("buffer"));

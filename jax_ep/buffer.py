@@ -13,29 +13,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _jax, bootstrap
+from jax_ep import _jax, bootstrap, memory
 from jax_ep import layout as layouts
 from jax_ep.fp8 import FP8_BLOCK, dequantize_fp8
 from jax_ep.hierarchical import Hierarchical
+from jax_ep.memory import FLOAT_ROWS, is_integer
 from jax_ep.primitives import all_varying, as_stored, start
 from jax_ep.reference import Reference
 from jax_ep.types import DispatchResult, Handle, Pending, Receipt
 
-_LAYOUTS = ("rank", "expert", "expert_padded")
 _MODES = ("auto", "normal", "low_latency")
-FLOAT_ROWS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))  # what rows and sums may be
 
 
 _SERIALS = itertools.count(1)
-
-
-def _is_integer(value):
-    if isinstance(value, (bool, np.bool_)):  # True is 1 to Python, not a count
-        return False
-    try:
-        return int(value) == value
-    except (TypeError, ValueError):
-        return False
 
 
 @functools.cache
@@ -107,8 +97,7 @@ class DispatchSpec:
     split: bool  # dispatch_send/dispatch_recv halves, or the whole op up front
 
 
-def _fail(message):
-    raise ValueError(f"jax_ep: {message}")
+_fail = memory.fail
 
 
 def _check_flag(value, name):
@@ -200,33 +189,18 @@ class Buffer:
         num_nodes = math.prod(mesh.shape[a] for a in outer_axes)
         ranks_per_node = mesh.shape[fast_axis]
         num_ranks = num_nodes * ranks_per_node
-        for name, value in (
-            ("num_experts", num_experts),
-            ("hidden", hidden),
-            ("num_topk", num_topk),
-            ("max_tokens_per_rank", max_tokens_per_rank),
-            ("num_sms", num_sms),
-        ):
-            if not _is_integer(value) or value < 1:
-                _fail(f"{name} must be a positive integer, got {value!r}")
-        num_experts, hidden, num_topk = int(num_experts), int(hidden), int(num_topk)
-        max_tokens_per_rank, num_sms = int(max_tokens_per_rank), int(num_sms)
-        if num_experts % num_ranks:
-            _fail(
-                f"num_experts={num_experts} must be divisible by the {num_ranks} ranks of "
-                f"axis {axis_name!r}"
-            )
-        if num_ranks * max_tokens_per_rank > layouts.MAX_RANK_ROWS:
-            _fail(
-                f"the rows a rank can receive, {num_ranks} ranks x max_tokens_per_rank="
-                f"{max_tokens_per_rank}, must be at most {layouts.MAX_RANK_ROWS}"
-            )
+        num_experts, hidden, num_topk, max_tokens_per_rank, num_sms = memory.positive_integers(
+            num_experts=num_experts,
+            hidden=hidden,
+            num_topk=num_topk,
+            max_tokens_per_rank=max_tokens_per_rank,
+            num_sms=num_sms,
+        )
+        memory.check_group(num_ranks, num_experts, max_tokens_per_rank, f"axis {axis_name!r}")
         if low_latency_tokens is None:
             low_latency_tokens = min(num_nodes * max_tokens_per_rank, 256)
         if impl not in ("auto", "ffi", "reference"):
             _fail(f"impl must be 'auto', 'ffi' or 'reference', got {impl!r}")
-        if jnp.dtype(max_row_dtype) not in FLOAT_ROWS:
-            _fail(f"max_row_dtype must be float32 or bfloat16, got {max_row_dtype!r}")
         if not timeout_s > 0:
             _fail(f"timeout_s must be positive, got {timeout_s!r}")
         self.mesh, self.axis_name = mesh, axis_name
@@ -236,7 +210,7 @@ class Buffer:
         self.num_local_experts = num_experts // num_ranks
         self.hidden, self.num_topk = hidden, num_topk
         self.max_tokens_per_rank = max_tokens_per_rank
-        self.max_row_dtype = jnp.dtype(max_row_dtype)
+        self.max_row_dtype = memory.row_dtype(max_row_dtype, "max_row_dtype")
         self.impl = _resolve_impl(impl)
         _check_flag(check_invalid, "check_invalid")
         self.check_invalid = bool(check_invalid)
@@ -275,15 +249,14 @@ class Buffer:
         self._reference, self._ops = reference, fast
 
     def _window(self):
-        from jax_ep import _native
-
-        return _native.Window(
+        return memory.window(
+            self.num_nodes,
             self._ranks_per_node,
-            self.num_local_experts,
+            self.num_experts,
             self.hidden,
             self.num_topk,
-            self._fast_tokens(self.max_tokens_per_rank),
-            self.max_row_dtype.itemsize,
+            self.max_tokens_per_rank,
+            self.max_row_dtype,
         )
 
     def _fast_tokens(self, tokens):
@@ -293,7 +266,8 @@ class Buffer:
     @property
     def memory_bytes(self):
         """The communication window each rank of the Buffer holds, in bytes (on a tuple axis
-        the fast leg's, sized for the M * max_tokens_per_rank tokens the node leg brings)."""
+        the fast leg's, sized for the M * max_tokens_per_rank tokens the node leg brings):
+        jax_ep.memory_plan's "window", computed by the same function (jax_ep/memory.py)."""
         return self._window().total_bytes() if self.impl == "ffi" else 0
 
     def _connect(self, num_sms, timeout_s, low_latency_tokens, direct_local):
@@ -310,7 +284,7 @@ class Buffer:
         nodes = f"{self.num_nodes} nodes x " if self.num_nodes > 1 else ""
         if timeout_s > bounds["max_timeout_s"]:
             _fail(f"timeout_s must be at most {bounds['max_timeout_s']:g}, got {timeout_s!r}")
-        if not _is_integer(low_latency_tokens) or not 0 <= low_latency_tokens <= min(
+        if not is_integer(low_latency_tokens) or not 0 <= low_latency_tokens <= min(
             fast_tokens, bounds["max_in_block_tokens"]
         ):
             _fail(
@@ -550,16 +524,7 @@ class Buffer:
             _check(topk_weights, "topk_weights", (tokens, self.num_topk), (jnp.float32,))
         else:
             topk_weights = jnp.zeros(topk_idx.shape, jnp.float32)
-        if layout_name not in _LAYOUTS:
-            _fail(f"layout must be one of {', '.join(map(repr, _LAYOUTS))}, got {layout_name!r}")
-        if not _is_integer(alignment) or alignment < 1:
-            _fail(f"expert_alignment must be a positive integer, got {alignment!r}")
-        alignment = int(alignment)
-        if layout_name == "expert_padded" and alignment != 1:
-            _fail(
-                f"expert_alignment must be 1 in the expert_padded layout (every expert's block "
-                f"has `capacity` rows), got {alignment!r}"
-            )
+        alignment = memory.check_layout(layout_name, alignment)
         spec = DispatchSpec(
             x=x,
             topk_idx=topk_idx,
@@ -567,7 +532,15 @@ class Buffer:
             has_weights=has_weights,
             layout=layout_name,
             alignment=alignment,
-            capacity=self._capacity(layout_name, alignment, capacity),
+            capacity=memory.output_capacity(
+                layout_name,
+                alignment,
+                capacity,
+                self.num_ranks,
+                self.max_tokens_per_rank,
+                self.num_topk,
+                self.num_local_experts,
+            ),
             fp8=fp8,
             round_scale=round_scale,
             low_latency=low_latency,
@@ -850,8 +823,7 @@ class Buffer:
                 topk_weights = topk_weights.reshape(-1)
             if partial_dtype is None:
                 partial_dtype = self.max_row_dtype
-            if jnp.dtype(partial_dtype) not in FLOAT_ROWS:
-                _fail(f"partial_dtype must be float32 or bfloat16, got {partial_dtype!r}")
+            memory.row_dtype(partial_dtype, "partial_dtype")
             row_data = layouts.reduce_expert_rows(
                 expert_out.reshape(-1, self.hidden),
                 topk_weights,
@@ -959,11 +931,7 @@ class Buffer:
             )
 
     def _check_row_dtype(self, rows, name):
-        if rows.dtype.itemsize > self.max_row_dtype.itemsize:
-            _fail(
-                f"{name} is {rows.dtype.name}, wider than this Buffer's rows "
-                f"(max_row_dtype={self.max_row_dtype.name})"
-            )
+        memory.check_row_width(rows.dtype, self.max_row_dtype, name)
 
     def _check_x(self, x, fp8, round_scale):
         _check_flag(fp8, "fp8")
@@ -1000,28 +968,3 @@ class Buffer:
                 f"{self._low_latency_tokens} tokens per rank, x has {fast_tokens}{nodes}"
             )
         return mode != "normal" and fast_tokens <= self._low_latency_tokens
-
-    def _capacity(self, layout_name, alignment, capacity):
-        if capacity is None:
-            capacity = layouts.default_capacity(
-                layout_name,
-                self.num_ranks,
-                self.max_tokens_per_rank,
-                self.num_topk,
-                self.num_local_experts,
-                alignment,
-            )
-        if not _is_integer(capacity) or capacity < 1:
-            _fail(f"capacity must be a positive integer, got {capacity!r}")
-        if layout_name == "expert" and capacity % alignment:
-            _fail(
-                f"capacity={capacity} must be a multiple of expert_alignment={alignment} in the "
-                f"expert layout"
-            )
-        rows = capacity * (self.num_local_experts if layout_name == "expert_padded" else 1)
-        if rows > layouts.MAX_RANK_ROWS:
-            _fail(
-                f"the {layout_name} layout's {rows} rows (capacity={capacity}) exceed "
-                f"{layouts.MAX_RANK_ROWS}: give a smaller capacity"
-            )
-        return int(capacity)

@@ -54,15 +54,6 @@ def exclusive_cumsum(values, axis=0):
     return jnp.cumsum(values, axis=axis, dtype=jnp.int32) - values.astype(jnp.int32)
 
 
-def default_capacity(layout, num_ranks, max_tokens, num_topk, experts_per_rank, alignment):
-    """Output rows when the caller gives no capacity: the worst case, so nothing is dropped.
-    (expert_padded: rows per expert.)"""
-    if layout in ("rank", "expert_padded"):
-        return num_ranks * max_tokens
-    worst = num_ranks * max_tokens * min(num_topk, experts_per_rank)
-    return align_up(worst + (alignment - 1) * experts_per_rank, alignment)
-
-
 def max_experts_per_row(num_topk, experts_per_rank):
     return min(num_topk, experts_per_rank)
 

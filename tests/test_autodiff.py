@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep.fp8 import dequantize_fp8
-from jax_ep.layout import default_capacity
+from jax_ep.memory import default_capacity
 
 T, H, E, K = 8, 128, 16, 4
 

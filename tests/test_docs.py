@@ -3,6 +3,7 @@ README's Python runs as written, the docs point only at files that exist, bench/
 files they cite and no others, and every number of a benchmark table is in the result file that
 the table names."""
 
+import ast
 import glob
 import inspect
 import json
@@ -61,6 +62,7 @@ def test_api_names_every_argument_attribute_and_field():
         "Buffer attributes": attributes,
         "DispatchResult fields": list(jax_ep.DispatchResult._fields),
         "jax_ep": list(jax_ep.__all__),
+        "memory_plan()": parameters(jax_ep.memory_plan),
     }
     names.update({f"{name}()": [name, *parameters(fn)] for name, fn in methods.items()})
     missing = {
@@ -69,6 +71,47 @@ def test_api_names_every_argument_attribute_and_field():
         if (gaps := [n for n in found if n not in documented])
     }
     assert not missing, f"not in docs/API.md: {missing}"
+
+
+# The "Planning memory" table's columns: the plan's keys summed, and memory_plan's modes.
+MEMORY_COLUMNS = {
+    "window, float32 rows (default)": (("window",), {}),
+    "window, bfloat16 rows": (("window",), dict(max_row_dtype=jnp.bfloat16)),
+    "expert buffer, float32 x": (("expert_buffer",), {}),
+    "expert buffer, bfloat16 x": (("expert_buffer",), dict(max_row_dtype=jnp.bfloat16)),
+    "expert buffer, FP8 with scales": (("expert_buffer", "scales"), dict(fp8=True)),
+    "expert buffer, FP8 with scales, `capacity_factor=1.25`": (
+        ("expert_buffer", "scales"),
+        dict(fp8=True, capacity_factor=1.25),
+    ),
+}
+
+
+def test_the_memory_table_is_memory_plans():
+    """docs/API.md's V3 table, in GiB to the digits shown, recomputed by jax_ep.memory_plan."""
+    section = read("docs/API.md").split("## Planning memory")[1].split("\n## ")[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    table = [line for line in lines if line.startswith("| EP layout |")]
+    assert len(table) == 1, "the Planning memory section has one table of EP layouts"
+    start = lines.index(table[0])
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
+    assert header[:3] == ["EP layout", "`axis_sizes`", "experts"]
+    assert header[3:] == list(MEMORY_COLUMNS), header
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[start + 2 :]]
+    assert len(rows) == 4
+    for label, sizes, experts, *cells in rows:
+        for column, cell in zip(MEMORY_COLUMNS.values(), cells, strict=True):
+            keys, modes = column
+            plan = jax_ep.memory_plan(
+                ast.literal_eval(sizes.strip("`")),
+                num_experts=int(experts),
+                hidden=7168,
+                num_topk=8,
+                max_tokens_per_rank=4096,
+                **modes,
+            )
+            want = sum(plan[k] for k in keys) / 2**30
+            assert cell == f"{want:.{len(cell.partition('.')[2])}f}", (label, column, cell)
 
 
 def test_the_check_sees_a_missing_name():

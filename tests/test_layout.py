@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import jax_ep
 from jax_ep import layout
 from jax_ep.fp8 import dequantize_fp8, divide_rounded, float_to_e4m3
+from jax_ep.memory import default_capacity
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -37,15 +38,6 @@ def test_fp8_dequantize_is_close():
     )
 
 
-def test_default_capacity():
-    assert layout.default_capacity("rank", 4, 100, 8, 16, 1) == 400
-    # expert layout: R*N*min(K, E_l) + (a-1)*E_l, aligned to a
-    assert layout.default_capacity("expert", 4, 100, 8, 16, 1) == 3200
-    assert layout.default_capacity("expert", 2, 10, 8, 4, 128) == layout.align_up(
-        2 * 10 * 4 + 127 * 4, 128
-    )
-
-
 @settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
@@ -58,7 +50,7 @@ def test_expert_layout_matches_oracle(seed, alignment, kind, cut):
     rows, k, num_local = 24, 4, 6
     topk = routing(kind, rng, rows, num_local, k, 1)
     w = rng.random((rows, k)).astype(np.float32)
-    full = layout.default_capacity("expert", 1, rows, k, num_local, alignment)
+    full = default_capacity("expert", 1, rows, k, num_local, alignment)
     capacity = full if cut is None else layout.align_up(int(full * cut), alignment)
     maps = layout.expert_layout(jnp.asarray(topk), num_local, alignment, capacity)
     weights = layout.expert_weights(

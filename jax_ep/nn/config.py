@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 from typing import Any
 
 import jax.numpy as jnp
 
-from jax_ep.buffer import FLOAT_ROWS
 from jax_ep.fp8 import FP8_BLOCK
+from jax_ep.memory import FLOAT_ROWS, check_capacity_factor
 from jax_ep.nn import grouped
 
 # The config's counts and the least each may be.
@@ -122,11 +121,7 @@ class MoEConfig:
                 f"jax_ep.nn: max_nodes_per_token must be a positive integer or None, got "
                 f"{self.max_nodes_per_token!r}"
             )
-        if self.capacity_factor is not None and not 0 < self.capacity_factor < math.inf:
-            raise ValueError(
-                f"jax_ep.nn: capacity_factor must be positive and finite or None, got "
-                f"{self.capacity_factor!r}"
-            )
+        check_capacity_factor(self.capacity_factor)
         if jnp.dtype(self.combine_partial_dtype) not in FLOAT_ROWS:
             raise ValueError(
                 f"jax_ep.nn: combine_partial_dtype must be float32 or bfloat16, got "

@@ -20,7 +20,6 @@ parallelism (capacity drops and the combine's partial sums modelled), for tests 
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import layout
+from jax_ep import memory
 from jax_ep.buffer import Buffer
 from jax_ep.fp8 import FP8_BLOCK, quantize_fp8
 from jax_ep.nn import grouped
@@ -127,24 +126,17 @@ def check_inputs(cfg: MoEConfig, params, x):
 def expert_capacity(cfg: MoEConfig, tokens_per_rank, num_ranks):
     """Expert-layout rows per rank for cfg.capacity_factor (None without one): each local
     expert's share of the balanced T * K rows, times the factor, aligned; at most the rows
-    that hold every token. No tokens: None (no capacity to size)."""
+    that hold every token (jax_ep.memory.factor_capacity, which memory_plan sizes by too). No
+    tokens: None (no capacity to size)."""
     if cfg.capacity_factor is None or tokens_per_rank == 0:
         return None
-    experts_per_rank = cfg.num_experts // num_ranks
-    balanced = tokens_per_rank * cfg.num_topk / experts_per_rank
-    rows = experts_per_rank * layout.align_up(
-        math.ceil(cfg.capacity_factor * balanced), cfg.expert_alignment
-    )
-    return min(
-        rows,
-        layout.default_capacity(
-            "expert",
-            num_ranks,
-            tokens_per_rank,
-            cfg.num_topk,
-            experts_per_rank,
-            cfg.expert_alignment,
-        ),
+    return memory.factor_capacity(
+        cfg.capacity_factor,
+        num_ranks,
+        tokens_per_rank,
+        cfg.num_topk,
+        cfg.num_experts // num_ranks,
+        cfg.expert_alignment,
     )
 
 
@@ -275,7 +267,7 @@ def grouped_matmul_path(
     "_fp8_dgrad" where their row gradients are FP8 products too, for the gate/up and the down
     projection) with tokens_per_rank tokens of `dtype` per rank; fp8_weights: whether the call
     gets fp8_weights (which make an fp8 layer's gate and up projections FP8)."""
-    rows = expert_capacity(cfg, tokens_per_rank, num_ranks) or layout.default_capacity(
+    rows = expert_capacity(cfg, tokens_per_rank, num_ranks) or memory.default_capacity(
         "expert",
         num_ranks,
         tokens_per_rank,
