@@ -42,7 +42,6 @@ wrong results later.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from typing import Any
 
@@ -137,12 +136,11 @@ _jax_token_result = dispatch.RuntimeTokenSet.set_token_result
 _jax_execute = pxla.ExecuteReplicated.__call__
 
 
-@functools.lru_cache(maxsize=64)
-def _token_sharding(devices: tuple) -> jax.sharding.NamedSharding:
-    """The sharding JAX gives a program's input token on these devices (get_token_input)."""
-    return jax.sharding.NamedSharding(
-        jax.sharding.Mesh(devices, "x"), jax.sharding.PartitionSpec("x")
-    )
+def _on_devices(token, devices) -> bool:
+    """Whether a token's buffer has one shard on each of `devices`, in their order: what the
+    program takes as its input token there."""
+    sharding = getattr(getattr(token, "_buf", None), "sharding", None)
+    return getattr(sharding, "_device_assignment", None) == tuple(devices)
 
 
 def _token_input(self, effect, devices):
@@ -152,10 +150,11 @@ def _token_input(self, effect, devices):
             self.current_tokens.pop(effect, None)
         else:
             self.current_tokens[effect] = token
-            # Already where JAX would put it: JAX's device_put of it again costs ~0.1 ms a call.
-            if getattr(getattr(token, "_buf", None), "sharding", None) == _token_sharding(
-                tuple(devices)
-            ):
+            # Already on the program's devices: handed on as it is, so that the device orders
+            # the programs. JAX's own path would wait on the host until the last program is
+            # over, then put a new token on the devices (array.py's _token_shard_arg): each
+            # launch would wait for the one before to finish.
+            if _on_devices(token, devices):
                 return token
     return _jax_token_input(self, effect, devices)
 
