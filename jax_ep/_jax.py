@@ -20,12 +20,13 @@ holds an error (`_token_input`); a Buffer stopped by a timeout raises on its nex
 itself. JAX also raises every failed token again at the interpreter's exit: closing a Buffer
 whose last program failed lets go of that program's tokens (`release_tokens`).
 
-And a fourth, which any FP8 user of jax.checkpoint meets: jax.checkpoint rounds every saved
-float residual with reduce_precision(exponent_bits, mantissa_bits) of its dtype, and XLA's
-reduce_precision has IEEE semantics, where the top exponent means inf or NaN. float8_e4m3fn
-(jax_ep's FP8 rows) has no inf and uses that exponent for 256..448: a saved FP8 row came back
-NaN in every such element. For float types without inf the rounding keeps one more exponent bit
-(`_remat_residual_rounding`), which leaves their values as they are.
+And a fourth, a JAX bug that jax_ep's FP8 rows meet (docs/API.md has the report for JAX):
+jax.checkpoint rounds every saved float residual with reduce_precision(exponent_bits,
+mantissa_bits) of its dtype, and XLA's reduce_precision has IEEE semantics, where the top
+exponent means inf or NaN. float8_e4m3fn (jax_ep's FP8 rows) has no inf and uses that exponent
+for 256..448: a saved FP8 row came back NaN in every such element. In a checkpoint around a
+Buffer's calls, float types without inf keep one more exponent bit (`_remat_residual_rounding`),
+which leaves their values as they are; other checkpoints are JAX's own.
 
 Also here: jax.distributed's key-value store (`distributed_client`, where the processes of a
 mesh meet to bring a Buffer up) and its coordinator's address (`coordinator_address`), and the
@@ -233,7 +234,10 @@ def _has_inf(dtype) -> bool:
 
 
 def _remat_residual_rounding(jaxpr, num_res):
+    uses_buffer = any(isinstance(e, BufferOrder) for e in jaxpr.effects)
     jaxpr = _jax_insert_reduce_precision(jaxpr, num_res)
+    if not uses_buffer:  # only checkpoints around a Buffer's calls: other programs get JAX's
+        return jaxpr
     eqns = list(jaxpr.eqns)
     for i, eqn in enumerate(eqns):
         dtype = eqn.outvars[0].aval.dtype if eqn.primitive is reduce_precision_p else None
@@ -261,7 +265,7 @@ def install():
     """Applies the mends above, once per process, when its first Buffer is made: importing
     jax_ep changes nothing in JAX, and a process that makes no Buffer runs JAX's own code. Each
     mend hands JAX every effect and program that is not a Buffer's unchanged (the float8
-    rounding excepted, which keeps the values of float8_e4m3fn residuals of any program)."""
+    rounding too, which changes only checkpoints around a Buffer's calls)."""
     with _install:
         for owner, name, mend in _MENDS:
             if getattr(owner, name) is not mend:

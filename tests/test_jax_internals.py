@@ -71,22 +71,53 @@ def test_importing_jax_ep_changes_nothing_in_jax_and_a_buffer_mends_it():
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stdout + out.stderr[-3000:]
 
 
-def test_a_float8_residual_saved_by_checkpoint_keeps_its_values():
-    """float8_e4m3fn has no inf: 256..448 use the top exponent. jax.checkpoint's rounding of saved
-    residuals must leave them finite (XLA's reduce_precision would make them NaN)."""
+def test_a_float8_residual_of_a_buffer_program_saved_by_checkpoint_keeps_its_values():
+    """float8_e4m3fn has no inf: 256..448 use the top exponent, and every FP8 row has its block
+    maxima at 448. jax.checkpoint's rounding of saved residuals (XLA's reduce_precision) must leave
+    a Buffer's FP8 rows finite: the gradient that reads the saved rows equals the one without
+    checkpoint."""
+    import numpy as np
+    from helpers import put, random_inputs
     from jax.ad_checkpoint import checkpoint_name
+
+    import jax_ep
+    from jax_ep.fp8 import dequantize_fp8
+
+    mesh = make_mesh(2)
+    x, idx, w = random_inputs(np.random.default_rng(3), 2, 4, 128, 4, 2, 2, "random", jnp.float32)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=4, hidden=128, num_topk=2, max_tokens_per_rank=4)
+
+    def loss(a, x, idx, w):
+        d = buf.dispatch(x, idx, w, layout="rank", fp8=True)
+        q = checkpoint_name(d.x, "q")
+        return jnp.sum(dequantize_fp8(q, d.scales) * a[: q.shape[0]], keepdims=True)
+
+    def total(per_rank):
+        f = jax.shard_map(per_rank, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        return lambda a, *rest: jnp.sum(f(a, *rest))
+
+    a = jnp.ones((2 * 2 * 4, 128), jnp.float32)  # a rank's rows: 2 sources x 4 tokens
+    args = put(mesh, a, x, idx, w)
+    saving_q = jax.checkpoint(loss, policy=jax.checkpoint_policies.save_only_these_names("q"))
+    want = jax.jit(jax.grad(total(loss)))(*args)
+    got = jax.jit(jax.grad(total(saving_q)))(*args)
+    assert np.isfinite(np.asarray(want)).all() and np.abs(np.asarray(want)).max() > 0
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_checkpoints_without_a_buffer_round_as_jax_does():
+    """The float8 mend changes only checkpoints around a Buffer's calls: any other jaxpr gets
+    JAX's own rounding, the same object."""
+    from jax._src import ad_checkpoint
 
     _jax.install()  # as a process's first Buffer does
 
     def f(x):
-        q = checkpoint_name((x * jnp.array([1.0, 300.0, -448.0])).astype(jnp.float8_e4m3fn), "q")
-        return jnp.sum(q.astype(jnp.float32) * x)
+        return (x * 300.0).astype(jnp.float8_e4m3fn)
 
-    saving_q = jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names("q"))
-    x = jnp.ones((3,), jnp.float32)
-    want = jax.grad(f)(x)
-    assert jnp.isfinite(want).all()
-    assert (jax.jit(jax.grad(saving_q))(x) == want).all()
+    jaxpr = jax.make_jaxpr(f)(jnp.ones(3)).jaxpr
+    assert _jax._remat_residual_rounding(jaxpr, 1) is _jax._jax_insert_reduce_precision(jaxpr, 1)
+    assert ad_checkpoint._insert_reduce_precision is _jax._remat_residual_rounding
 
 
 def test_every_call_takes_its_operands_through_an_optimization_barrier():
