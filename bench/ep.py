@@ -122,13 +122,19 @@ class Timer:
         seconds(self.short), seconds(self.long)  # compile and warm up
         short = min(seconds(self.short) for _ in range(repeats))
         long = min(seconds(self.long) for _ in range(repeats))
-        if trace:  # both programs once more, under the profiler: the steps' kernels
-            print(f"  {trace}: device kernels per step:", flush=True)
-            self.kernels = kernel_summary(
-                device_kernels(self.long, args), self.steps, fewer=device_kernels(self.short, args)
-            )
-            print_summary(self.kernels)
+        if trace:
+            self.trace(args, trace)
         return (long - short) / self.steps
+
+    def trace(self, args, label):
+        """Both programs once more, under the profiler: the steps' kernels (kernel_summary), in
+        self.kernels, printed under `label`."""
+        print(f"  {label}: device kernels per step:", flush=True)
+        self.kernels = kernel_summary(
+            device_kernels(self.long, args), self.steps, fewer=device_kernels(self.short, args)
+        )
+        print_summary(self.kernels)
+        return self.kernels
 
 
 def repeat(op):
@@ -153,8 +159,7 @@ def harness_seconds(mesh, x, idx, steps, trace=False):
     """Per-step time of the timing harness itself (the step's tick, an op that only slices):
     subtracted from every implementation's time. With trace, its kernels are printed: a copy
     among them would be subtracted from ops that do not make it."""
-    timer = Timer(mesh, lambda x, i: (x, i, ()), repeat(lambda v, i: (v[:1],)), *steps)
-    seconds = timer((x, idx), trace="harness" if trace else None)
+    seconds = harness_timer(mesh, steps)((x, idx), trace="harness" if trace else None)
     if seconds > HARNESS_WARN_S:  # 3-5 us a step where XLA copies nothing
         print(
             f"WARNING: the harness takes {seconds * 1e6:.1f} us a step: XLA likely copies x every "
@@ -163,6 +168,11 @@ def harness_seconds(mesh, x, idx, steps, trace=False):
             flush=True,
         )
     return seconds
+
+
+def harness_timer(mesh, steps):
+    """A Timer of the harness alone: each step's tick and an op that only slices."""
+    return Timer(mesh, lambda x, i: (x, i, ()), repeat(lambda v, i: (v[:1],)), *steps)
 
 
 def buffer_ops(buf, fp8, mode="auto", lay="rank", capacity=None):
@@ -207,6 +217,20 @@ def op_timers(mesh, dispatch, combine, expert_rows, steps):
         ),
         "combine": Timer(mesh, combine_prologue, repeat(combine), *steps),
     }
+
+
+def cached_dispatch_timer(mesh, buf, dispatch, fp8, steps):
+    """A Timer of buf's dispatch with a cached handle, that of one fresh dispatch (buffer_ops's
+    `dispatch`) before the steps."""
+
+    def cached_outputs(x, handle):
+        d = buf.dispatch(x, handle=handle, fp8=fp8)
+        return (d.x, d.scales) if fp8 else (d.x,)
+
+    def cached_prologue(x, idx):
+        return x, dispatch(x, idx)[0].handle, ()
+
+    return Timer(mesh, cached_prologue, repeat(cached_outputs), *steps)
 
 
 def result(impl, op, tokens, raw, harness, received_bytes, crossed_bytes, **fields):
@@ -282,16 +306,8 @@ def bench_size(
                 return jax_ep.dequantize_fp8(q, parts[1]).astype(jnp.bfloat16)
 
         timers = op_timers(mesh, dispatch, combine, expert_rows, steps)
-        if cached:  # the steps' routing is the handle of one fresh dispatch
-
-            def cached_outputs(x, handle, buf=buf):
-                d = buf.dispatch(x, handle=handle, fp8=fp8)
-                return (d.x, d.scales) if fp8 else (d.x,)
-
-            def cached_prologue(x, idx, dispatch=dispatch):
-                return x, dispatch(x, idx)[0].handle, ()
-
-            timers["dispatch"] = Timer(mesh, cached_prologue, repeat(cached_outputs), *steps)
+        if cached:
+            timers["dispatch"] = cached_dispatch_timer(mesh, buf, dispatch, fp8, steps)
 
         def round_trip(x, idx, dispatch=dispatch, combine=combine, expert_rows=expert_rows):
             d, _ = dispatch(x, idx)

@@ -13,18 +13,13 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
+import tempfile
+
+from bench.process_group import finish, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(scenario, num_processes, devices_per_process, env=None, output=None):
@@ -68,18 +63,17 @@ def launch(scenario, num_processes, devices_per_process, timeout=600, env=None):
     """Runs `scenario` in num_processes processes; [(returncode, stdout + stderr)] per process
     (a process still running `timeout` s after the start prints its threads' stacks and is
     killed: returncode None)."""
-    procs = start(scenario, num_processes, devices_per_process, env)
-    results, deadline = [], time.monotonic() + timeout
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append((proc.returncode, out))
-        except subprocess.TimeoutExpired:  # its threads' Python stacks first (_start), then kill
-            proc.send_signal(signal.SIGUSR1)
-            time.sleep(2)
-            proc.kill()
-            results.append((None, proc.communicate()[0]))
-    return results
+    files = [tempfile.TemporaryFile("w+") for _ in range(num_processes)]
+    try:
+        codes = finish(start(scenario, num_processes, devices_per_process, env, files), timeout)
+        outputs = []
+        for f in files:
+            f.seek(0)
+            outputs.append(f.read())
+        return list(zip(codes, outputs))
+    finally:
+        for f in files:
+            f.close()
 
 
 def _start(process, num_processes, port, devices):

@@ -2,16 +2,32 @@
 the same round trip (dispatch, dequantise, combine) as jax_ep; --nodes times a tuple-axis Buffer
 and each of its legs. (XLA:CPU has no ragged-all-to-all, so that baseline runs on GPUs only.)
 bench/grouped_matmul.py's cases and decode MLP at a tiny shape. bench/versus_deepgemm.py's
-reading of its CUDA program's output, from a stand-in program."""
+reading of its CUDA program's output, from a stand-in program. bench/versus_deepep.py's routing,
+byte accounting and whole run on CPUs (its DeepEP side fails there, as it should be recorded)."""
 
+import contextlib
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
 import pytest
 
-from bench import ep, expert_padded, expert_rows, fp8_accuracy, harness, probe, versus_deepgemm
+from bench import (
+    ep,
+    expert_padded,
+    expert_rows,
+    fp8_accuracy,
+    harness,
+    probe,
+    process_group,
+    versus_deepep,
+    versus_deepgemm,
+)
 from bench.ep import JAX_EP, bench_size, table
 from bench.trace import device_kernels, kernel_summary
 
@@ -285,3 +301,125 @@ def test_call_cost_times_each_program_with_placed_and_unplaced_inputs(tmp_path):
     for r in record["results"]:
         assert set(r["ms_per_call"]) == set(call_cost.PROGRAMS)
         assert all(math.isfinite(ms) and ms > 0 for ms in r["ms_per_call"].values())
+
+
+# ---- bench.versus_deepep (DeepEP beside jax_ep, R processes on one GPU)
+
+SMALL = dict(tokens=8, hidden=256, num_experts=16, num_topk=4, steps=(1, 2))
+
+
+def test_deepep_comparison_routes_every_library_alike():
+    """Each rank's inputs depend on the seed and the rank only (both libraries' workers call
+    rank_routing and rank_tokens): distinct experts, weights summing to 1; the rows each rank
+    receives are those bench.ep's wire_rows counts on every rank's routing."""
+    idx, w = versus_deepep.rank_routing(SMALL, 1, 0)
+    again, _ = versus_deepep.rank_routing(SMALL, 1, 0)
+    other, _ = versus_deepep.rank_routing(SMALL, 2, 0)
+    np.testing.assert_array_equal(idx, again)
+    assert not np.array_equal(idx, other)
+    assert idx.shape == (8, 4) and idx.dtype == np.int32 and w.dtype == np.float32
+    assert all(len(set(row)) == 4 for row in idx.tolist()) and idx.min() >= 0 and idx.max() < 16
+    np.testing.assert_allclose(w.sum(axis=1), 1, rtol=1e-6)
+    assert versus_deepep.rank_tokens(SMALL, 1, 0).shape == (8, 256)
+    for num_ranks in (2, 4):
+        every = np.concatenate(
+            [versus_deepep.rank_routing(SMALL, r, 3)[0] for r in range(num_ranks)]
+        )
+        np.testing.assert_array_equal(
+            versus_deepep.received_rows(SMALL, num_ranks, 3),
+            ep.wire_rows(every, num_ranks, 16).sum(axis=0),
+        )
+
+
+def test_deepep_comparison_counts_bytes_as_deepep_does():
+    """Logical bytes: received rows (own included) x an FP8 row (H bytes + H/128 float32
+    scales) for dispatches, a BF16 row (2H bytes) for combine; GB/s per rank, then the mean;
+    an op some rank did not report is left out."""
+    assert versus_deepep.op_row_bytes("dispatch", 7168) == 7168 + 56 * 4
+    assert versus_deepep.op_row_bytes("cached_dispatch", 7168) == 7392
+    assert versus_deepep.op_row_bytes("combine", 7168) == 2 * 7168
+    reports = [
+        [dict(op="dispatch", time_us=10.0, kernel_us=5.0), dict(op="combine", time_us=4.0)],
+        [dict(op="dispatch", time_us=20.0, kernel_us=10.0)],
+    ]
+    (r,) = versus_deepep.summarize("deepep", 2, "v3", dict(SMALL), reports, np.array([100, 300]))
+    assert r["op"] == "dispatch" and r["time_us"] == 15.0 and r["kernel_us"] == 7.5
+    row = 256 + 8
+    assert r["bytes_per_rank"] == [100 * row, 300 * row]
+    assert r["logical_gbps"] == pytest.approx((100 * row / 10 + 300 * row / 20) / 2 / 1e3)
+    assert r["kernel_gbps"] == pytest.approx(2 * r["logical_gbps"])
+    assert versus_deepep.kernel_times(
+        [
+            dict(
+                cat="kernel", name="void deep_ep::intranode::combine<bf16, 2>(int*, float)", dur=30
+            ),
+            dict(
+                cat="kernel", name="void deep_ep::intranode::combine<bf16, 2>(int*, float)", dur=10
+            ),
+            dict(cat="cpu_op", name="aten::empty", dur=99),
+        ],
+        calls=2,
+    ) == {"deep_ep::intranode::combine<bf16, 2>": 20.0}
+
+
+def test_deepep_comparison_records_both_sides_and_goes_on_after_a_failure(
+    tmp_path, monkeypatch, capsys
+):
+    """The whole command on CPUs at a tiny shape, without MPS: jax_ep's 2-process group times
+    every op (JAX's CPU devices, one per process), DeepEP's fails (no deep_ep here) and the run
+    records its error, writes the record and prints the table with both columns."""
+    monkeypatch.setitem(ep.CONFIGS, "ll", dict(ep.CONFIGS["ll"], **SMALL))
+    monkeypatch.setattr(versus_deepep, "private_mps", lambda: contextlib.nullcontext({}))
+    monkeypatch.setitem(versus_deepep.WORKER_ENV, "JAX_PLATFORMS", "cpu")
+    flags = os.environ.get("XLA_FLAGS", "").split()  # one CPU device per worker process
+    monkeypatch.setenv("XLA_FLAGS", " ".join(f for f in flags if "device_count" not in f))
+    code = versus_deepep.main(
+        ["--processes", "2", "--config", "ll", "--deepep", str(tmp_path / "none"), "--no-kernels"]
+        + ["--machine", "test", "--out", str(tmp_path), "--group-timeout", "400"]
+    )
+    assert code == 1  # DeepEP's group failed
+    (path,) = tmp_path.glob("versus-deepep-test-*.json")
+    with open(path) as f:
+        record = json.load(f)
+    assert "--processes 2" in record["command"] and record["shapes"]["ll"]["tokens"] == 8
+    ours, theirs = record["groups"]
+    assert ours["library"] == "jax_ep" and ours["error"] is None, ours
+    assert ours["exit_codes"] == [0, 0] and ours["received_rows_as_routed"]
+    assert theirs["library"] == "deepep" and "deep_ep" in theirs["error"], theirs
+    results = record["results"]
+    assert [(r["library"], r["op"]) for r in results] == [
+        ("jax_ep", op) for op in ("dispatch", "combine", "cached_dispatch")
+    ]
+    assert all(len(r["ranks"]) == 2 and r["kernel_us"] is None for r in results)
+    table_lines = capsys.readouterr().out.split("deepep/jax_ep time")[-1].splitlines()
+    assert [line.split()[:3] for line in table_lines[1:4]] == [
+        ["ll", "2", op] for op in ("dispatch", "combine", "cached_dispatch")
+    ]
+
+
+def test_deepep_comparison_refuses_what_it_cannot_run():
+    for argv in (["--config", "v4"], ["--libraries", "nccl"], ["--processes", "3"]):
+        with pytest.raises(SystemExit):
+            versus_deepep.main(argv)
+
+
+def test_deepep_comparison_needs_mps(monkeypatch, tmp_path):
+    """Without MPS the ranks' spin-waiting kernels cannot meet on one GPU: the run stops at
+    once, saying why, before any group starts."""
+    monkeypatch.setattr(process_group.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit, match="nvidia-cuda-mps-control is not on the PATH"):
+        versus_deepep.main(["--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
+
+
+def test_process_group_waits_kills_the_late_and_cuts_a_failed_group_short():
+    """finish(): a process that exits with an error leaves its peers `grace` seconds (not the
+    whole timeout); one still running then is killed (None)."""
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+        subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"]),
+    ]
+    assert process_group.finish(procs, timeout=60, grace=1) == [None, 3]
+    assert time.monotonic() - start < 20
+    assert process_group.finish([subprocess.Popen([sys.executable, "-c", ""])], 60) == [0]

@@ -7,14 +7,14 @@ tests/gpu_process_scenarios.py (process start-up and compiles are slow); each te
 its case's verdict from every process; only the groups of the selected tests run (`-k
 4-processes`: the four processes' only). Run with bench/run_gpu.sh processes."""
 
+import contextlib
 import os
-import shutil
-import subprocess
-import tempfile
 
 import pytest
 from gpu_process_scenarios import case_names
 from processes import launch
+
+from bench.process_group import MPSUnavailable, private_mps
 
 pytestmark = pytest.mark.gpu
 
@@ -23,37 +23,14 @@ PROCESS_COUNTS = [2, 4]
 
 @pytest.fixture(scope="module")
 def mps():
-    """A private MPS control daemon (its own pipe and log directories), stopped at the end;
-    skips, saying why, where it cannot start."""
-    control = shutil.which("nvidia-cuda-mps-control")
-    if control is None:
-        pytest.skip(
-            "nvidia-cuda-mps-control is not on the PATH: without MPS the ranks' kernels "
-            "cannot run at once on one GPU"
-        )
-    pipe, log = (
-        tempfile.mkdtemp(prefix="jax_ep_mps_pipe_"),
-        tempfile.mkdtemp(prefix="jax_ep_mps_log_"),
-    )
-    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=log)
-    started = subprocess.run([control, "-d"], env=env, capture_output=True, text=True, timeout=60)
-    if started.returncode != 0:
-        pytest.skip(
-            f"the MPS daemon did not start (exit {started.returncode}): "
-            f"{(started.stdout + started.stderr).strip()[-500:]}"
-        )
-    try:
-        yield {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": log}
-    finally:
-        subprocess.run(
-            [control], input="quit\n", env=env, capture_output=True, text=True, timeout=60
-        )
-        for name in os.listdir(log):
-            if name.endswith(".log"):
-                with open(os.path.join(log, name)) as f:
-                    print(f"--- MPS {name}:\n{f.read()[-3000:]}")
-        shutil.rmtree(pipe, ignore_errors=True)
-        shutil.rmtree(log, ignore_errors=True)
+    """bench.process_group's private MPS daemon for the module; skips, saying why, where it
+    cannot start."""
+    with contextlib.ExitStack() as stack:
+        try:
+            env = stack.enter_context(private_mps())
+        except MPSUnavailable as e:
+            pytest.skip(str(e))
+        yield env
 
 
 def selected_counts(request):
