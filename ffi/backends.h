@@ -58,6 +58,7 @@ class CpuBuffer : public NativeBuffer {
   void stop_serving();
   ~CpuBuffer() override;
   std::string status() const override;
+  void peer_ended(int group, int rank) override;
 
  private:
   Window window_;
@@ -84,6 +85,7 @@ class CudaBuffer : public NativeBuffer {
              bool direct_local, uint64_t first_op, const std::function<bool()>& interrupted);
   ~CudaBuffer() override;
   std::string status() const override;
+  void peer_ended(int group, int rank) override;
 };
 
 // CUDA devices of one host, without NCCL: windows in VMM memory shared between the processes
@@ -102,6 +104,7 @@ class CudaIpcBuffer : public NativeBuffer {
   void stop_serving();
   ~CudaIpcBuffer() override;
   std::string status() const override;
+  void peer_ended(int group, int rank) override;
 
  private:
   std::shared_ptr<cuda_ipc::Engine> engine_;  // the ranks keep it too

@@ -22,6 +22,9 @@ class NativeBuffer : public std::enable_shared_from_this<NativeBuffer> {
   // The error that stopped one of this process's ranks (or an abort a peer wrote into its
   // window), or "": read without synchronising with the device.
   virtual std::string status() const = 0;
+  // The process holding rank `rank` of EP group `group` has ended (ffi/ended.h): this process's
+  // ranks of the group stop waiting for it.
+  virtual void peer_ended(int group, int rank) = 0;
   // This Buffer's rank on `device` (a local device ordinal), or null.
   void* rank_on(int device) const {
     auto it = ranks.find(device);

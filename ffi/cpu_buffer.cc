@@ -26,6 +26,11 @@ std::string CpuBuffer::status() const {
   return {};
 }
 
+void CpuBuffer::peer_ended(int group, int rank) {
+  for (const auto& [device, r] : ranks)
+    if (auto* mine = static_cast<cpu::Rank*>(r.get()); mine->group == group) mine->peer_ended(rank);
+}
+
 std::string CpuBuffer::socket() const { return engine_->socket(); }
 
 std::vector<std::string> CpuBuffer::notes() const { return engine_->notes(); }

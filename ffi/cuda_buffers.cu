@@ -15,6 +15,12 @@ std::string ranks_status(const std::map<int, std::shared_ptr<void>>& ranks) {
   return {};
 }
 
+void ranks_peer_ended(const std::map<int, std::shared_ptr<void>>& ranks, int group, int rank) {
+  for (const auto& [device, r] : ranks)
+    if (auto* mine = static_cast<const cuda::Rank*>(r.get()); mine->group == group)
+      mine->peer_ended(rank);
+}
+
 size_t window_allocation(const Window& window) {
   return size_t(align_bytes(window.total_bytes(), 4096));
 }
@@ -43,6 +49,8 @@ CudaBuffer::CudaBuffer(const Window& window, const std::string& nccl_library, do
 CudaBuffer::~CudaBuffer() { ranks.clear(); }
 
 std::string CudaBuffer::status() const { return ranks_status(ranks); }
+
+void CudaBuffer::peer_ended(int group, int rank) { ranks_peer_ended(ranks, group, rank); }
 
 CudaIpcBuffer::CudaIpcBuffer(const Window& window, const std::string& socket_name,
                              const std::string& secret, const std::vector<int>& pids,
@@ -76,5 +84,7 @@ void CudaIpcBuffer::stop_serving() { engine_->stop(); }
 CudaIpcBuffer::~CudaIpcBuffer() { ranks.clear(); }
 
 std::string CudaIpcBuffer::status() const { return ranks_status(ranks); }
+
+void CudaIpcBuffer::peer_ended(int group, int rank) { ranks_peer_ended(ranks, group, rank); }
 
 }  // namespace jax_ep

@@ -9,6 +9,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "ffi/backends.h"
+#include "ffi/ended.h"
 #include "transport/fd_socket.h"
 #include "kernels/limits.h"
 #ifdef JAX_EP_WITH_CUDA
@@ -106,6 +107,10 @@ NB_MODULE(_native, m) {
   m.def("register_buffer", &register_buffer, nb::arg("key"), nb::arg("buffer"));
   m.def("forget_buffer", &forget_buffer, nb::arg("key"));
   m.def("forget_all_buffers", &forget_all_buffers);
+  m.def("watch_buffer", &watch_buffer, nb::arg("buffer"), nb::arg("rank_processes"));
+  m.def("watch_process", &watch_process, nb::arg("process"), nb::arg("fd"), nb::arg("message"));
+  m.def("ended_processes", &ended_processes);
+  m.def("stop_watching", &stop_watching, nb::call_guard<nb::gil_scoped_release>());
 
   m.def("cpu_targets", [] { return as_handlers(cpu_targets()); });
   m.def("cpu_state_type", [] { return state_type(cpu_state_type_id(), cpu_state_type_info()); });

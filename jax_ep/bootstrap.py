@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import secrets
+import selectors
 import socket
 import threading
 import time
@@ -119,10 +120,11 @@ def first_op():
     return value
 
 
-def blocking_get(client, key: str, timeout_s: float, *, as_bytes: bool = False):
+def blocking_get(client, key: str, timeout_s: float, *, as_bytes: bool = False, needs=()):
     """The value of `key` in the key-value store, waiting up to timeout_s for it to be set: in
     calls of at most SLICE_S, so that Python handles signals (Ctrl-C) between them. Raises what
-    the store raised: DEADLINE_EXCEEDED once timeout_s is over."""
+    the store raised: DEADLINE_EXCEEDED once timeout_s is over; PeersEnded at once where a
+    process of `needs` has ended."""
     get = client.blocking_key_value_get_bytes if as_bytes else client.blocking_key_value_get
     deadline = time.monotonic() + timeout_s
     while True:
@@ -132,6 +134,8 @@ def blocking_get(client, key: str, timeout_s: float, *, as_bytes: bool = False):
         except Exception as e:
             if "DEADLINE_EXCEEDED" not in str(e) or time.monotonic() >= deadline:
                 raise
+            if gone := ended().intersection(needs):
+                raise PeersEnded(gone) from None
 
 
 def _wait_all(p: Plan, step: str, timeout_s: float):
@@ -142,7 +146,14 @@ def _wait_all(p: Plan, step: str, timeout_s: float):
     deadline = time.monotonic() + timeout_s
     try:
         for q in p.processes:
-            blocking_get(client, f"{prefix}/{q}", max(deadline - time.monotonic(), 0.001))
+            blocking_get(
+                client,
+                f"{prefix}/{q}",
+                max(deadline - time.monotonic(), 0.001),
+                needs=p.processes,
+            )
+    except PeersEnded as e:
+        raise RuntimeError(f"jax_ep: {e} before reaching '{step}' of creating a Buffer") from None
     except Exception:
         missing = [q for q in p.processes if not _try_get(client, f"{prefix}/{q}")]
         raise RuntimeError(
@@ -160,17 +171,27 @@ def _try_get(client, key):
 
 
 _ALIVE = b"+"  # a running process's answer on its liveness socket
+# What a listener that closes sends the connections it holds (ffi/ended.h reads it): its process
+# goes on without a Buffer, or its interpreter exits. A connection closed without either byte
+# means that the process was killed or crashed.
+_GOODBYE = b"-"
+_EXITING = b"x"
 _CLOSED = "closed"  # its liveness address in the store once it closed its last Buffer
 _exiting = False  # set at the interpreter's exit
 _liveness_lock = threading.Lock()  # guards the two below (never held while waiting for a peer)
 _listener = None  # this process's liveness listener, while a Buffer that announced it is open
 _listening_for: set[int] = set()  # the keys of those Buffers
 _peer_liveness: dict[int, str] = {}  # the others' addresses, as last read from the store
+# How soon a watch finds a host that vanished without closing its connections (no FIN): TCP
+# keepalive probes after this many idle seconds, every as many seconds, this many times.
+WATCH_KEEPALIVE = (5, 5, 4)
 
 
 class Listener:
     """A TCP socket bound to `address` (never to every interface) and a thread that answers each
-    connection with one byte and closes it (serve_liveness). close() stops both."""
+    connection with one byte and holds it open until the other end closes it (serve_liveness):
+    a watcher (watch_peers) holds its connection for as long as the process runs. close() stops
+    both."""
 
     def __init__(self, family: int, address: str):
         self.server = socket.create_server((address, 0), family=family, backlog=64)
@@ -178,18 +199,20 @@ class Listener:
         self.address = f"[{address}]:{port}" if family == socket.AF_INET6 else f"{address}:{port}"
         self.key = None  # where the store holds the address
         self.stopping = threading.Event()
+        self.farewell = _GOODBYE  # what the held connections get at close()
         self.thread = threading.Thread(
             target=serve_liveness,
-            args=(self.server, self.stopping),
+            args=(self.server, self.stopping, self),
             name="jax_ep liveness",
             daemon=True,
         )
         self.thread.start()
 
-    def close(self):
+    def close(self, farewell: bytes = _GOODBYE):
+        self.farewell = farewell
         self.stopping.set()
         try:
-            self.server.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept()
+            self.server.shutdown(socket.SHUT_RDWR)  # wakes the thread's select()
         except OSError:
             pass
         self.thread.join(timeout=5)
@@ -197,12 +220,13 @@ class Listener:
 
 
 def announce_liveness(p: Plan, hello: dict):
-    """Lets the mesh's other processes ask whether this one still runs (stopped_processes): a
-    Listener on this host's address towards the others (local_address), its address in the
-    key-value store. One per process, shared by its Buffers: it closes with the last of them
-    (release_liveness), and the store then says so. When the process ends, however it ends, the
-    kernel closes the socket; while it is ending, its kernel may still accept a connection, but
-    no thread answers it."""
+    """Lets the mesh's other processes ask whether this one still runs (stopped_processes), and
+    watch it (watch_peers): a Listener on this host's address towards the others
+    (local_address), its address in the key-value store. One per process, shared by its
+    Buffers: it closes with the last of them (release_liveness), and the store then says so.
+    When the process ends, however it ends, the kernel closes the socket and the connections it
+    holds; while it is ending, its kernel may still accept a connection, but no thread answers
+    it."""
     global _listener
     if not p.multi_process:
         return
@@ -217,51 +241,156 @@ def announce_liveness(p: Plan, hello: dict):
 
 
 def release_liveness(key: int):
-    """Buffer `key` is gone: the listener closes if it was the last that announced it."""
-    global _listener
+    """Buffer `key` is gone: the listener closes if it was the last that announced it, and this
+    process stops watching the others."""
     with _liveness_lock:
         if key not in _listening_for:
             return
         _listening_for.discard(key)
         if _listening_for or _listener is None:
             return
-        listener, _listener = _listener, None
-        listener.close()
-        if _exiting:  # the closed port says that the process has ended
-            return
-        try:  # while it runs, the others learn that it has no Buffer open
-            distributed_client().key_value_set(listener.key, _CLOSED, allow_overwrite=True)
-        except Exception:  # jax.distributed already shut down: nobody asks any more
-            pass
+        _close_listener()
 
 
-def serve_liveness(server: socket.socket, stopping: threading.Event | None = None):
-    """Answers each connection to the listening `server` with one byte, until `stopping` is set
-    (or the socket is closed). An accept() that fails (out of descriptors, say) is logged and
-    tried again, ever more slowly: the thread never ends on it."""
-    failures = 0
-    while not (stopping is not None and stopping.is_set()):
-        try:
-            connection, _ = server.accept()
-        except OSError as e:
-            if (stopping is not None and stopping.is_set()) or server.fileno() < 0:
-                return
-            failures += 1
-            if failures == 1 or failures % 100 == 0:
-                _log.warning(
-                    "jax_ep: the liveness listener's accept() failed (%s; %d time(s) in a row); "
-                    "retrying",
-                    e,
-                    failures,
-                )
-            time.sleep(min(0.01 * failures, 1.0))
+def _close_listener():
+    """Closes the listener (held by _liveness_lock) and the watches. Its watchers learn why: at
+    the interpreter's exit that the process has ended, else that it has no Buffer open (as the
+    store says from then on to those that ask)."""
+    global _listener
+    from jax_ep import _native
+
+    listener, _listener = _listener, None
+    listener.close(_EXITING if _exiting else _GOODBYE)
+    _native.stop_watching()
+    if _exiting:  # the closed port says that the process has ended
+        return
+    try:
+        distributed_client().key_value_set(listener.key, _CLOSED, allow_overwrite=True)
+    except Exception:  # jax.distributed already shut down: nobody asks any more
+        pass
+
+
+def watch_peers(p: Plan):
+    """Watches the processes this one's ranks wait for (the others of its EP groups) and
+    jax.distributed's process 0 (which hosts the coordination service): a connection to each
+    one's liveness listener, held by jax_ep._native's thread (ffi/ended.h). When one ends
+    (killed, crashed; found at once, or by TCP keepalive where its host vanished), this
+    process's waits for its ranks give up (NaN results, the next call raises), and stderr says
+    so at once. Called once every process announced its listener and before the processes next
+    meet, so that every watch is in place when the Buffer is: a peer that ends later is seen."""
+    from jax_ep import _native
+
+    if not p.multi_process:
+        return
+    groups = {g for _, g, _ in p.local}
+    watched = {q for g in groups for q in p.rank_processes[g]} | ({0} & set(p.processes))
+    client = distributed_client()
+    for q in sorted(watched - {p.process} - ended()):
+        address = _read_liveness(client, q)
+        connection = _watch_connection(address) if address and address != _CLOSED else None
+        if connection is None:  # its Buffers' waits still end after timeout_s
+            _log.warning("jax_ep: cannot watch process %d (liveness address %s)", q, address)
             continue
-        failures = 0
-        with connection:
-            try:
-                connection.sendall(_ALIVE)
-            except OSError:  # the asker gave up
-                pass
+        message = (
+            f"jax_ep: process {q} has ended (its liveness connection to process {p.process} "
+            f"closed): the jax_ep ops here that wait for it stop now (their results NaN, the "
+            f"next call raises; Buffer.status() says more)."
+        )
+        if q == 0:
+            message += (
+                " It hosted jax.distributed's coordination service: JAX terminates this "
+                "process next."
+            )
+        _native.watch_process(q, connection.detach(), message + "\n")
+
+
+def _watch_connection(address: str) -> socket.socket | None:
+    """A connection to the liveness listener at `address` that answered, with TCP keepalive
+    (WATCH_KEEPALIVE), or None."""
+    host, port = address.rsplit(":", 1)
+    try:
+        connection = socket.create_connection((host.strip("[]"), int(port)), timeout=SLICE_S)
+    except OSError:
+        return None
+    try:
+        if connection.recv(len(_ALIVE)) != _ALIVE:
+            raise OSError("no answer")
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), WATCH_KEEPALIVE):
+            if hasattr(socket, option):
+                connection.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    except OSError:
+        connection.close()
+        return None
+    return connection
+
+
+def ended() -> set[int]:
+    """The processes that the liveness watch (watch_peers) found ended."""
+    from jax_ep import _native
+
+    return set(_native.ended_processes())
+
+
+class PeersEnded(RuntimeError):
+    """Processes that a wait of creation needs have ended (the liveness watch saw them end)."""
+
+    def __init__(self, processes):
+        self.processes = sorted(processes)
+        super().__init__(f"process(es) {self.processes} ended (their liveness connection closed)")
+
+
+def serve_liveness(server, stopping: threading.Event | None = None, listener=None):
+    """Answers each connection to the listening `server` with one byte and holds it open until
+    the other end closes it (a status() probe reads the byte and closes; a watch holds it); once
+    `stopping` is set (or the socket is closed), sends `listener.farewell` (else _GOODBYE) on
+    every connection it holds and closes them. An accept() that fails (out of descriptors, say)
+    is logged and tried again, ever more slowly: the thread never ends on it."""
+    held = selectors.DefaultSelector()
+    held.register(server, selectors.EVENT_READ)
+    failures = 0
+    try:
+        while not (stopping is not None and stopping.is_set()):
+            for key, _ in held.select():
+                if key.fileobj is not server:  # its other end closed (or wrote): done
+                    try:
+                        key.fileobj.recv(16)
+                    except OSError:
+                        pass
+                    held.unregister(key.fileobj)
+                    key.fileobj.close()
+                    continue
+                try:
+                    connection, _ = server.accept()
+                except OSError as e:
+                    if (stopping is not None and stopping.is_set()) or server.fileno() < 0:
+                        return
+                    failures += 1
+                    if failures == 1 or failures % 100 == 0:
+                        _log.warning(
+                            "jax_ep: the liveness listener's accept() failed (%s; %d time(s) "
+                            "in a row); retrying",
+                            e,
+                            failures,
+                        )
+                    time.sleep(min(0.01 * failures, 1.0))
+                    continue
+                failures = 0
+                try:
+                    connection.sendall(_ALIVE)
+                    held.register(connection, selectors.EVENT_READ)
+                except OSError:  # the asker gave up
+                    connection.close()
+    finally:
+        farewell = listener.farewell if listener is not None else _GOODBYE
+        for key in list(held.get_map().values()):
+            if key.fileobj is not server:
+                try:
+                    key.fileobj.sendall(farewell)
+                except OSError:
+                    pass
+                key.fileobj.close()
+        held.close()
 
 
 def _is_loopback(address: str) -> bool:
@@ -310,16 +439,20 @@ def local_address(p: Plan, hello: dict) -> tuple[int, str]:
 
 
 def stopped_processes(p: Plan, timeout_s: float = 2.0) -> dict:
-    """{process: why} for the mesh's other processes that no longer run (their liveness socket
-    refuses connections, or closes one unanswered: a process that is ending), do not answer
-    within timeout_s, or closed their last Buffer. Asks each once, at the address last read from
-    the store (read again where that one does not answer: the process may have moved to a new
-    listener); waits for nothing else. A process that has not announced itself is not asked."""
+    """{process: why} for the mesh's other processes that no longer run (the liveness watch saw
+    them end, their liveness socket refuses connections, or closes one unanswered: a process
+    that is ending), do not answer within timeout_s, or closed their last Buffer. Asks each
+    once, at the address last read from the store (read again where that one does not answer:
+    the process may have moved to a new listener); waits for nothing else. A process that has
+    not announced itself is not asked."""
     if not p.multi_process:
         return {}
-    client, stopped = distributed_client(), {}
+    client, stopped, gone = distributed_client(), {}, ended()
     for q in p.processes:
         if q == p.process:
+            continue
+        if q in gone:
+            stopped[q] = "it has ended"
             continue
         address = _peer_liveness.get(q) or _read_liveness(client, q)
         why = _why_stopped(address, timeout_s) if address else None
@@ -382,7 +515,9 @@ def share(p: Plan, name: str, make, owner: int, timeout_s: float) -> bytes:
         client.key_value_set_bytes(key, value)
         return value
     try:
-        return blocking_get(client, key, timeout_s, as_bytes=True)
+        return blocking_get(client, key, timeout_s, as_bytes=True, needs=(owner,))
+    except PeersEnded as e:
+        raise RuntimeError(f"jax_ep: {e} before sharing '{name}' of a Buffer") from None
     except Exception:
         raise RuntimeError(
             f"jax_ep: process {owner} did not share '{name}' within {timeout_s} s "
@@ -405,8 +540,11 @@ def check_same_arguments(p: Plan, arguments: dict, timeout_s: float):
         for q in p.processes[1:]:
             try:
                 theirs = blocking_get(
-                    client, f"{prefix}/{q}", max(deadline - time.monotonic(), 0.001)
+                    client, f"{prefix}/{q}", max(deadline - time.monotonic(), 0.001), needs=(q,)
                 )
+            except PeersEnded as e:
+                verdict = f"{e} before creating the Buffer"
+                break
             except Exception:
                 verdict = f"process {q} did not create the Buffer within {timeout_s} s"
                 break
@@ -421,7 +559,9 @@ def check_same_arguments(p: Plan, arguments: dict, timeout_s: float):
         verdict = _first_verdict(client, f"{prefix}/verdict", verdict)
     else:
         try:
-            verdict = blocking_get(client, f"{prefix}/verdict", timeout_s)
+            verdict = blocking_get(client, f"{prefix}/verdict", timeout_s, needs=(first,))
+        except PeersEnded as e:
+            verdict = f"{e} before giving its verdict on the Buffer's arguments"
         except Exception:
             # Said where the late first process reads it: it then fails at once rather than
             # waiting for this process in the next step (and every retry would be off by it).
@@ -567,8 +707,17 @@ def exchange(p: Plan, name: str, mine: dict, timeout_s: float) -> dict:
     for q in p.processes:
         try:
             out[q] = json.loads(
-                blocking_get(client, f"{prefix}/{q}", max(deadline - time.monotonic(), 0.001))
+                blocking_get(
+                    client,
+                    f"{prefix}/{q}",
+                    max(deadline - time.monotonic(), 0.001),
+                    needs=p.processes,
+                )
             )
+        except PeersEnded as e:
+            raise RuntimeError(
+                f"jax_ep: {e} before publishing '{name}' while creating a Buffer"
+            ) from None
         except Exception:
             missing = [
                 q for q in p.processes if q not in out and not _try_get(client, f"{prefix}/{q}")
@@ -660,6 +809,8 @@ def join_windows(p: Plan, native, hello: dict, timeout_s: float):
                 peers.append((group, rank, served[q]["socket"], pid))
     deadline = time.monotonic() + timeout_s
     while missing := native.connect(peers, max(min(SLICE_S, deadline - time.monotonic()), 0.001)):
+        if gone := ended().intersection(p.rank_processes[g][r] for g, r in missing):
+            raise RuntimeError(f"jax_ep: {PeersEnded(gone)} before serving their windows")
         if time.monotonic() >= deadline:
             names = ", ".join(
                 f"rank {r} of EP group {g} (process {p.rank_processes[g][r]}, socket "
@@ -670,6 +821,7 @@ def join_windows(p: Plan, native, hello: dict, timeout_s: float):
                 f"jax_ep: {names} did not serve its window within {timeout_s} s (did its "
                 f"process stop?)"
             )
+    watch_peers(p)
     meet(p, "connected", timeout_s)
     native.stop_serving()
 
@@ -692,6 +844,22 @@ def connect(p: Plan, window, *, timeout_s, num_sms, direct_local):
 
     forget()  # Buffers collected since: their memory first
     met = introductions(p, timeout_s)
+    announce_liveness(p, met)  # before any later step: the others watch it from the next
+    try:
+        native = _build(p, met, window, timeout_s, num_sms, direct_local)
+    except BaseException:
+        release_liveness(p.key)
+        raise
+    _native.register_buffer(p.key, native)
+    _native.watch_buffer(native, [list(r) for r in p.rank_processes])
+    _forget_at_exit()
+    return native
+
+
+def _build(p: Plan, met: dict, window, timeout_s, num_sms, direct_local):
+    """The native side of the Buffer on this process, once the processes met for it."""
+    from jax_ep import _native
+
     if p.platform == "cpu":
         _one_host(p, met)
         name, secret, pids = descriptor_sockets(p, met)
@@ -722,6 +890,7 @@ def connect(p: Plan, window, *, timeout_s, num_sms, direct_local):
             native = _native.CudaBuffer(
                 window, library, timeout_s, num_sms, list(p.local), ids, direct_local, first_op()
             )
+            watch_peers(p)
             meet(p, "connected", timeout_s)
         else:
             name, secret, pids = descriptor_sockets(p, met)
@@ -738,9 +907,6 @@ def connect(p: Plan, window, *, timeout_s, num_sms, direct_local):
             )
             join_windows(p, native, met, timeout_s)  # every window is zeroed when served
         engines[p.key] = engine
-    _native.register_buffer(p.key, native)
-    _forget_at_exit()
-    announce_liveness(p, met)
     return native
 
 
@@ -783,3 +949,7 @@ def _forget_at_exit_now():
     global _exiting
     _exiting = True
     forget()
+    with _liveness_lock:  # Buffers still open: their peers learn that this process exits
+        _listening_for.clear()
+        if _listener is not None:
+            _close_listener()

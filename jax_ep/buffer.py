@@ -152,7 +152,8 @@ class Buffer:
     their product, ranks row-major, the outer axes crossed by lax.all_to_all, the last by the
     custom calls (jax_ep/hierarchical.py; combine sums per node, then the nodes in order).
     impl: "auto" / "ffi" (custom calls) or "reference" (jax.lax collectives).
-    timeout_s bounds every wait for a peer (then an error naming it, never a hang). num_sms:
+    timeout_s bounds every wait for a peer (then an error naming it, never a hang; a peer whose
+    process has ended stops the waits at once: docs/API.md, "When a process dies"). num_sms:
     blocks of the CUDA kernels. low_latency_tokens (default min(N, 256), at most 1024, 0 =
     never): batches up to this size take the CUDA backend's single-kernel path.
     max_row_dtype: the widest element the Buffer's rows carry (float32; bfloat16 halves the
@@ -177,7 +178,7 @@ class Buffer:
         max_tokens_per_rank,
         impl="auto",
         num_sms=24,
-        timeout_s=100.0,
+        timeout_s=30.0,
         low_latency_tokens=None,
         check_invalid=False,
         max_row_dtype=jnp.float32,

@@ -65,6 +65,7 @@ enum Wait : int32_t {
   kWaitRelease = 3,  // a destination to release the slot
   kWaitLower = 4,    // the counts of the ranks before this one (rows it writes in place)
   kMismatch = 5,     // a source ran another op (its signature differs from this rank's)
+  kPeerEnded = 6,    // the peer's process has ended (jax_ep/bootstrap.py's liveness watch)
 };
 
 // The abort record, in every window of a group: the first rank to give up claims each window's
@@ -147,6 +148,11 @@ inline std::string abort_message(const AbortRecord& a, int group, int observer, 
            ")";
     m += ": every rank of a Buffer must run the same jax_ep ops, called from the same places, in "
          "the same order.";
+  } else if (a.code == kPeerEnded) {
+    m += "rank " + std::to_string(a.giver) + g + " stopped waiting for rank " +
+         std::to_string(a.peer) + " (op " + std::to_string(a.op) + "): the process of rank " +
+         std::to_string(a.peer) +
+         " has ended (its liveness connection closed; Buffer.status() names the process).";
   } else {
     m += "rank " + std::to_string(a.giver) + g + " waited more than " + std::to_string(timeout_s) +
          " s for rank " + std::to_string(a.peer) + " (" + what_waited(int64_t(a.code)) + ", op " +

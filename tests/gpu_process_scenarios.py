@@ -397,18 +397,16 @@ def tiny_dispatch(mesh, buf, fp8=False, dispatch=None):
     return program.lower(*args).compile(), args
 
 
-def expect_peer_error(program, args, peer):
-    """GPUs: the first call's kernel gives up after timeout_s and the next call raises; CPUs:
-    the first call raises. Either way the error names the peer."""
+def expect_peer_error(program, args, peer, why=("waited too long", "waited more than")):
+    """GPUs: the first call's kernel gives up (after timeout_s, or at once for a peer whose
+    process ended) and the next call raises; CPUs: the first call raises. Either way the error
+    names the peer, and one of `why`."""
     for _ in range(2):
         try:
             jax.block_until_ready(program(*args))
         except Exception as e:
             message = str(e)
-            assert f"rank {peer}" in message and (
-                "waited too long" in message  # GPUs
-                or "waited more than" in message
-            ), message[:2000]
+            assert f"rank {peer}" in message and any(w in message for w in why), message[:2000]
             return message.splitlines()[0]
     raise AssertionError(f"no error for rank {peer}, which never ran the op")
 
@@ -488,15 +486,19 @@ def timeout_case(mesh):
 
 
 def early_exit_case(mesh):
-    """The last process exits after creating a Buffer: the others' ops end in an error naming
-    its rank, and each goes on with a Buffer of its own GPU."""
+    """The last process exits after creating a Buffer: the others' ops end at once (their
+    liveness watch saw it end; timeout_s is 60 s) in an error naming its rank, and each goes on
+    with a Buffer of its own GPU."""
     last = mesh.size - 1
-    program, args = tiny_dispatch(mesh, tiny(mesh, 3.0))
+    program, args = tiny_dispatch(mesh, tiny(mesh, 60.0))
     meet_all("early-exit")  # every process compiled
     if jax.process_index() == last:
         print("CASE early-exit OK", flush=True)
         os._exit(0)
-    print("RAISED:", expect_peer_error(program, args, last), flush=True)
+    start = time.perf_counter()
+    ended = f"the process of rank {last} has ended"
+    print("RAISED:", expect_peer_error(program, args, last, (ended,)), flush=True)
+    assert time.perf_counter() - start < 30, "the op waited for the timeout"
     alone = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("ep",))
     program, args = tiny_dispatch(alone, tiny(alone, 20.0))
     assert int(np.asarray(program(*args).num_recv)[0]) == 4

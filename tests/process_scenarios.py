@@ -5,6 +5,7 @@ shards and raises on a mismatch."""
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import time
 
@@ -413,24 +414,28 @@ def op_numbers_past_2_to_the_32(mesh):
 
 
 def early_exit():
-    """Process 1 stops before the first op: process 0's op returns NaN after timeout_s, its next
-    call raises naming rank 1, and it goes on (a Buffer of its own devices works)."""
+    """Process 1 stops before the first op: process 0's op returns NaN at once (its liveness
+    watch saw process 1 end; timeout_s is 60 s), its next call raises naming rank 1, and it goes
+    on (a Buffer of its own devices works)."""
     mesh = global_mesh()
     buf = jax_ep.Buffer(
-        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=3
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=60
     )
     if jax.process_index() == 1:
         os._exit(0)
     x, idx, w, _ = inputs(mesh)
-    rows = run(mesh, lambda x, i, w: buf.dispatch(x, i, w).x, x, idx, w)  # the op that timed out
+    start = time.perf_counter()
+    rows = run(mesh, lambda x, i, w: buf.dispatch(x, i, w).x, x, idx, w)  # the op that stopped
     assert all(np.isnan(v.astype(np.float32)).all() for v in local(rows)[0].values())
+    assert time.perf_counter() - start < 30, "the op waited for the timeout"
+    ended = "stopped waiting for rank 1 (op 1): the process of rank 1 has ended"
     status = buf.status()
-    assert "waited more than 3" in status, status
+    assert ended in status, status
     assert "process 1 (rank 1 of 'ep') stopped: it has ended" in status, status
     try:  # the next call raises
         jax.block_until_ready(run(mesh, lambda x, i, w: buf.dispatch(x, i, w).x, x, idx, w))
     except Exception as e:
-        assert "waited more than 3" in str(e) and "for rank 1" in str(e), e
+        assert ended in str(e), e
         print("RAISED:", str(e).splitlines()[0])
     else:
         raise AssertionError("no error for a peer that never came")
@@ -631,3 +636,51 @@ def interrupted():
         os._exit(0)  # the coordination service would wait for process 1 at shutdown
     print("NOT INTERRUPTED", flush=True)
     os._exit(1)
+
+
+def dying():
+    """Dispatches in a loop until a process is killed (tests/test_process_failures.py sends
+    SIGKILL): each step's rows carry the step's number, so a survivor's step has this step's rows
+    or NaN, never another step's; the first NaN comes at once (the Buffer's timeout_s is 60 s: not
+    what ends it), status() names the killed process and the next call raises. A survivor then
+    waits: process 0 to be killed next ($THEN_PROCESS_0), the others for JAX to end them when it
+    is, printing what they saw meanwhile."""
+    mesh = global_mesh()
+    buf = jax_ep.Buffer(
+        mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=60
+    )
+    tokens = mesh.size * T
+    idx = np.full((tokens, K), -1, np.int32)
+    idx[:, 0] = np.arange(tokens) * 7 % E
+    step = runner(mesh, lambda x, i: buf.dispatch(x, i)._replace(handle=None))
+    me = jax.process_index()
+    for n in itertools.count():
+        tag = n * 1024 + np.arange(tokens, dtype=np.float32)  # every row: its step and token
+        d = step(np.repeat(tag[:, None], H, axis=1), idx)
+        if n == 1:
+            print("AT running", flush=True)
+        rows, ids, received = (local(leaf)[0] for leaf in (d.x, d.topk_idx, d.num_recv))
+        failed = {device for device, r in rows.items() if np.isnan(r).all()}
+        for device, r in rows.items():  # a rank's op may end before a peer's fails
+            valid = int(received[device][0])
+            if device in failed:
+                assert valid == 0 and (ids[device] == -1).all(), f"step {n}: a failed op's ids"
+                continue
+            assert valid > 0 and (r[:valid] // 1024 == n).all(), f"step {n}: another step's rows"
+            assert (r[valid:] == 0).all(), f"step {n}: padding rows that are not zeros"
+        if failed:
+            print(f"NAN at {time.time():.6f} in step {n}", flush=True)
+            break
+    status = buf.status()
+    print("STATUS:", status.replace("\n", " | "), flush=True)
+    try:
+        jax.block_until_ready(step(np.zeros((tokens, H), np.float32), idx))
+    except Exception as e:  # noqa: BLE001 - the contract's outcome
+        print("RAISED:", str(e).splitlines()[0], flush=True)
+    else:
+        raise AssertionError("the call after a process ended did not raise")
+    print("SURVIVED", flush=True)
+    if me == 0 and not os.environ.get("THEN_PROCESS_0"):
+        os._exit(0)  # the coordination service would wait for the killed process at shutdown
+    while True:
+        time.sleep(60)

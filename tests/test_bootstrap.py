@@ -1,7 +1,8 @@
 """jax_ep.bootstrap in one process: the liveness probe, on local sockets (a running process
 answers, an ending one (its kernel accepts, no thread answers, then the socket closes) and an
 ended one (the port refuses) are told apart); the liveness listener (the address it binds and
-publishes, accept errors, closing with the last Buffer); Buffers created from several threads."""
+publishes, accept errors, closing with the last Buffer); the watch (a killed process, one that
+exits, one that closes its Buffers); Buffers created from several threads."""
 
 import dataclasses
 import errno
@@ -160,6 +161,51 @@ def test_the_listener_survives_accept_errors(caplog):
     thread.join(timeout=5)
     server.close()
     assert not thread.is_alive()
+
+
+# ---- the watch (ffi/ended.h): how a watched process's connection ends
+
+
+def watched_ending(process, farewell, capfd):
+    """Process `process` (a number no real one has) watched through one end of a socket pair,
+    the other end closed after `farewell`: (whether it is found ended, what stderr got)."""
+    from jax_ep import _native
+
+    theirs, ours = socket.socketpair()
+    _native.watch_process(process, ours.detach(), f"process {process} ended\n")
+    if farewell:
+        theirs.sendall(farewell)
+        theirs.settimeout(5)
+        assert theirs.recv(1) == b""  # the watch read it and closed its end
+    theirs.close()
+    deadline = time.monotonic() + 5
+    while farewell != bootstrap._GOODBYE and process not in bootstrap.ended():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return process in bootstrap.ended(), capfd.readouterr().err
+
+
+def test_a_watched_process_that_is_killed_has_ended(capfd):
+    assert watched_ending(1001, b"", capfd) == (True, "process 1001 ended\n")
+
+
+def test_a_watched_process_that_exits_has_ended_quietly(capfd):
+    assert watched_ending(1002, bootstrap._EXITING, capfd) == (True, "")
+
+
+def test_a_watched_process_that_closes_its_buffers_goes_on(capfd):
+    assert watched_ending(1003, bootstrap._GOODBYE, capfd) == (False, "")
+
+
+def test_the_listener_says_goodbye_to_its_watchers_when_it_closes():
+    listener = bootstrap.Listener(socket.AF_INET, "127.0.0.1")
+    watcher = bootstrap._watch_connection(listener.address)
+    assert watcher is not None and watcher.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+    assert bootstrap.why_stopped(listener.address, timeout_s=5) is None  # a probe meanwhile
+    listener.close()
+    watcher.settimeout(5)
+    assert watcher.recv(16) == bootstrap._GOODBYE
+    watcher.close()
 
 
 # ---- creation from several threads

@@ -4,6 +4,7 @@ port; Ctrl-C (SIGINT) ends a wait at creation at once. (On the way: the liveness
 job on 127.0.0.1 binds the address it publishes.)"""
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -108,6 +109,88 @@ def test_a_job_killed_at_any_stage_leaves_nothing_behind(stage, num_processes, t
             )
             _, _, bound, _, published = said.split()
             assert bound == published and bound.startswith("127.0.0.1:"), said
+
+
+# jax.distributed's default: the coordination service ends the job between 50 and 100 s after a
+# process dies (a heartbeat every 50 s, dead after 100 s without one). jax_ep's error must come
+# far sooner.
+SOON_S = 10
+
+
+def said_at(log, marker):
+    """The time a process printed after `marker` ("NAN at <time.time()> ...")."""
+    line = next(line for line in log.read_text().splitlines() if line.startswith(marker))
+    return float(line.split()[len(marker.split())])
+
+
+@pytest.mark.parametrize("num_processes,devices", [(2, 2), (4, 1)], ids=["2x2", "4x1"])
+def test_a_killed_process_is_an_error_in_every_survivor(num_processes, devices, tmp_path):
+    """The last process is killed (SIGKILL) while all dispatch in a loop: every survivor's step
+    has that step's rows or NaN (never another step's), NaN comes within SOON_S (timeout_s is
+    60 s), status() names the killed process, the next call raises. With 4 processes process 0 is
+    killed next: it hosts jax.distributed's coordination service, and JAX ends the survivors at
+    once (assert_ended_by_jax)."""
+    then_0 = {"THEN_PROCESS_0": "1"} if num_processes == 4 else {}
+    procs, logs = start_logged(tmp_path, "dying", num_processes, devices, then_0)
+    victim = num_processes - 1
+    survivors = range(victim)
+    try:
+        wait_for(procs, logs, "AT running")
+        time.sleep(0.5)  # mid-run: steps go on meanwhile
+        killed = time.time()
+        procs[victim].kill()
+        wait_for(procs[:victim], logs[:victim], "SURVIVED", timeout=60)
+        took = [said_at(logs[p], "NAN at") - killed for p in survivors]
+        held = f"rank {', '.join(str(victim * devices + d) for d in range(devices))} of 'ep'"
+        for p in survivors:
+            out = logs[p].read_text()
+            assert f"process {victim} ({held}) stopped: it has ended" in out, out[-3000:]
+            ended = re.search(r"the process of rank (\d+) has ended", out)
+            assert ended and int(ended[1]) // devices == victim, out[-3000:]
+            assert "RAISED:" in out and "has ended" in out.split("RAISED:")[1], out[-3000:]
+        assert max(took) < SOON_S, took
+        print(f"survivors saw NaN {', '.join(f'{t:.3f}' for t in took)} s after the kill")
+        if not then_0:
+            procs[0].wait(timeout=30)
+            assert procs[0].returncode == 0, logs[0].read_text()[-3000:]
+            return
+        procs[0].kill()
+        for p in range(1, victim):
+            assert_ended_by_jax(procs[p], logs[p])
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
+def assert_ended_by_jax(proc, log):
+    """What a survivor of process 0 sees (docs/API.md, When a process dies): JAX aborts it within
+    milliseconds; jax_ep's line on the end of process 0 is in its output, beside JAX's own (they
+    come within a millisecond of each other, either first)."""
+    proc.wait(timeout=SOON_S)
+    out = log.read_text()
+    assert proc.returncode == -signal.SIGABRT, (proc.returncode, out[-3000:])
+    assert "Terminating process because the JAX distributed service" in out, out[-3000:]
+    ours = out.find("jax_ep: process 0 has ended")
+    assert ours >= 0, out[-3000:]
+    assert "coordination service: JAX terminates this process" in out[ours:], out[-3000:]
+
+
+def test_process_0_killed_ends_the_job(tmp_path):
+    """Process 0 (it hosts jax.distributed's coordination service) killed while both dispatch:
+    JAX ends the other process at once, and jax_ep says which process ended."""
+    procs, logs = start_logged(tmp_path, "dying", 2, 1, {})
+    try:
+        wait_for(procs, logs, "AT running")
+        time.sleep(0.5)
+        procs[0].kill()
+        assert_ended_by_jax(procs[1], logs[1])
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
 
 
 @pytest.mark.xfail(

@@ -78,6 +78,7 @@ Rank::Rank(const Window& window, int group, int rank, std::vector<uint8_t*> wind
       windows_(std::move(windows)),
       keep_(std::move(keep)),
       timeout_s_(timeout_s),
+      ended_(std::make_unique<std::atomic<bool>[]>(window.num_ranks)),
       sent_(first_op),
       queues_(std::make_shared<Queues>()) {
   worker_ = std::thread(work, queues_, this);
@@ -278,6 +279,9 @@ std::string Rank::wait_op(int64_t offset, uint64_t op, int peer, Wait what) cons
       return error;
     }
     if (i < 64) continue;
+    // A dead peer never writes the word: its stores were all visible before its end was seen.
+    if (ended_[peer].load(std::memory_order_relaxed) && load_acquire(w) < op)
+      return give_up(kPeerEnded, peer, op);
     if (Clock::now() > deadline) return give_up(what, peer, op);
     if (i < 1024)
       std::this_thread::yield();

@@ -10,6 +10,7 @@
 // completes without an error but with NaN in its float outputs and -1 / 0 in its integers, so
 // that its own step sees it; every later op of the rank then fails at once with the error.
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -95,6 +96,10 @@ class Rank {
   // The abort record of this rank's window if one was written: its op and error.
   bool aborted(uint64_t* op, std::string* error) const;
 
+  // Rank r's process has ended (ffi/ended.h): a wait for a word that r writes gives up at once
+  // instead of after the timeout.
+  void peer_ended(int r) { ended_[r].store(true, std::memory_order_relaxed); }
+
  private:
   // The threads' state, theirs as much as the rank's: the last reference to a rank may drop on
   // one of them (a completed call ends a program, which may free it), which then lets the
@@ -124,6 +129,7 @@ class Rank {
   std::vector<uint8_t*> windows_;
   std::shared_ptr<void> keep_;
   const double timeout_s_;
+  std::unique_ptr<std::atomic<bool>[]> ended_;  // by rank: its process has ended
   uint64_t sent_;
   std::shared_ptr<Queues> queues_;
   std::thread worker_, completer_;

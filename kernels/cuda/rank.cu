@@ -27,6 +27,10 @@ std::string Rank::failed() const {
   return abort_message(a, group, rank, timeout_s) + " [GPU " + std::to_string(device) + "]";
 }
 
+void Rank::peer_ended(int r) const {
+  __atomic_fetch_or(&failure->ended, uint64_t(1) << r, __ATOMIC_RELEASE);
+}
+
 namespace {
 
 void check(cudaError_t e, const char* what) {

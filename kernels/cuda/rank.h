@@ -16,9 +16,12 @@ namespace jax_ep::cuda {
 // Why this rank's kernels stopped: the abort record of its window (its own or a peer's, see
 // kernels/signature.h), copied into host-mapped memory by the first kernel thread that saw it,
 // so the host reads it without a sync.
+// The host writes `ended` there: the ranks whose process has ended (ffi/ended.h), which a wait
+// for such a rank gives up on at once instead of after the timeout.
 struct Failure {
   AbortRecord record;
   uint64_t written;  // set last: 0 while nothing stopped
+  uint64_t ended;    // bit r: rank r's process has ended (host-written)
 };
 
 // What every kernel of an op takes (by value): the window layout and where every rank's is.
@@ -66,6 +69,8 @@ struct Rank {
   Peers peers() const;
   // "" while no kernel of this rank gave up, else what happened (the Buffer is then unusable).
   std::string failed() const;
+  // Rank r's process has ended: the kernels' waits for it give up (they poll `failure->ended`).
+  void peer_ended(int r) const;
 };
 
 // What every rank of a Buffer is made with.

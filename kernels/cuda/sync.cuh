@@ -92,21 +92,35 @@ static __device__ __forceinline__ void give_up(const Peers& peers, Wait what, in
   record_failure(peers);
 }
 
-// Spins until ready(*flag); false if this rank gives up meanwhile (timeout_ns without it) or
-// finds that another rank did.
+// How often a wait reads the host-mapped word saying which peers' processes have ended (a read
+// over PCIe: not at every spin).
+constexpr uint64_t kEndedPollNs = 1000000;
+
+// Spins until ready(*flag); false if this rank gives up meanwhile (timeout_ns without it, or the
+// host found that `peer`'s process has ended) or finds that another rank did.
 template <typename Ready>
 __device__ __forceinline__ bool wait_until(const Peers& peers, const uint64_t* flag, Ready ready,
                                            Wait what, int peer, uint64_t op) {
   if (ready(load_acquire(flag))) return true;
   const uint64_t start = global_time_ns();
+  uint64_t next_poll = start + kEndedPollNs;
   while (!ready(load_acquire(flag))) {
     if (aborted(peers)) {
       record_failure(peers);
       return false;
     }
-    if (global_time_ns() - start > peers.timeout_ns) {
+    const uint64_t now = global_time_ns();
+    if (now - start > peers.timeout_ns) {
       give_up(peers, what, peer, op);
       return false;
+    }
+    if (now > next_poll) {
+      next_poll = now + kEndedPollNs;
+      const uint64_t ended = load_volatile(&peers.failure->ended);
+      if ((ended >> peer & 1) && !ready(load_acquire(flag))) {
+        give_up(peers, kPeerEnded, peer, op);
+        return false;
+      }
     }
   }
   return true;
