@@ -1,9 +1,10 @@
 """The custom-call path: the rank-level primitives as jax.ffi calls into the native backends
 (kernels/cpu, kernels/cuda), one target per operation and half, every call carrying the Buffer's
-ordered effect (jax_ep/_jax.py: JAX threads one XLA token through them in program order), made
-differentiable with custom_vjp: the backward of dispatch is one combine of the rows' and the
-weights' cotangents, the backward of combine is a cached dispatch. Also the local calls: the
-expert layouts of received rows, and the FP8 quantization of jax_ep.nn's matmul operands."""
+ordered effect (jax_ep/_jax/order.py: JAX threads one XLA token through them in program
+order), made differentiable with custom_vjp: the backward of dispatch is one combine of the
+rows' and the weights' cotangents, the backward of combine is a cached dispatch. Also the local
+calls: the expert layouts of received rows, and the FP8 quantization of jax_ep.nn's matmul
+operands."""
 
 from __future__ import annotations
 
