@@ -60,7 +60,7 @@ from jax_ep.fp8 import (
     quantize_weights_fp8,
     transpose_weights_fp8,
 )
-from jax_ep.primitives import all_varying, varying_like
+from jax_ep.rank_ops import all_varying, varying_like
 
 
 class _OnFirstUse:
