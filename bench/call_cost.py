@@ -107,7 +107,7 @@ def main(argv=None):
         results.append(dict(inputs=where, ms_per_call=times))
     record = harness.new_record(
         args,
-        "call_cost",
+        "bench.call_cost",
         argv,
         config="call_cost",
         device=devices[0].device_kind,

@@ -731,7 +731,7 @@ def main(argv=None):
     )
     record = new_record(
         args,
-        "ep",
+        "bench.ep",
         argv,
         config=args.config,
         num_ranks=len(devices),

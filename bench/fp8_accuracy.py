@@ -120,7 +120,7 @@ def main(argv=None):
     variants = args.variants.split(",")
     record = new_record(
         args,
-        "fp8_accuracy",
+        "bench.fp8_accuracy",
         argv,
         platform=jax.devices()[0].platform,
         shape=dict(

@@ -28,7 +28,7 @@ twice bf16's). Where torch is importable with a GPU, its forwards run too, in a 
 (torch._scaled_grouped_mm, FP8 with one scale per row of lhs and per column of each weight,
 coarser than jax_ep's 1 x 128 / 128 x 128 blocks), timed as ours. Every timing starts after
 --warm-s seconds of the same calls, so that ours and torch's run on a GPU in the state
-sustained work keeps it in (bench.gemm_clocks). The first case of each projection sweeps a
+sustained work keeps it in (lab.gemm_clocks). The first case of each projection sweeps a
 few Mosaic block sizes per product (the other cases use the best) and CUTLASS's tile orders
 ("cutlass_order", "cutlass_fp8_order": cutlass.ORDERS takes the best). Prints a table; writes
 bench/results/grouped_matmul/grouped-matmul-<machine>-<date>.json.
@@ -601,7 +601,7 @@ def main(argv=None):
     print("best blocks:", best_blocks)
     record = new_record(
         args,
-        "grouped_matmul",
+        "bench.grouped_matmul",
         argv,
         config="grouped_matmul",
         device=jax.devices()[0].device_kind,

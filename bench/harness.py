@@ -32,7 +32,7 @@ def loop_seconds(
     shard_map over it (in_specs per argument, step per rank) and every output leaf is split
     over the mesh's axes. warm_s: seconds of runs before each count is timed, so that a GPU is
     timed in the state sustained work keeps it in (under load its clocks drop within about a
-    second: bench.gemm_clocks)."""
+    second: lab.gemm_clocks)."""
     run = loop_program(step, mesh, in_specs, prologue)
 
     def best(n):
@@ -104,14 +104,14 @@ def common_arguments(parser, kind):
     parser.add_argument("--no-plot", action="store_true")
 
 
-def new_record(args, command, argv, **fields):
+def new_record(args, module, argv, **fields):
     """A result record: the machine (args.machine), today's date and the command line
-    (`python -m bench.<command>` and argv, or this process's arguments when argv is None), then
+    (`python -m <module>` and argv, or this process's arguments when argv is None), then
     fields."""
     return dict(
         machine=args.machine,
         date=datetime.date.today().isoformat(),
-        command=f"python -m bench.{command} " + " ".join(sys.argv[1:] if argv is None else argv),
+        command=f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv),
         **fields,
     )
 

@@ -625,7 +625,7 @@ def main(argv=None):
         )
     record = new_record(
         args,
-        "moe_layer",
+        "bench.moe_layer",
         argv,
         config="moe_layer",
         num_ranks=num_ranks,

@@ -7,8 +7,8 @@
 # copy engine's peer bandwidth through it); layer: the grouped-matmul GPU tests,
 # bench.grouped_matmul and bench.moe_layer; processes: tests/test_gpu_processes.py (2 and 4
 # processes on GPU 0 through the CUDA-IPC engine, under a private MPS daemon the tests start);
-# deepgemm: bench.versus_deepgemm (jax_ep's grouped matmuls against DeepGEMM's) with the program
-# of bench/cuda/versus_deepgemm.cu built beforehand (its header gives the build line), at
+# deepgemm: lab.versus_deepgemm (jax_ep's grouped matmuls against DeepGEMM's) with the program
+# of lab/cuda/versus_deepgemm.cu built beforehand (its header gives the build line), at
 # $VERSUS_DEEPGEMM or build/versus_deepgemm; deepep: DeepEP V1 built from its source in .deepep/
 # (bench/deepep_build.sh; a failed build is logged and the comparison still runs, its DeepEP side
 # recording the import error), then bench.versus_deepep (DeepEP beside jax_ep, 2 and 4 processes
@@ -66,7 +66,7 @@ if [ "$what" = layer ]; then
     "$results/" 2>/dev/null
 fi
 if [ "$what" = deepgemm ]; then
-  timeout ${BENCH_TIMEOUT:-480} python3 -m bench.versus_deepgemm --machine "$JAX_EP_MACHINE" \
+  timeout ${BENCH_TIMEOUT:-480} python3 -m lab.versus_deepgemm --machine "$JAX_EP_MACHINE" \
     --program "${VERSUS_DEEPGEMM:-build/versus_deepgemm}" "$@" 2>&1 | tee "$results/versus_deepgemm.log" || failed=1
   cp bench/results/grouped_matmul/versus-deepgemm-"$JAX_EP_MACHINE"* "$results/" 2>/dev/null
 fi

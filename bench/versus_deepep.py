@@ -576,7 +576,7 @@ def main(argv=None):
     print(table(results))
     record = new_record(
         args,
-        "versus_deepep",
+        "bench.versus_deepep",
         argv,
         device=devices,
         deepep_commit=deepep_commit(args.deepep),

@@ -7,7 +7,7 @@ import os
 from jax_ep.buffer import Buffer, limits
 from jax_ep.fp8 import dequantize_fp8, quantize_fp8
 from jax_ep.memory import memory_plan
-from jax_ep.types import DispatchResult, Handle, Pending
+from jax_ep.results import DispatchResult, Handle, Pending
 
 __all__ = [
     "Buffer",

@@ -18,9 +18,9 @@ from jax_ep import layout as layouts
 from jax_ep.fp8 import FP8_BLOCK, dequantize_fp8
 from jax_ep.hierarchical import Hierarchical
 from jax_ep.memory import FLOAT_ROWS, is_integer
-from jax_ep.primitives import all_varying, as_stored, start
+from jax_ep.rank_ops import all_varying, as_stored, start
 from jax_ep.reference import Reference
-from jax_ep.types import DispatchResult, Handle, Pending, Receipt
+from jax_ep.results import DispatchResult, Handle, Pending, Receipt
 
 _MODES = ("auto", "normal", "low_latency")
 

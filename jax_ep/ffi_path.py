@@ -1,9 +1,10 @@
-"""The custom-call path: the rank-level primitives as jax.ffi calls into the native backends
+"""The custom-call path: the rank-level operations as jax.ffi calls into the native backends
 (kernels/cpu, kernels/cuda), one target per operation and half, every call carrying the Buffer's
-ordered effect (jax_ep/_jax.py: JAX threads one XLA token through them in program order), made
-differentiable with custom_vjp: the backward of dispatch is one combine of the rows' and the
-weights' cotangents, the backward of combine is a cached dispatch. Also the local calls: the
-expert layouts of received rows, and the FP8 quantization of jax_ep.nn's matmul operands."""
+ordered effect (jax_ep/_jax/order.py: JAX threads one XLA token through them in program
+order), made differentiable with custom_vjp: the backward of dispatch is one combine of the
+rows' and the weights' cotangents, the backward of combine is a cached dispatch. Also the local
+calls: the expert layouts of received rows, and the FP8 quantization of jax_ep.nn's matmul
+operands."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 from jax_ep import _native, layout
 from jax_ep._jax import BufferOrder, ordered_ffi_call
 from jax_ep.fp8 import FP8_BLOCK
-from jax_ep.primitives import RankRows, Routing, all_varying, varying_like
+from jax_ep.rank_ops import RankRows, Routing, all_varying, varying_like
 
 _TICKET = jax.ShapeDtypeStruct((1,), jnp.int32)  # an op's number (low 32 bits)
 ROWS_DTYPES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1}  # kernels/dtype.h Dtype
@@ -402,7 +403,7 @@ def _combine_bwd(cfg, res, ct_out):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
-# ---------------------------------------------------------------- the primitives
+# ---------------------------------------------------------------- the rank-level operations
 
 
 def _send(cfg: _Config, target, shapes, *operands):
@@ -418,7 +419,7 @@ def _recv(cfg: _Config, target, shapes, ticket, *operands):
 
 
 class Ffi:
-    """Custom-call implementations of the primitives (see primitives.py), on one Buffer."""
+    """Custom-call implementations of the rank-level operations (see rank_ops.py), on one Buffer."""
 
     def __init__(self, buffer_key, num_ranks, num_experts, mesh=None, max_row_dtype="float32"):
         self._cfg = _Config(

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep.primitives import as_stored
+from jax_ep.rank_ops import as_stored
 
 FP8_BLOCK = 128  # kFp8Block
 FP8_MAX = np.float32(448.0)  # kFp8Max

@@ -1,4 +1,4 @@
-"""The rank-level primitives (primitives.py) of a Buffer over a tuple of mesh axes, outer first,
+"""The rank-level operations (rank_ops.py) of a Buffer over a tuple of mesh axes, outer first,
 e.g. ("node", "ep"): M nodes of L ranks, R = M * L, rank = node * L + local.
 
 Built from two legs, each the existing machinery of one kind:
@@ -37,7 +37,7 @@ from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jax_ep import layout
 from jax_ep.fp8 import FP8_BLOCK, quantize_fp8
-from jax_ep.primitives import RankRows, Routing, all_varying, start
+from jax_ep.rank_ops import RankRows, Routing, all_varying, start
 
 Array = Any
 _F32 = jnp.dtype(jnp.float32)
@@ -77,14 +77,14 @@ def _unpack_fp8(words, hidden):
 
 
 def _varying(*trees):
-    """The trees' leaves varying like the most varying of them (primitives.all_varying)."""
+    """The trees' leaves varying like the most varying of them (rank_ops.all_varying)."""
     leaves, tree = jax.tree.flatten(trees)
     return jax.tree.unflatten(tree, all_varying(*leaves))
 
 
 class Hierarchical:
-    """The primitives over (outer axes..., fast axis), from an `inner` backend over the fast
-    axis (see the module's docstring)."""
+    """The rank-level operations over (outer axes..., fast axis), from an `inner` backend over
+    the fast axis (see the module's docstring)."""
 
     def __init__(
         self, inner, outer_axes, num_nodes, fast_axis, ranks_per_node, num_experts, max_row_dtype

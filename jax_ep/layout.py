@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep.primitives import varying_like
+from jax_ep.rank_ops import varying_like
 
 # Rows of one op's arrays on a rank (what it receives, R * N; a layout's rows): indexed by
 # int32 here and in the kernels (kernels/limits.h kMaxRankRows, the same number).

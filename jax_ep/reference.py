@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jax_ep import layout
 from jax_ep.fp8 import quantize_fp8
-from jax_ep.primitives import RankRows, Routing, Unsplit, all_varying
+from jax_ep.rank_ops import RankRows, Routing, Unsplit, all_varying
 
 
 def _kept_slot(send_pos):
@@ -64,7 +64,7 @@ _move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
 
 
 class Reference(Unsplit):
-    """jax.lax implementations of the rank-level primitives (see primitives.py); one set of
+    """jax.lax implementations of the rank-level operations (see rank_ops.py); one set of
     kernels, so low_latency changes nothing."""
 
     def __init__(self, axis_name, num_ranks, num_experts):

@@ -214,7 +214,7 @@ def test_dequantized_fp8_rows_pass_gradients_straight_through(layout):
 def test_gradients_under_remat(layout, fp8):
     """jax.checkpoint around a layer: the gradient is the reference path's. FP8: the rows are
     saved as float8_e4m3fn residuals, every block's largest element at 448 (JAX's residual
-    rounding once made 256..448 NaN: jax_ep/_jax.py)."""
+    rounding once made 256..448 NaN: jax_ep/_jax/remat.py)."""
     mesh = make_mesh(4)
     want = layer_gradients(mesh, "reference", False, layout, fp8=fp8)
     got = layer_gradients(mesh, "ffi", True, layout, fp8=fp8)

@@ -18,7 +18,7 @@ from helpers import make_mesh
 import jax_ep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["README.md", "CHANGELOG.md"] + sorted(
+DOCS = ["README.md", "CHANGELOG.md", "lab/README.md"] + sorted(
     os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/docs/*.md")
 )
 RESULTS = "bench/results"

@@ -1,6 +1,9 @@
-"""jax_ep/_jax.py, the one module that uses JAX internals, on the jax this run has (CI runs the
+"""jax_ep/_jax/, the one package that uses JAX internals, on the jax this run has (CI runs the
 oldest and the newest jax jax_ep supports): everything it takes from jax._src is there and does
-what jax_ep relies on."""
+what jax_ep relies on, and programs without a Buffer run JAX's own code."""
+
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,15 +12,29 @@ from helpers import make_mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import _jax
+from jax_ep._jax import order, remat
 
 
 def test_a_buffer_order_is_an_ordered_effect_allowed_wherever_jax_ep_calls_go():
     from jax._src import effects
 
-    order = _jax.BufferOrder(7)
-    assert order == _jax.BufferOrder(7) and order != _jax.BufferOrder(8)
-    for name in _jax._EFFECT_SETS:
-        assert getattr(effects, name).contains(order), name
+    buffer_order = _jax.BufferOrder(7)
+    assert buffer_order == _jax.BufferOrder(7) and buffer_order != _jax.BufferOrder(8)
+    for name in order._EFFECT_SETS:
+        assert getattr(effects, name).contains(buffer_order), name
+
+
+def test_a_missing_jax_internal_fails_the_import_naming_the_version_and_what_is_missing():
+    from jax_ep._jax.require import require
+
+    assert require("m", "jax._src.dispatch", "RuntimeTokenSet.get_token_input") is not None
+    with pytest.raises(ImportError) as e:
+        require("jax_ep._jax.m", "jax._src.dispatch", "RuntimeTokenSet.gone", "also_gone")
+    message = str(e.value)
+    assert f"jax {jax.__version__} lacks" in message and message.startswith("jax_ep._jax.m:")
+    assert "jax._src.dispatch.RuntimeTokenSet.gone, jax._src.dispatch.also_gone" in message
+    with pytest.raises(ImportError, match=r"lacks jax\._src\.no_such_module"):
+        require("m", "jax._src.no_such_module")
 
 
 def test_varying_axes_inside_and_outside_shard_map():
@@ -116,8 +133,58 @@ def test_checkpoints_without_a_buffer_round_as_jax_does():
         return (x * 300.0).astype(jnp.float8_e4m3fn)
 
     jaxpr = jax.make_jaxpr(f)(jnp.ones(3)).jaxpr
-    assert _jax._remat_residual_rounding(jaxpr, 1) is _jax._jax_insert_reduce_precision(jaxpr, 1)
-    assert ad_checkpoint._insert_reduce_precision is _jax._remat_residual_rounding
+    assert remat._remat_residual_rounding(jaxpr, 1) is remat._jax_insert_reduce_precision(jaxpr, 1)
+    assert ad_checkpoint._insert_reduce_precision is remat._remat_residual_rounding
+
+
+def _python_calls(fn, *args):
+    """The Python functions a call of fn runs, as (file name, function name): none where JAX's
+    C++ fast path serves the call whole."""
+    calls = []
+
+    def profile(frame, event, _):
+        if event == "call":
+            calls.append((os.path.basename(frame.f_code.co_filename), frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        out = fn(*args)
+    finally:
+        sys.setprofile(None)
+    jax.block_until_ready(out)
+    return calls
+
+
+def test_a_program_without_a_buffer_keeps_jax_fast_path_once_a_buffer_was_made():
+    """With the mends applied (a Buffer made in the process), a jitted program without a Buffer
+    runs its later calls in JAX's C++ fast path, as without jax_ep: no Python function at all;
+    an ahead-of-time compiled one only its Compiled object's __call__ (stages.py). A program
+    that uses a Buffer takes JAX's Python path (pjit's cache_miss: its tokens), which the same
+    observation sees."""
+    import numpy as np
+    from helpers import put, random_inputs
+
+    import jax_ep
+
+    mesh = make_mesh(2)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=4, hidden=128, num_topk=2, max_tokens_per_rank=4)
+    assert _jax.installed()
+
+    plain = jax.jit(lambda x: jnp.tanh(x) * 2)
+    x = jnp.ones((4, 128))
+    plain(x)
+    assert _python_calls(plain, x) == []
+    compiled = jax.jit(lambda x: x * 3).lower(x).compile()
+    compiled(x)
+    assert {file for file, _ in _python_calls(compiled, x)} == {"stages.py"}
+
+    def rows(x, idx, w):
+        return buf.dispatch(x, idx, w).x
+
+    step = jax.jit(jax.shard_map(rows, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    args = put(mesh, *random_inputs(np.random.default_rng(0), 2, 4, 128, 4, 2, 2, "random"))
+    step(*args)
+    assert ("pjit.py", "cache_miss") in _python_calls(step, *args)
 
 
 def test_every_call_takes_its_operands_through_an_optimization_barrier():

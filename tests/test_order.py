@@ -307,8 +307,8 @@ def test_vmap_runs_whole_ops_one_after_another_and_refuses_halves():
 
 def test_programs_launched_from_several_threads_all_match_the_reference():
     # A Buffer's runtime token is kept per process (JAX keeps them per thread) and its programs
-    # are launched one at a time, so every device runs them in one order (_jax.py).
-    from jax_ep import _jax
+    # are launched one at a time, so every device runs them in one order (_jax/tokens.py).
+    from jax_ep._jax import tokens as runtime
 
     mesh, buf, x, idx, w = setup()
     step = dispatched_rows(mesh, buf)
@@ -318,7 +318,7 @@ def test_programs_launched_from_several_threads_all_match_the_reference():
 
     def launch(s, xs):
         results[s] = [step(xs, idx, w) for _ in range(5)]
-        tokens[s] = _jax._buffer_tokens[order]
+        tokens[s] = runtime._buffer_tokens[order]
 
     threads = [threading.Thread(target=launch, args=(s, x * s)) for s in (1.0, 2.0, 3.0, 4.0)]
     for t in threads:
@@ -329,9 +329,9 @@ def test_programs_launched_from_several_threads_all_match_the_reference():
         for out in outs:
             np.testing.assert_array_equal(np.asarray(out), s * want)
     # One chain: the last launch's token is the process's, whichever thread made it.
-    assert _jax._buffer_tokens[order] in tokens.values()
+    assert runtime._buffer_tokens[order] in tokens.values()
     step(x, idx, w)  # and this thread's next launch continues it
-    assert _jax._buffer_tokens[order] not in tokens.values()
+    assert runtime._buffer_tokens[order] not in tokens.values()
 
 
 def test_a_user_custom_vjp_and_a_scan_with_unroll_match_the_reference():
@@ -371,7 +371,7 @@ def test_a_user_custom_vjp_and_a_scan_with_unroll_match_the_reference():
 
 
 def test_an_ahead_of_time_compiled_program_runs_again_and_again():
-    # JAX's fast path for a compiled program's later calls passes no runtime token (_jax.py).
+    # JAX's fast path for a compiled program's later calls passes no runtime token (_jax/aot.py).
     mesh, buf, x, idx, w = setup()
     step = dispatched_rows(mesh, buf)
     compiled = step.lower(x, idx, w).compile()

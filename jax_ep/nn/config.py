@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jax_ep.fp8 import FP8_BLOCK
 from jax_ep.memory import FLOAT_ROWS, check_capacity_factor
-from jax_ep.nn import grouped
+from jax_ep.nn import grouped_impls
 
 # The config's counts and the least each may be.
 _COUNTS = dict(
@@ -144,8 +144,8 @@ class MoEConfig:
                 "jax_ep.nn: fp8_dgrad makes the FP8 projections' row gradients FP8; it needs "
                 "fp8=True"
             )
-        if self.grouped_matmul not in grouped.IMPLS:
+        if self.grouped_matmul not in grouped_impls.IMPLS:
             raise ValueError(
-                f"jax_ep.nn: grouped_matmul must be one of {grouped.IMPLS}, got "
+                f"jax_ep.nn: grouped_matmul must be one of {grouped_impls.IMPLS}, got "
                 f"{self.grouped_matmul!r}"
             )

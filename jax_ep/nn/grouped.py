@@ -60,7 +60,8 @@ from jax_ep.fp8 import (
     quantize_weights_fp8,
     transpose_weights_fp8,
 )
-from jax_ep.primitives import all_varying, varying_like
+from jax_ep.nn.grouped_impls import IMPLS
+from jax_ep.rank_ops import all_varying, varying_like
 
 
 class _OnFirstUse:
@@ -80,7 +81,6 @@ ffi_path = _OnFirstUse("jax_ep.ffi_path")
 cutlass = _OnFirstUse("jax_ep.nn.cutlass")
 mosaic = _OnFirstUse("jax_ep.nn.mosaic")
 
-IMPLS = ("auto", "xla", "mosaic", "cutlass", "deepgemm")
 # What impl="auto" tries, fastest first (H200 and H100 at EP8's V3 shapes: docs/PERFORMANCE.md).
 AUTO_ORDER = ("deepgemm", "cutlass", "mosaic")
 PRODUCTS = ("gmm", "gmm_t", "tgmm")

@@ -153,7 +153,7 @@ struct Kernel {
   }
 };
 
-// The tiles, per product, from bench.versus_deepgemm's sweep on an H200 at DeepSeek-V3's expert
+// The tiles, per product, from lab.versus_deepgemm's sweep on an H200 at DeepSeek-V3's expert
 // shapes (bench/results/grouped_matmul/versus-deepgemm-nvidia-h200-2026-12-05.json): the best
 // single-CTA tile of each projection, gate/up (N < K) and down (N > K), TFLOP/s there. FP8 tiles
 // wider than 128 straddle the weights' 128-column scale blocks, and that kernel keeps its

@@ -5,7 +5,7 @@ for bf16 and FP8 rows; and its adjoint (each token's expert rows summed, the dis
 backward), of one cotangent and of two summed first (the gate and up projections' row
 gradients). Kernel times per call from the device trace.
 
-    python -m bench.expert_rows [--tokens 4096 --hidden 7168 --experts 32 --topk 8]
+    python -m lab.expert_rows [--tokens 4096 --hidden 7168 --experts 32 --topk 8]
 
 The defaults are the 32-expert layer's shape on one GPU (bench.moe_layer --experts 32): every
 token's eight experts are local, so 4096 rows expand to 32768.
@@ -80,7 +80,9 @@ def main(argv=None):
             jax.lax.bitcast_convert_type(by_element, bits)
             == jax.lax.bitcast_convert_type(as_words, bits)
         ).all()
-    record = new_record(args, "expert_rows", argv, device=jax.devices()[0].device_kind, cases={})
+    record = new_record(
+        args, "lab.expert_rows", argv, device=jax.devices()[0].device_kind, cases={}
+    )
     print(
         f"{args.tokens} tokens x {args.hidden} -> {src.shape[0]} expert rows "
         f"({src.shape[0] * args.hidden * 2 / 1e6:.0f} MB of bf16)",

@@ -3,7 +3,7 @@
 // the call's outputs (maps, weights, counts, valid rows: variants must print the same) and times
 // jax_ep::cuda::expert_padded as a CUDA graph of 50 calls.
 //   nvcc -std=c++17 -O3 -arch=sm_90a -I. --expt-relaxed-constexpr \
-//     [-DKERNEL='"copy.cu"'] bench/cuda/expert_padded_alone.cu -o padded
+//     [-DKERNEL='"copy.cu"'] lab/cuda/expert_padded_alone.cu -o padded
 //   ./padded ROWS [CAPACITY]
 // Rows of 7168 FP8 bytes and 224 bytes of scales, each naming 8 distinct of 256 local experts.
 #ifndef KERNEL
@@ -15,7 +15,7 @@
 #include <random>
 #include <vector>
 
-#include "bench/cuda/alone.cuh"
+#include "lab/cuda/alone.cuh"
 
 namespace {
 

@@ -1,10 +1,10 @@
-"""jax_ep's grouped matmuls against DeepGEMM's SM90 kernels: runs bench/cuda/versus_deepgemm.cu's
+"""jax_ep's grouped matmuls against DeepGEMM's SM90 kernels: runs lab/cuda/versus_deepgemm.cu's
 program (built beforehand, its header gives the build line) at each product, EP8's per-rank V3
 shapes and group sizing, and records every kernel's rate and how far its output is from jax_ep's.
 tgmm_fp8 is DeepGEMM's FP8 weight gradient, which jax_ep does not have: it is set against
 jax_ep's bf16 tgmm, the product it would replace, on the same values.
 
-    python -m bench.versus_deepgemm --program build/versus_deepgemm   # ~2 minutes on one H200
+    python -m lab.versus_deepgemm --program build/versus_deepgemm   # ~2 minutes on one H200
 
 A DeepGEMM configuration whose output is further than --max-distance from jax_ep's is recorded as
 wrong and never counted as the best; one that fails or hangs is recorded as failed, and a new run
@@ -148,7 +148,7 @@ def main(argv=None):
                 print(_row(case), flush=True)
     record = new_record(
         args,
-        "versus_deepgemm",
+        "lab.versus_deepgemm",
         argv,
         deepgemm=args.deepgemm_version,
         rows=32768,

@@ -23,12 +23,12 @@
 //   nvcc -std=c++20 -O3 -DNDEBUG -gencode arch=compute_90a,code=sm_90a -I. \
 //     -isystem $CUTLASS/include -isystem $CUTLASS/tools/util/include \
 //     -isystem $DEEPGEMM_HOME/include --expt-relaxed-constexpr -diag-suppress 174,177,20168 \
-//     bench/cuda/versus_deepgemm.cu -o versus_deepgemm
+//     lab/cuda/versus_deepgemm.cu -o versus_deepgemm
 // (CUTLASS's headers first: jax_ep's kernels as jax_ep builds them; DEEPGEMM_HOME: the
 // sgl-deep-gemm wheel's deep_gemm/ directory, whose include/ ships a CUTLASS of its own too.)
 //   ./versus_deepgemm gmm|gmm_t|tgmm|gmm_fp8|tgmm_fp8 K N uniform|zipf [i,j,...]
 // (K N: 7168 2048 or 2048 7168; i,j,...: the numbers of the DeepGEMM configurations to run, by
-// default all, for going on after one that failed: python -m bench.versus_deepgemm runs it so.)
+// default all, for going on after one that failed: python -m lab.versus_deepgemm runs it so.)
 #include "kernels/cuda/grouped_gemm.cu"
 
 #include <cuda.h>
@@ -42,7 +42,7 @@
 #include <string>
 #include <vector>
 
-#include "bench/cuda/alone.cuh"
+#include "lab/cuda/alone.cuh"
 #include "kernels/cuda/tma.h"
 
 namespace {

@@ -1,4 +1,4 @@
-// What the standalone timing programs (bench/cuda/*_alone.cu) share: a CUDA error ends the
+// What the standalone timing programs (lab/cuda/*_alone.cu) share: a CUDA error ends the
 // program, a piece of work is timed by events around it on its stream, operands are filled with
 // hashed values on the device, and groups are sized as bench.grouped_matmul sizes them.
 #pragma once

@@ -1,10 +1,10 @@
 """jax_ep's bf16 grouped forward (CUTLASS) and torch's `_grouped_mm` timed in turns: the GPU's
-state under load moves a rate by 10-15% (bench.gemm_clocks), and bench.grouped_matmul times
+state under load moves a rate by 10-15% (lab.gemm_clocks), and bench.grouped_matmul times
 torch's forwards first, from an idle GPU. Here each round times ours (this process) and then
 torch's (one child process kept for the whole run, its operands made once), both as
 loop_seconds times: after --warm-s seconds of calls, the best of 5 runs of 1 and of 4 calls.
 
-    python -m bench.versus_torch      # ~1 minute on one H200 with torch installed
+    python -m lab.versus_torch      # ~1 minute on one H200 with torch installed
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main(argv=None):
     parser.add_argument("--warm-s", type=float, default=0.5)
     args = parser.parse_args(argv)
     if importlib.util.find_spec("torch") is None:
-        raise SystemExit("bench.versus_torch needs torch")
+        raise SystemExit("lab.versus_torch needs torch")
     timing = Timing((1, 4), args.warm_s)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     step = grouped_step("gmm", "cutlass", 1)

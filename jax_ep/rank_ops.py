@@ -1,4 +1,5 @@
-"""The primitives a backend provides; Buffer builds dispatch and combine from them.
+"""The rank-level operations a backend provides (its contract); Buffer builds dispatch and
+combine from them.
 
 Rank level (crosses ranks):
   dispatch(x, topk_idx, topk_weights)   -> RankRows, Routing   one row per (source rank, token)
@@ -12,7 +13,7 @@ Receiver-local:
                                                                layout (a cached dispatch)
 Neither writes the rows of the expert_padded layout past an expert's count (unspecified).
 
-The three cross-rank primitives also come split, as X_send(...) -> (arrays, finish) with
+The three cross-rank operations also come split, as X_send(...) -> (arrays, finish) with
 finish(arrays) -> the result of X: the send half returns once the data is on its way, finish
 waits for the peers. Backends that cannot split (Unsplit) do the whole op in the send half.
 dispatch's low_latency picks the backend's single-kernel path where it has one (CUDA); results
@@ -83,7 +84,7 @@ def done(result):
 
 
 def start(split, whole, send, *args, **kwargs):
-    """(arrays, finish) of a rank-level primitive: its send half (split), or the whole op up
+    """(arrays, finish) of a rank-level operation: its send half (split), or the whole op up
     front with nothing left to finish."""
     if split:
         return send(*args, **kwargs)
@@ -91,7 +92,7 @@ def start(split, whole, send, *args, **kwargs):
 
 
 class Unsplit:
-    """The split primitives of a backend whose ops cannot be split: the send half does it all."""
+    """The split operations of a backend whose ops cannot be split: the send half does it all."""
 
     def dispatch_send(self, *args, **kwargs):
         return self.dispatch(*args, **kwargs), done

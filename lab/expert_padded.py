@@ -3,7 +3,7 @@ decode layout [E_l, C, H] (maps, weights, rows and FP8 scales). Its kernel time 
 the device trace, at several counts of rank-level rows (128: EP=1 at 128 tokens; 512 to 1024:
 what one rank of EP=8 receives at 128 tokens per rank).
 
-    python -m bench.expert_padded --rows 128,512,1024 [--hidden 7168 --experts-per-rank 256]
+    python -m lab.expert_padded --rows 128,512,1024 [--hidden 7168 --experts-per-rank 256]
 
 Rows are FP8 with one float32 scale per 128 columns, as the low-latency dispatch delivers them;
 each row names topk distinct local experts, drawn uniformly.
@@ -56,7 +56,7 @@ def main(argv=None):
 
     record = new_record(
         args,
-        "expert_padded",
+        "lab.expert_padded",
         argv,
         device=jax.devices()[0].device_kind,
         jax_version=jax.__version__,

@@ -9,7 +9,7 @@
 // MMAs (its warning C7510): build as the wheel does.
 //   nvcc -std=c++17 -O3 -DNDEBUG -arch=sm_90a -I. -isystem $CUTLASS/include \
 //     -isystem $CUTLASS/tools/util/include --expt-relaxed-constexpr \
-//     [-DKERNEL='"copy.cu"'] bench/cuda/grouped_gemm_alone.cu -o gemm
+//     [-DKERNEL='"copy.cu"'] lab/cuda/grouped_gemm_alone.cu -o gemm
 //   ./gemm gmm|gmm_t|tgmm K N uniform|zipf|random [G]
 #ifndef KERNEL
 #define KERNEL "kernels/cuda/grouped_gemm.cu"
@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "bench/cuda/alone.cuh"
+#include "lab/cuda/alone.cuh"
 
 using jax_ep::alone::device_random;
 using jax_ep::alone::group_sizes;

@@ -3,8 +3,8 @@ profiler) of grouped forwards and of the dense batched einsum at the EP8 per-ran
 next to loop_seconds's rate and to bare calls repeated without any loop (as torch's timing runs
 them). A harness cost, or a kernel of a call that is not its product, shows here.
 
-    python -m bench.loop_trace      # ~15 s on one H200
-    python -m bench.loop_trace --impls deepgemm_fp8,cutlass_fp8   # FP8, weights made beforehand
+    python -m lab.loop_trace      # ~15 s on one H200
+    python -m lab.loop_trace --impls deepgemm_fp8,cutlass_fp8   # FP8, weights made beforehand
 
 impls: "cutlass", "deepgemm" (bf16 forward, groups of 128 rows), "cutlass_fp8", "deepgemm_fp8"
 (the FP8 forward with the weights quantized beforehand), "dense".

@@ -3,7 +3,7 @@ per-rank V3 shapes (32768 rows in 32 uniform groups; gate/up and down), timed as
 bursts of 20 calls (host-timed, each right after the one before) and by loop_seconds (what
 bench.grouped_matmul reports).
 
-    python -m bench.gemm_clocks      # ~10 s on one H200
+    python -m lab.gemm_clocks      # ~10 s on one H200
 """
 
 from __future__ import annotations
