@@ -29,15 +29,22 @@ def host_and_device_ms(fn, args, runs=5):
     return 1e3 * min(returned), 1e3 * min(ready)
 
 
-def main():
+def demo_inputs(**options):
+    """(parsed arguments, the mesh of every device, the demo's sizes for --tokens and --experts,
+    its inputs); options: more arguments, name -> default."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--top", type=int, default=14)
+    for name, default in options.items():
+        parser.add_argument(f"--{name}", type=type(default), default=default)
     a = parser.parse_args()
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
     sizes = demo.Sizes(a.tokens, 7168, a.experts, 8, 2048)
-    args = demo.random_inputs(mesh, sizes)
+    return a, mesh, sizes, demo.random_inputs(mesh, sizes)
+
+
+def main():
+    a, mesh, sizes, args = demo_inputs(top=14)
     for impl in ("ffi", "reference"):
         buf = demo.make_buffer(mesh, sizes, impl)
         for name, body in (("round_trip", demo.round_trip), ("layer", demo.moe_layer)):

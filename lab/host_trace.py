@@ -7,7 +7,6 @@ functions over many calls.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import cProfile
 import pathlib
@@ -19,6 +18,7 @@ import jax
 import numpy as np
 
 from jax_ep import demo
+from lab.demo_profile import demo_inputs
 
 
 def host_events(fn, args, calls=5):
@@ -43,13 +43,7 @@ def host_events(fn, args, calls=5):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--experts", type=int, default=32)
-    a = parser.parse_args()
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
-    sizes = demo.Sizes(a.tokens, 7168, a.experts, 8, 2048)
-    args = demo.random_inputs(mesh, sizes)
+    _, mesh, sizes, args = demo_inputs()
     for impl in ("ffi", "reference"):
         buf = demo.make_buffer(mesh, sizes, impl)
         fn = demo.program(demo.round_trip, mesh, buf)
