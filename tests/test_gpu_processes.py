@@ -13,12 +13,21 @@ import os
 import pytest
 from gpu_process_scenarios import case_names
 from processes import launch
+from test_process_failures import check_a_killed_process
 
 from bench.process_group import MPSUnavailable, private_mps
 
 pytestmark = pytest.mark.gpu
 
 PROCESS_COUNTS = [2, 4]
+# Every process: GPU 0, JAX's memory taken as needed (the ranks share the GPU), no NVLink
+# multicast; cpu: check_invalid's host callback.
+GPU_ENV = dict(
+    CUDA_VISIBLE_DEVICES="0",
+    XLA_PYTHON_CLIENT_PREALLOCATE="false",
+    NCCL_NVLS_ENABLE="0",
+    JAX_PLATFORMS="cuda,cpu",
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +59,7 @@ def groups(mps, request):
     groups run at once (each has its own Buffers, sockets and port)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    env = dict(
-        mps,
-        CUDA_VISIBLE_DEVICES="0",
-        XLA_PYTHON_CLIENT_PREALLOCATE="false",
-        NCCL_NVLS_ENABLE="0",
-        JAX_PLATFORMS="cuda,cpu",  # cpu: check_invalid's host callback
-    )
+    env = dict(mps, **GPU_ENV)
     timeout = int(os.environ.get("JAX_EP_GROUP_TIMEOUT", 900))
     counts = selected_counts(request)
     with ThreadPoolExecutor(len(counts)) as pool:
@@ -99,3 +102,10 @@ def test_gpu_processes(num_processes, name, groups):
     if name == "early-exit":  # the others finished the suite (the last one left early)
         for p, (code, out) in enumerate(results[:-1]):
             assert code == 0 and "SCENARIO OK" in out, f"process {p} (exit {code}):\n{out[-4000:]}"
+
+
+@pytest.mark.parametrize("num_processes", PROCESS_COUNTS)
+def test_a_killed_process_is_an_error_in_every_survivor_on_gpus(num_processes, mps, tmp_path):
+    """tests/test_process_failures.py's SIGKILL on the CUDA kernels: the survivors' waits see the
+    killed process's ranks ended (the rank's host-written bit) and their steps end in NaN."""
+    check_a_killed_process(tmp_path, num_processes, 1, dict(mps, **GPU_ENV))

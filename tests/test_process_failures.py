@@ -125,13 +125,18 @@ def said_at(log, marker):
 
 @pytest.mark.parametrize("num_processes,devices", [(2, 2), (4, 1)], ids=["2x2", "4x1"])
 def test_a_killed_process_is_an_error_in_every_survivor(num_processes, devices, tmp_path):
+    check_a_killed_process(tmp_path, num_processes, devices)
+
+
+def check_a_killed_process(tmp_path, num_processes, devices, env=None):
     """The last process is killed (SIGKILL) while all dispatch in a loop: every survivor's step
     has that step's rows or NaN (never another step's), NaN comes within SOON_S (timeout_s is
     60 s), status() names the killed process, the next call raises. With 4 processes process 0 is
     killed next: it hosts jax.distributed's coordination service, and JAX ends the survivors at
-    once (assert_ended_by_jax)."""
+    once (assert_ended_by_jax). env: the processes' environment beside the test's (GPUs:
+    tests/test_gpu_processes.py)."""
     then_0 = {"THEN_PROCESS_0": "1"} if num_processes == 4 else {}
-    procs, logs = start_logged(tmp_path, "dying", num_processes, devices, then_0)
+    procs, logs = start_logged(tmp_path, "dying", num_processes, devices, (env or {}) | then_0)
     victim = num_processes - 1
     survivors = range(victim)
     try:
