@@ -300,8 +300,9 @@ def overflow_rounds(buffer: Buffer, x, topk_idx, cfg: MoEConfig, capacity, exper
     own slots (the others -1), runs the experts and combines -> (the rounds' y summed in float32,
     the (token, expert) rows they delivered). A scan of static length (the worst case's rounds,
     memory.dropless_rounds) whose rounds past the needed ones are skipped by a cond every rank
-    takes alike; each round is rematerialized in the backward, so that a step holds one round's
-    rows at a time, not every round's."""
+    takes alike. Each round is rematerialized in the backward; that keeps, per round of the
+    static length, what the Buffer saves under remat and the round's inputs (not yet hoisted
+    out of the scan)."""
     rounds, needed = slot_rounds(buffer, topk_idx, cfg, capacity)
     # Zeros that vary over the ranks as the rounds' results do (shard_map checks it).
     none = jnp.zeros_like(x, jnp.float32), jnp.zeros_like(topk_idx[0, 0])
