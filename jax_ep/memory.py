@@ -110,6 +110,13 @@ def factor_capacity(factor, num_ranks, tokens, num_topk, experts_per_rank, align
     return min(rows, default)
 
 
+def dropless_rounds(capacity, num_ranks, tokens, num_topk, experts_per_rank, alignment):
+    """The most dispatch rounds a dropless layer of `capacity` expert rows may need: the worst
+    case's rows (default_capacity), `capacity` a round."""
+    worst = default_capacity("expert", num_ranks, tokens, num_topk, experts_per_rank, alignment)
+    return -(-worst // capacity)
+
+
 def output_capacity(layout, alignment, capacity, num_ranks, max_tokens, num_topk, experts_per_rank):
     """A dispatch's `capacity` (None: the default), checked against its layout: the output's
     rows (expert_padded: rows per expert)."""
@@ -164,6 +171,7 @@ def memory_plan(
     fp8=False,
     capacity=None,
     capacity_factor=None,
+    dropless=False,
     partial_dtype=None,
 ):
     """Bytes per GPU of a Buffer and of one dispatch and combine at max_tokens_per_rank tokens
@@ -181,6 +189,8 @@ def memory_plan(
             in expert_padded; None: the worst case, nothing dropped). layout defaults to
             "expert", the MoE layer's.
         capacity_factor: the layer's (MoEConfig.capacity_factor; expert layout, no capacity).
+        dropless: the layer's (MoEConfig.dropless, with capacity_factor): rows past the
+            capacity go in further rounds of the same size, which need overflow_sum too.
         partial_dtype: the combine's (the expert layouts' partial sums); default
             max_row_dtype.
 
@@ -204,13 +214,15 @@ def memory_plan(
             partial sum in partial_dtype; the rank layout sends expert_out itself), and on a
             tuple axis their copy in the fast leg's order.
         combine_output: y, [N, H] of x_dtype.
+        overflow_sum: with dropless, the float32 [N, H] sum of the later rounds' combines;
+            else 0.
 
     The XLA parts are the arrays of H-wide rows (the few words of ids and weights per row are
     left out); XLA allocates them per op and may reuse one's memory for another, so their sum
     bounds a step's peak from above. The window is allocated once per Buffer. This is today's
     design: every whole op's rows land in the window at once, in a block of N rows per source
     in each of two slots, so the window grows with R * N. Other modes (windows that stream a
-    fixed number of rows per source, dropless buffers) add their own arguments and parts.
+    fixed number of rows per source) add their own arguments and parts.
     """
     sizes = tuple(axis_sizes) if isinstance(axis_sizes, (tuple, list)) else None
     if not sizes or not all(is_integer(s) and s > 0 for s in sizes):
@@ -241,6 +253,8 @@ def memory_plan(
         capacity = factor_capacity(
             capacity_factor, num_ranks, tokens, num_topk, experts_per_rank, alignment
         )
+    if dropless and capacity_factor is None:
+        fail("dropless bounds each round at capacity_factor: give one")
     rows = output_capacity(
         layout, alignment, capacity, num_ranks, tokens, num_topk, experts_per_rank
     )
@@ -265,4 +279,5 @@ def memory_plan(
         combine_input=rows * hidden * x_dtype.itemsize,
         combine_rows=copies * received * hidden * sent_bytes,
         combine_output=tokens * hidden * x_dtype.itemsize,
+        overflow_sum=tokens * hidden * 4 if dropless else 0,
     )

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from jax_ep import nn
 from jax_ep.layout import align_up
-from jax_ep.memory import default_capacity
+from jax_ep.memory import default_capacity, dropless_rounds
 
 T, H, E, K = 16, 256, 16, 4
 V3 = dict(hidden=7168, num_topk=8, max_tokens_per_rank=4096)
@@ -173,6 +173,13 @@ def test_the_layer_sizes_by_the_plan():
         assert got["expert_buffer"] == nn.expert_capacity(cfg, T, ranks) * H
     worst = plan((8,), expert_alignment=8)["expert_buffer"]
     assert worst == plan((8,), capacity_factor=100.0, expert_alignment=8)["expert_buffer"]
+    # Dropless: each round the capacity_factor's rows (80 of the worst case's 272 at 8 ranks),
+    # and the later rounds' float32 sum.
+    bounded = plan((8,), capacity_factor=1.25, expert_alignment=8)
+    got = plan((8,), capacity_factor=1.25, dropless=True, expert_alignment=8)
+    assert got["expert_buffer"] == bounded["expert_buffer"] == 80 * H * 4 and worst == 272 * H * 4
+    assert got["overflow_sum"] == T * H * 4 and bounded["overflow_sum"] == 0
+    assert dropless_rounds(80, 8, T, K, E // 8, 8) == 4  # 272 / 80, rounded up
 
 
 @pytest.mark.parametrize(
@@ -183,6 +190,7 @@ def test_the_layer_sizes_by_the_plan():
         ((8,), dict(layout="rank", capacity_factor=1.0), "capacity_factor sizes the expert"),
         ((8,), dict(capacity=64, capacity_factor=1.0), "capacity_factor sizes the expert"),
         ((8,), dict(capacity_factor=0.0), "capacity_factor must be positive"),
+        ((8,), dict(dropless=True), "dropless bounds each round at capacity_factor"),
         ((8,), dict(capacity=63, expert_alignment=2), "multiple of expert_alignment"),
         ((8,), dict(max_row_dtype=jnp.bfloat16, x_dtype=jnp.float32), "wider than"),
         ((8,), dict(layout="tokens"), "layout must be one of"),

@@ -15,6 +15,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import nn
+from lab import dropless
 
 H, F, E, K = 64, 32, 16, 4
 TOKENS = 16  # per rank
@@ -215,6 +216,8 @@ def test_config_errors():
         ("expert_alignment", 0, "expert_alignment must be an integer >= 1"),
         ("capacity_factor", 0.0, "capacity_factor"),
         ("capacity_factor", float("inf"), "capacity_factor"),
+        ("dropless", True, "True only with a capacity_factor"),
+        ("dropless", 1, "dropless must be a bool"),
         ("combine_partial_dtype", jnp.float16, "combine_partial_dtype"),
         ("grouped_matmul", "cuBLAS", "grouped_matmul"),
     ):
@@ -306,6 +309,85 @@ def test_capacity_drops_like_dense_moe(num_ranks, dp, name, impl):
     grads = jax.jit(jax.grad(lambda p, x: loss(*layer(p, x), cotangent), argnums=(0, 1)))(params, x)
     want = jax.grad(lambda p, x: loss(*dense(p, x), cotangent), argnums=(0, 1))(params, x)
     assert_close_trees(grads, want, 1e-5, "gradient")
+
+
+# Dropless layers: axis sizes (one axis, or ("node", "ep")), the config's options.
+DROPLESS = {
+    "8 ranks": ((8,), {}),
+    "2 x 4 nodes, aligned, shared": ((2, 4), dict(expert_alignment=8, shared_ffn_hidden=48)),
+    "4 ranks, fp8": ((4,), dict(hidden=128, ffn_hidden=128, fp8=True, fp8_experts=True)),
+}
+
+
+def dropless_case(name, capacity_factor=1.25, dropless=True):
+    """(layer, params) of a DROPLESS case; the layer records the rows of each dispatch in .rows."""
+    sizes, options = DROPLESS[name]
+    options = dict(dict(num_experts=E, num_topk=K, hidden=H, ffn_hidden=F), **options)
+    cfg = nn.MoEConfig(**options, capacity_factor=capacity_factor, dropless=dropless)
+    axis = ("node", "ep") if len(sizes) > 1 else "ep"
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[: np.prod(sizes)]).reshape(sizes), axis)
+    layer = nn.MoELayer(cfg, mesh, expert_axis=axis, tokens_per_rank=TOKENS, impl="ffi")
+    dispatch, layer.rows = layer.buffer.dispatch, []
+
+    def recorded(*args, **kwargs):
+        d = dispatch(*args, **kwargs)
+        layer.rows.append(d.x.shape[0])
+        return d
+
+    layer.buffer.dispatch = recorded
+    return layer, nn.init_params(jax.random.key(0), cfg)
+
+
+@pytest.mark.parametrize("name", sorted(DROPLESS))
+def test_dropless_delivers_every_row_within_its_bound(name):
+    """capacity_factor=1.25 with dropless=True: on uniform, Zipf and one-hot-expert routings
+    every row arrives (num_dropped 0) and the layer is the dense MoE (with FP8 rows: the
+    worst-case layer, whose rows are the same), forward and gradients; no dispatch holds more
+    than the 1.25 x balanced rows, while the skewed routings need more rounds."""
+    layer, params = dropless_case(name)
+    cfg, ranks = layer.cfg, layer.buffer.num_ranks
+    bound = nn.expert_capacity(cfg, TOKENS, ranks)
+    assert bound <= 1.25 * TOKENS * K + cfg.expert_alignment * E // ranks
+    reference = lambda p, x: nn.dense_moe(p, x, cfg)
+    if cfg.fp8:
+        reference = dropless_case(name, capacity_factor=None, dropless=False)[0]
+
+    def objective(p, x, f, cotangent):
+        y, aux = f(p, x)
+        return loss(y, aux, cotangent), (y, aux)
+
+    step = jax.jit(jax.value_and_grad(objective, (0, 1), has_aux=True), static_argnums=2)
+    rounds = {}
+    for kind in dropless.ROUTINGS:
+        p, x = dropless.routed_inputs(kind, np.random.default_rng(1), params, ranks * TOKENS, E, K)
+        cotangent = jax.random.normal(jax.random.key(2), x.shape)
+        ((_, (y, aux)), got), ((_, (y_ref, aux_ref)), want) = (
+            step(p, x, f, cotangent) for f in (layer, reference)
+        )
+        assert aux.num_dropped == 0, kind
+        assert relative_error(y, y_ref) < 1e-5, kind
+        assert_same_aux(aux, aux_ref)
+        assert_close_trees(got, want, 1e-5, f"{kind} gradient")
+        topk_idx = np.asarray(nn.route(x, p["router"], cfg)[0])
+        rounds[kind] = len(dropless.rounds_of(topk_idx, ranks, bound, cfg.expert_alignment))
+    assert set(layer.rows) == {bound}
+    assert rounds["uniform"] == 1 and rounds["zipf"] > 1 and rounds["hot"] > 1, rounds
+
+
+def test_dropless_rounds_cut_short_drop_rows(monkeypatch):
+    """A Zipf routing that needs 3 rounds: the layer runs them all and is the dense MoE; with
+    the rounds' static bound cut to 2 the rows of the third are missing, and counted."""
+    layer, params = dropless_case("8 ranks")
+    cfg = layer.cfg
+    p, x = dropless.routed_inputs("zipf", np.random.default_rng(1), params, 8 * TOKENS, E, K)
+    topk_idx = np.asarray(nn.route(x, p["router"], cfg)[0])
+    assert len(dropless.rounds_of(topk_idx, 8, nn.expert_capacity(cfg, TOKENS, 8), 1)) == 3
+    y_dense, _ = nn.dense_moe(p, x, cfg)
+    y, aux = layer(p, x)
+    assert aux.num_dropped == 0 and relative_error(y, y_dense) < 1e-5
+    monkeypatch.setattr(nn.moe.memory, "dropless_rounds", lambda *_: 2)
+    y, aux = dropless_case("8 ranks")[0](p, x)
+    assert aux.num_dropped > 0 and relative_error(y, y_dense) > 1e-3
 
 
 def test_expert_capacity():

@@ -66,6 +66,10 @@ class MoEConfig:
             per rank, split evenly over its experts, each block aligned); None: room for every
             row (nothing is dropped). Rows past it drop in the expert layout's row order (the
             rank's last experts first) and are counted in MoEAux.num_dropped.
+        dropless: with capacity_factor: nothing drops, and each dispatch still holds at most
+            capacity_factor x the balanced rows. The rows past it go in further rounds of the
+            same capacity (dispatch, experts, combine), as many as the most loaded rank needs
+            (agreed by every rank; no round runs empty), their outputs summed in float32.
         routing_bias: top-k over scores + a per-expert bias (the layer's routing_bias
             argument), weights from the scores alone.
         combine_partial_dtype: each rank's sum of a token's expert rows (bf16: half the
@@ -92,6 +96,7 @@ class MoEConfig:
     fp8_down: bool = False
     fp8_dgrad: bool = False
     capacity_factor: float | None = None
+    dropless: bool = False
     routing_bias: bool = False
     combine_partial_dtype: Any = jnp.float32
     grouped_matmul: str = "auto"
@@ -122,6 +127,12 @@ class MoEConfig:
                 f"{self.max_nodes_per_token!r}"
             )
         check_capacity_factor(self.capacity_factor)
+        if not isinstance(self.dropless, bool) or self.dropless and self.capacity_factor is None:
+            raise ValueError(
+                f"jax_ep.nn: dropless must be a bool, and True only with a capacity_factor (the "
+                f"rows of each round), got dropless={self.dropless!r}, capacity_factor="
+                f"{self.capacity_factor!r}"
+            )
         if jnp.dtype(self.combine_partial_dtype) not in FLOAT_ROWS:
             raise ValueError(
                 f"jax_ep.nn: combine_partial_dtype must be float32 or bfloat16, got "

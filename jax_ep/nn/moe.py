@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import memory
+from jax_ep import layout, memory
 from jax_ep.buffer import Buffer
 from jax_ep.fp8 import FP8_BLOCK, quantize_fp8
 from jax_ep.nn import grouped
@@ -223,40 +223,108 @@ def moe_block(
         )
     topk_idx, topk_weights, scores = route(x, params["router"], cfg, routing_bias, buffer.num_nodes)
     capacity = expert_capacity(cfg, x.shape[0], buffer.num_ranks)
-    d = buffer.dispatch(
-        x,
-        topk_idx,
-        topk_weights,
-        layout="expert",
-        expert_alignment=cfg.expert_alignment,
-        fp8=cfg.fp8,
-        capacity=capacity,
-    )
-    # With FP8 rows, their dequantized value carries the gradient to x (and is all that the
-    # backward reads when the projections take the FP8 rows themselves).
-    rows = buffer.dequantize(d, x) if cfg.fp8 else d.x
-    out = expert_ffn(
-        params,
-        rows,
-        d.group_sizes,
-        cfg,
-        fp8_rows=fp8_rows(d, cfg, fp8_weights),
-        fp8_weights=fp8_weights,
-    )
+
+    def experts(idx):
+        """The experts on the rows of a dispatch of the slots idx names -> (their outputs, the
+        dispatch)."""
+        d = buffer.dispatch(
+            x,
+            idx,
+            topk_weights,
+            layout="expert",
+            expert_alignment=cfg.expert_alignment,
+            fp8=cfg.fp8,
+            capacity=capacity,
+        )
+        # With FP8 rows, their dequantized value carries the gradient to x (and is all that the
+        # backward reads when the projections take the FP8 rows themselves).
+        rows = buffer.dequantize(d, x) if cfg.fp8 else d.x
+        out = expert_ffn(
+            params,
+            rows,
+            d.group_sizes,
+            cfg,
+            fp8_rows=fp8_rows(d, cfg, fp8_weights),
+            fp8_weights=fp8_weights,
+        )
+        return out.astype(x.dtype), d
+
+    def combine(out, d, bias=None):
+        return buffer.combine(
+            out,
+            d.handle,
+            topk_weights=d.topk_weights,
+            bias=bias,
+            partial_dtype=cfg.combine_partial_dtype,
+        )
+
+    out, d = experts(topk_idx)
     bias = shared_expert(params, x).astype(x.dtype) if cfg.shared_ffn_hidden else None
-    y = buffer.combine(
-        out.astype(x.dtype),
-        d.handle,
-        topk_weights=d.topk_weights,
-        bias=bias,
-        partial_dtype=cfg.combine_partial_dtype,
-    )
-    num_dropped = jax.lax.psum(d.num_dropped, token_axes) if token_axes else d.num_dropped
+    y, num_dropped = combine(out, d, bias), d.num_dropped
+    if cfg.dropless and capacity is not None:
+        more, delivered = overflow_rounds(buffer, x, topk_idx, cfg, capacity, experts, combine)
+        y = (y.astype(jnp.float32) + more).astype(x.dtype)
+        num_dropped = num_dropped - delivered  # 0 unless a round were missing
+    num_dropped = jax.lax.psum(num_dropped, token_axes) if token_axes else num_dropped
     return y, MoEAux(
         load_balancing_loss(scores, topk_idx, cfg, token_axes),
         num_dropped,
         expert_load(topk_idx, cfg.num_experts, token_axes),
     )
+
+
+def slot_rounds(buffer: Buffer, topk_idx, cfg: MoEConfig, capacity):
+    """Inside shard_map: the dispatch round that delivers each of this rank's (token, slot)
+    ([T, K] int32), and the rounds the EP group runs ([] int32, the same on every rank).
+
+    A (token, expert) row's round is its place in the expert layout of a dispatch without a
+    capacity, floor-divided by `capacity`: round 0 holds the rows a dispatch with `capacity`
+    keeps, and round r's rows, dispatched alone, take the places [0, capacity) in the same order
+    (capacity and every expert block's start are multiples of the alignment, so rounds split
+    only within an expert's rows). The places come from every source's rows per expert (an
+    all_gather of E counts), as the layout orders them: by expert, then source rank, then token."""
+    tokens, experts = topk_idx.shape[0], cfg.num_experts
+    has = jnp.zeros((tokens, experts), jnp.int32).at[jnp.arange(tokens)[:, None], topk_idx].set(1)
+    counts = jax.lax.all_gather(has.sum(axis=0), buffer.axis_name)  # [R, E]: per source
+    sources = jnp.arange(buffer.num_ranks)[:, None]
+    before = jnp.where(sources < jax.lax.axis_index(buffer.axis_name), counts, 0).sum(axis=0)
+    blocks = layout.align_up(counts.sum(axis=0), cfg.expert_alignment).reshape(sources.shape[0], -1)
+    start = layout.exclusive_cumsum(blocks, axis=1).reshape(-1)  # each expert's on its rank
+    place = start + before + layout.exclusive_cumsum(has, axis=0)  # [T, E]
+    rounds = jnp.take_along_axis(place // capacity, topk_idx, axis=1)
+    return rounds, -(-blocks.sum(axis=1).max() // capacity)
+
+
+def overflow_rounds(buffer: Buffer, x, topk_idx, cfg: MoEConfig, capacity, experts, combine):
+    """The rounds after the first of a dropless layer (slot_rounds): each dispatches only its
+    own slots (the others -1), runs the experts and combines -> (the rounds' y summed in float32,
+    the (token, expert) rows they delivered). A scan of static length (the worst case's rounds,
+    memory.dropless_rounds) whose rounds past the needed ones are skipped by a cond every rank
+    takes alike. Each round is rematerialized in the backward; that keeps, per round of the
+    static length, what the Buffer saves under remat and the round's inputs (not yet hoisted
+    out of the scan)."""
+    rounds, needed = slot_rounds(buffer, topk_idx, cfg, capacity)
+    # Zeros that vary over the ranks as the rounds' results do (shard_map checks it).
+    none = jnp.zeros_like(x, jnp.float32), jnp.zeros_like(topk_idx[0, 0])
+
+    @jax.checkpoint
+    def run(r):
+        out, d = experts(jnp.where(rounds == r, topk_idx, -1))
+        return combine(out, d).astype(jnp.float32), d.tokens_per_expert.sum()
+
+    def step(total, r):
+        y, n = jax.lax.cond(r < needed, run, lambda _: none, r)
+        return (total[0] + y, total[1] + n), None
+
+    limit = memory.dropless_rounds(
+        capacity,
+        buffer.num_ranks,
+        topk_idx.shape[0],
+        cfg.num_topk,
+        cfg.num_experts // buffer.num_ranks,
+        cfg.expert_alignment,
+    )
+    return jax.lax.scan(step, none, jnp.arange(1, limit))[0]
 
 
 def grouped_matmul_path(

@@ -18,8 +18,9 @@ def dense_moe(
     """The same MoE on one device without expert parallelism: every expert on every token.
     x [G * R * T, H] holds the tokens of G EP groups of num_ranks ranks with tokens_per_rank
     each (default: one group), in rank order, as MoELayer splits them; with a capacity_factor
-    the rows the layer drops are left out, and combine_partial_dtype rounds each rank's partial
-    sum as the layer's combine does. -> (y, MoEAux)."""
+    (and not dropless) the rows the layer drops are left out, and combine_partial_dtype rounds
+    each rank's partial sum as the layer's combine does (a dropless layer's rounds after the
+    first round theirs apart). -> (y, MoEAux)."""
     check_routing_bias(cfg, routing_bias)
     moe.check_inputs(cfg, params, x)
     tokens_per_rank = tokens_per_rank or x.shape[0] // num_ranks
@@ -52,7 +53,7 @@ def _kept_rows(routed, cfg, num_ranks, tokens_per_rank):
     capacity keeps. On each receiving rank, local expert e's rows start after the aligned blocks
     of the experts before it; rows come by (source rank, token); those past the capacity drop."""
     capacity = moe.expert_capacity(cfg, tokens_per_rank, num_ranks)
-    if capacity is None:
+    if capacity is None or cfg.dropless:
         return routed
     tokens, experts = routed.shape
     # [EP groups, source rank x token, receiving rank, local expert]
