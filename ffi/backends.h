@@ -59,6 +59,7 @@ class CpuBuffer : public NativeBuffer {
   ~CpuBuffer() override;
   std::string status() const override;
   void peer_ended(int group, int rank) override;
+  void stop(const AbortRecord& record) override;
 
  private:
   Window window_;
@@ -86,6 +87,7 @@ class CudaBuffer : public NativeBuffer {
   ~CudaBuffer() override;
   std::string status() const override;
   void peer_ended(int group, int rank) override;
+  void stop(const AbortRecord& record) override;
 };
 
 // CUDA devices of one host, without NCCL: windows in VMM memory shared between the processes
@@ -105,6 +107,7 @@ class CudaIpcBuffer : public NativeBuffer {
   ~CudaIpcBuffer() override;
   std::string status() const override;
   void peer_ended(int group, int rank) override;
+  void stop(const AbortRecord& record) override;
 
  private:
   std::shared_ptr<cuda_ipc::Engine> engine_;  // the ranks keep it too

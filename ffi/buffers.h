@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kernels/dtype.h"
+#include "kernels/signature.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {
@@ -25,6 +26,9 @@ class NativeBuffer : public std::enable_shared_from_this<NativeBuffer> {
   // The process holding rank `rank` of EP group `group` has ended (ffi/ended.h): this process's
   // ranks of the group stop waiting for it.
   virtual void peer_ended(int group, int rank) = 0;
+  // Nodes of a tuple axis ran different ops (jax_ep/node_check.py; `record` says which): every
+  // rank here stops with it, so that status() names both ops and the next op raises.
+  virtual void stop(const AbortRecord& record) = 0;
   // This Buffer's rank on `device` (a local device ordinal), or null.
   void* rank_on(int device) const {
     auto it = ranks.find(device);

@@ -31,6 +31,10 @@ void CpuBuffer::peer_ended(int group, int rank) {
     if (auto* mine = static_cast<cpu::Rank*>(r.get()); mine->group == group) mine->peer_ended(rank);
 }
 
+void CpuBuffer::stop(const AbortRecord& record) {
+  for (auto& [device, r] : ranks) static_cast<cpu::Rank*>(r.get())->publish(record);
+}
+
 std::string CpuBuffer::socket() const { return engine_->socket(); }
 
 std::vector<std::string> CpuBuffer::notes() const { return engine_->notes(); }

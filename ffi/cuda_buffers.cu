@@ -21,6 +21,10 @@ void ranks_peer_ended(const std::map<int, std::shared_ptr<void>>& ranks, int gro
       mine->peer_ended(rank);
 }
 
+void ranks_stop(const std::map<int, std::shared_ptr<void>>& ranks, const AbortRecord& record) {
+  for (const auto& [device, r] : ranks) static_cast<const cuda::Rank*>(r.get())->stop(record);
+}
+
 size_t window_allocation(const Window& window) {
   return size_t(align_bytes(window.total_bytes(), 4096));
 }
@@ -51,6 +55,8 @@ CudaBuffer::~CudaBuffer() { ranks.clear(); }
 std::string CudaBuffer::status() const { return ranks_status(ranks); }
 
 void CudaBuffer::peer_ended(int group, int rank) { ranks_peer_ended(ranks, group, rank); }
+
+void CudaBuffer::stop(const AbortRecord& record) { ranks_stop(ranks, record); }
 
 CudaIpcBuffer::CudaIpcBuffer(const Window& window, const std::string& socket_name,
                              const std::string& secret, const std::vector<int>& pids,
@@ -86,5 +92,7 @@ CudaIpcBuffer::~CudaIpcBuffer() { ranks.clear(); }
 std::string CudaIpcBuffer::status() const { return ranks_status(ranks); }
 
 void CudaIpcBuffer::peer_ended(int group, int rank) { ranks_peer_ended(ranks, group, rank); }
+
+void CudaIpcBuffer::stop(const AbortRecord& record) { ranks_stop(ranks, record); }
 
 }  // namespace jax_ep

@@ -1,5 +1,7 @@
 // The Python module jax_ep._native: the custom-call targets, the limits, the window's layout
 // and the native side of a Buffer (built in steps by jax_ep/bootstrap.py).
+#include <algorithm>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/pair.h>
@@ -111,6 +113,23 @@ NB_MODULE(_native, m) {
   m.def("watch_process", &watch_process, nb::arg("process"), nb::arg("fd"), nb::arg("message"));
   m.def("ended_processes", &ended_processes);
   m.def("stop_watching", &stop_watching, nb::call_guard<nb::gil_scoped_release>());
+  // Nodes of a tuple axis ran different ops (jax_ep/node_check.py): stops this process's ranks of
+  // Buffer `key` (if it is still here) with both ops' signatures.
+  m.def(
+      "nodes_differ",
+      [](int64_t key, int node, int other, const std::vector<uint64_t>& mine,
+         const std::vector<uint64_t>& theirs) {
+        auto buffer = find_buffer(key);
+        if (!buffer || mine.size() != kSignatureWords || theirs.size() != kSignatureWords) return;
+        AbortRecord a{};
+        a.code = kNodesDiffer;
+        a.giver = uint64_t(node);
+        a.peer = uint64_t(other);
+        std::copy(mine.begin(), mine.end(), a.mine);
+        std::copy(theirs.begin(), theirs.end(), a.theirs);
+        buffer->stop(a);
+      },
+      nb::arg("key"), nb::arg("node"), nb::arg("other"), nb::arg("mine"), nb::arg("theirs"));
 
   m.def("cpu_targets", [] { return as_handlers(cpu_targets()); });
   m.def("cpu_state_type", [] { return state_type(cpu_state_type_id(), cpu_state_type_info()); });

@@ -430,6 +430,11 @@ class Ffi:
             max_row_dtype=jnp.dtype(max_row_dtype).name,
         )
 
+    @property
+    def key(self):
+        """The Buffer's key (its native side)."""
+        return self._cfg.buffer
+
     def _dispatch_config(self, x, fp8=False, round_scale=False, low_latency=False):
         return self._cfg._replace(
             fp8=bool(fp8),

@@ -21,6 +21,9 @@ FP8 crosses both legs as FP8: the sender quantizes, and the e4m3 bytes with thei
 as opaque 32-bit words (the fast leg moves them as float32 rows of width 33 H / 128, bit for
 bit), unpacked after the gather.
 
+Every op first checks that every node runs it (jax_ep/node_check.py): where nodes differ, no rank
+runs its node-leg collectives, its results are NaN and the Buffer stops, naming both ops.
+
 dispatch, dispatch_cached and combine are custom_vjp functions whose backward passes are each
 other (as in ffi_path): x's gradient is one hierarchical combine (float32 sums, node order,
 rounded once), the weights' another.
@@ -35,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
-from jax_ep import layout
+from jax_ep import layout, node_check
 from jax_ep.fp8 import FP8_BLOCK, quantize_fp8
 from jax_ep.rank_ops import RankRows, Routing, all_varying, start
 
@@ -82,6 +85,10 @@ def _varying(*trees):
     return jax.tree.unflatten(tree, all_varying(*leaves))
 
 
+def _zeros(x):
+    return jnp.zeros(x.shape, x.dtype)
+
+
 class Hierarchical:
     """The rank-level operations over (outer axes..., fast axis), from an `inner` backend over
     the fast axis (see the module's docstring)."""
@@ -98,6 +105,14 @@ class Hierarchical:
         self.num_experts = num_experts
         self.node_experts = num_experts // num_nodes
         self.experts_per_rank = num_experts // (num_nodes * ranks_per_node)
+        self.key = getattr(inner, "key", None)  # the custom calls' Buffer (no check without)
+
+    def _agree(self, kind, dtype, width, tokens, after, **kwargs):
+        """Whether every node runs this op: a node_check.Check (jax_ep/node_check.py)."""
+        if self.key is None:  # the reference path: no signatures, no status to name them in
+            return None
+        words = node_check.signature(kind, dtype, width, tokens, self.num_experts, **kwargs)
+        return node_check.agree(self.outer, words, after)
 
     def _across_nodes(self, blocks):
         """[M, T, ...] with block m for node m -> [M, T, ...] with block m from node m."""
@@ -107,10 +122,12 @@ class Hierarchical:
         """What the node leg carries of x, and what the fast leg moves: x, or FP8 as words."""
         return _pack_fp8(x, round_scale) if fp8 else x
 
-    def _to_nodes(self, payload):
+    def _to_nodes(self, payload, check):
         """The node leg of x's payload -> the fast leg's input [M * T, W] (float32 for FP8)."""
         m = self.num_nodes
-        arrived = self._across_nodes(jnp.broadcast_to(payload, (m,) + payload.shape))
+        arrived = node_check.where_agree(
+            check, self._across_nodes, jnp.broadcast_to(payload, (m,) + payload.shape)
+        )
         arrived = arrived.reshape((-1,) + payload.shape[1:])
         if arrived.dtype == jnp.uint32:
             return jax.lax.bitcast_convert_type(arrived, jnp.float32)
@@ -140,12 +157,21 @@ class Hierarchical:
     def _dispatch_start(self, split, x, topk_idx, topk_weights, rows, fp8, round_scale, ll):
         m, el = self.num_nodes, self.experts_per_rank
         t, k = topk_idx.shape
+        check = self._agree(
+            node_check.DISPATCH, x.dtype, x.shape[1], t, x, columns=k, fp8=fp8,
+            round_scale=round_scale,
+        )  # fmt: skip
         node_goes = layout.dest_ranks(topk_idx, m, self.num_experts)  # [T, M]
         per_node = [
             layout.local_topk(topk_idx, topk_weights, n, m, self.num_experts) for n in range(m)
         ]
-        fast_idx = self._across_nodes(jnp.stack([p[0] for p in per_node])).reshape(m * t, k)
-        fast_w = self._across_nodes(jnp.stack([p[1] for p in per_node])).reshape(m * t, k)
+        fast_idx, fast_w = node_check.where_agree(
+            check,
+            lambda i, w: (self._across_nodes(i), self._across_nodes(w)),
+            jnp.stack([p[0] for p in per_node]),
+            jnp.stack([p[1] for p in per_node]),
+        )
+        fast_idx, fast_w = fast_idx.reshape(m * t, k), fast_w.reshape(m * t, k)
         # Rows each local rank gets of each source node's tokens, gathered by the receiver:
         # the rank-level order is by source node first, the fast leg's by local source.
         goes = layout.dest_ranks(fast_idx, self.ranks_per_node, self.node_experts)
@@ -157,7 +183,7 @@ class Hierarchical:
             split,
             inner.dispatch,
             inner.dispatch_send,
-            self._to_nodes(self._payload(x, fp8, round_scale)),
+            self._to_nodes(self._payload(x, fp8, round_scale), check),
             fast_idx,
             fast_w,
             rows=fast_rows,
@@ -166,9 +192,13 @@ class Hierarchical:
             low_latency=ll,
         )
         num_invalid = layout.num_invalid(topk_idx, self.num_experts)
+        # The fast leg sees the ids cut to a node (invalid ones gone): sum the group's.
+        group_invalid = node_check.where_agree(
+            check, lambda n: jax.lax.psum(n, self.group_axes), num_invalid, fill=_zeros
+        )
 
         def finish(arrays):
-            fast, node_goes, counts, num_invalid = arrays
+            fast, node_goes, counts, num_invalid, group_invalid, check = arrays
             got, routing = moved(fast)
             inner_row, recv_counts = self._row_order(counts, rows)
             x_rows, scales = self._rows_out(got.x, inner_row, fp8, x.shape[1])
@@ -178,20 +208,29 @@ class Hierarchical:
             routes = NodeRoutes(
                 node_goes, routing.send_pos, routing.recv_counts, routing.num_recv, inner_row
             )
-            return RankRows(x_rows, scales, topk_rows, layout.take(got.topk_weights, inner_row)), (
-                Routing(
-                    send_pos=routes,
-                    recv_counts=recv_counts,
-                    tokens_per_expert=layout.tokens_per_expert(topk_rows, el),
-                    num_recv=num_recv,
-                    num_dropped=received - num_recv,
-                    num_invalid=num_invalid,
-                    # The fast leg sees the ids cut to a node (invalid ones gone): sum the group's.
-                    group_invalid=jax.lax.psum(num_invalid, self.group_axes),
-                )
+            moved_rows = RankRows(
+                x_rows, scales, topk_rows, layout.take(got.topk_weights, inner_row)
             )
+            counted = Routing(
+                send_pos=routes,
+                recv_counts=recv_counts,
+                tokens_per_expert=layout.tokens_per_expert(topk_rows, el),
+                num_recv=num_recv,
+                num_dropped=received - num_recv,
+                num_invalid=num_invalid,
+                group_invalid=group_invalid,
+            )
+            counts_of = ("recv_counts", "tokens_per_expert", "num_recv", "num_dropped")
+            routing = counted._replace(
+                send_pos=routes._replace(node_goes=node_check.mask(check, routes.node_goes)),
+                **{
+                    name: node_check.mask(check, getattr(counted, name), _zeros)
+                    for name in counts_of
+                },
+            )
+            return node_check.finish(self.key, check, (node_check.mask(check, moved_rows), routing))
 
-        return (arrays, node_goes, counts, num_invalid), finish
+        return (arrays, node_goes, counts, num_invalid, group_invalid, check), finish
 
     def dispatch(self, x, topk_idx, topk_weights, *, rows, fp8, round_scale, low_latency=False):
         return _dispatch(
@@ -207,12 +246,15 @@ class Hierarchical:
         )
 
     def _cached_start(self, split, x, routes, fp8, round_scale):
+        check = self._agree(
+            node_check.CACHED, x.dtype, x.shape[1], x.shape[0], x, fp8=fp8, round_scale=round_scale
+        )
         inner = self.inner
         arrays, moved = start(
             split,
             inner.dispatch_cached,
             inner.dispatch_cached_send,
-            self._to_nodes(self._payload(x, fp8, round_scale)),
+            self._to_nodes(self._payload(x, fp8, round_scale), check),
             routes.send_pos,
             routes.num_rows,
             routes.recv_counts,
@@ -222,10 +264,11 @@ class Hierarchical:
         )
 
         def finish(arrays):
-            fast, inner_row = arrays
-            return self._rows_out(moved(fast)[0], inner_row, fp8, x.shape[1])
+            fast, inner_row, check = arrays
+            rows = self._rows_out(moved(fast)[0], inner_row, fp8, x.shape[1])
+            return node_check.finish(self.key, check, node_check.mask(check, rows))
 
-        return (arrays, routes.inner_row), finish
+        return (arrays, routes.inner_row, check), finish
 
     def dispatch_cached(self, x, send_pos, num_rows, recv_counts, *, rows, fp8, round_scale):
         return _dispatch_cached(
@@ -239,6 +282,9 @@ class Hierarchical:
 
     def _combine_start(self, split, row_data, routes, bias, out_dtype):
         m = self.num_nodes
+        check = self._agree(
+            node_check.COMBINE, row_data.dtype, row_data.shape[1], row_data.shape[0], row_data
+        )
         fast_rows = routes.send_pos.shape[0] * self.ranks_per_node
         target = jnp.where(routes.inner_row >= 0, routes.inner_row, fast_rows)
         fast_data = (
@@ -260,16 +306,21 @@ class Hierarchical:
         )
 
         def finish(arrays):
-            fast, node_goes, bias = arrays
+            fast, node_goes, bias, check = arrays
             partial = summed(fast)  # [M * T, W] float32: this node's sum for each token it got
-            back = self._across_nodes(partial.reshape((m, len(partial) // m) + partial.shape[1:]))
+            back = node_check.where_agree(
+                check,
+                self._across_nodes,
+                partial.reshape((m, len(partial) // m) + partial.shape[1:]),
+            )
             acc = jnp.zeros(back.shape[1:], jnp.float32) if bias is None else bias
             acc = acc.astype(jnp.float32)
             for n in range(m):  # fixed order: node 0 first
                 acc = jnp.where(node_goes[:, n, None], acc + back[n], acc)
-            return acc.astype(out_dtype)
+            y = node_check.mask(check, acc.astype(out_dtype))
+            return node_check.finish(self.key, check, y)
 
-        return (arrays, routes.node_goes, bias), finish
+        return (arrays, routes.node_goes, bias, check), finish
 
     def combine(self, row_data, send_pos, num_rows, recv_counts, bias, *, out_dtype):
         cfg = (self, jnp.dtype(out_dtype), row_data.dtype, None if bias is None else bias.dtype)

@@ -66,6 +66,7 @@ enum Wait : int32_t {
   kWaitLower = 4,    // the counts of the ranks before this one (rows it writes in place)
   kMismatch = 5,     // a source ran another op (its signature differs from this rank's)
   kPeerEnded = 6,    // the peer's process has ended (jax_ep/bootstrap.py's liveness watch)
+  kNodesDiffer = 7,  // over a tuple axis, node `peer` ran another op than node `giver`
 };
 
 // The abort record, in every window of a group: the first rank to give up claims each window's
@@ -148,6 +149,15 @@ inline std::string abort_message(const AbortRecord& a, int group, int observer, 
            ")";
     m += ": every rank of a Buffer must run the same jax_ep ops, called from the same places, in "
          "the same order.";
+  } else if (a.code == kNodesDiffer) {  // giver and peer are nodes (jax_ep/node_check.py)
+    const Signature mine = signature_of(a.mine), theirs = signature_of(a.theirs);
+    m += "node " + std::to_string(a.peer) + " ran " + describe(theirs) + " while node " +
+         std::to_string(a.giver) + " ran " + describe(mine) + " over the node axes";
+    if (mine.site != theirs.site)
+      m += " (called from " + describe_site(theirs.site) + " and from " + describe_site(mine.site) +
+           ")";
+    m += ": every node of a Buffer must run the same jax_ep ops, called from the same places, in "
+         "the same order.";
   } else if (a.code == kPeerEnded) {
     m += "rank " + std::to_string(a.giver) + g + " stopped waiting for rank " +
          std::to_string(a.peer) + " (op " + std::to_string(a.op) + "): the process of rank " +
@@ -159,7 +169,7 @@ inline std::string abort_message(const AbortRecord& a, int group, int observer, 
          std::to_string(a.op) +
          "): every rank of the group must run the same jax_ep ops; did a process stop?";
   }
-  if (uint64_t(observer) != a.giver)
+  if (a.code != kNodesDiffer && uint64_t(observer) != a.giver)  // a node's giver is no rank
     m += " (Rank " + std::to_string(observer) + " stopped at once: rank " +
          std::to_string(a.giver) + " wrote the abort into its window.)";
   return m +

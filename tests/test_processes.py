@@ -40,13 +40,11 @@ def test_processes_as_nodes_match_reference(num_nodes, devices):
         assert_ok(results)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the node leg (XLA's all_to_all) carries no op check: nodes that run different ops "
-    "get wrong rows without an error (docs/API.md, What differs)",
-)
 def test_nodes_that_run_different_ops_are_an_error():
-    assert_ok(launch("nodes_running_different_ops", 2, 2, timeout=300))
+    results = launch("nodes_running_different_ops", 2, 2, timeout=300)
+    assert_ok(results)
+    for _, out in results:
+        assert "RAISED:" in out
 
 
 def test_buffers_that_differ_between_processes_raise_everywhere():

@@ -229,18 +229,8 @@ bool Rank::aborted(uint64_t* op, std::string* error) const {
   return true;
 }
 
-std::string Rank::give_up(Wait code, int peer, uint64_t op, const uint64_t* mine,
-                          const uint64_t* theirs) const {
+void Rank::publish(const AbortRecord& a) const {
   const Window& w = window;
-  AbortRecord a{};
-  a.code = uint64_t(code);
-  a.giver = uint64_t(rank);
-  a.peer = uint64_t(peer);
-  a.op = op;
-  if (mine && theirs) {
-    std::memcpy(a.mine, mine, sizeof a.mine);
-    std::memcpy(a.theirs, theirs, sizeof a.theirs);
-  }
   // Its own window first: the record it reports is the first of its window.
   for (int i = 0; i < w.num_ranks; ++i) {
     const int r = (rank + i) % w.num_ranks;
@@ -251,6 +241,20 @@ std::string Rank::give_up(Wait code, int peer, uint64_t op, const uint64_t* mine
     std::memcpy(windows_[r] + w.abort_record_at(), &a, sizeof a);
     store_release(word(r, w.aborted_at()), kAbortWritten);
   }
+}
+
+std::string Rank::give_up(Wait code, int peer, uint64_t op, const uint64_t* mine,
+                          const uint64_t* theirs) const {
+  AbortRecord a{};
+  a.code = uint64_t(code);
+  a.giver = uint64_t(rank);
+  a.peer = uint64_t(peer);
+  a.op = op;
+  if (mine && theirs) {
+    std::memcpy(a.mine, mine, sizeof a.mine);
+    std::memcpy(a.theirs, theirs, sizeof a.theirs);
+  }
+  publish(a);
   // The first abort of this window, once its writer has published it (a moment; if it never
   // does, this rank's own).
   using Clock = std::chrono::steady_clock;

@@ -93,6 +93,10 @@ class Rank {
   std::string give_up(Wait code, int peer, uint64_t op, const uint64_t* mine = nullptr,
                       const uint64_t* theirs = nullptr) const;
 
+  // Writes `a` into every window of the group whose record is still free (each window's first
+  // abort stays): every wait of their ranks stops with it.
+  void publish(const AbortRecord& a) const;
+
   // The abort record of this rank's window if one was written: its op and error.
   bool aborted(uint64_t* op, std::string* error) const;
 

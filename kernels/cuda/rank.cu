@@ -27,6 +27,12 @@ std::string Rank::failed() const {
   return abort_message(a, group, rank, timeout_s) + " [GPU " + std::to_string(device) + "]";
 }
 
+void Rank::stop(const AbortRecord& record) const {
+  if (__atomic_load_n(&failure->written, __ATOMIC_ACQUIRE) != 0) return;  // the first stays
+  failure->record = record;
+  __atomic_store_n(&failure->written, uint64_t(1), __ATOMIC_RELEASE);
+}
+
 void Rank::peer_ended(int r) const {
   __atomic_fetch_or(&failure->ended, uint64_t(1) << r, __ATOMIC_RELEASE);
 }

@@ -71,6 +71,9 @@ struct Rank {
   std::string failed() const;
   // Rank r's process has ended: the kernels' waits for it give up (they poll `failure->ended`).
   void peer_ended(int r) const;
+  // Stops the rank with `record` unless a kernel stopped it first: failed() returns its error,
+  // and every later op fails at once (ffi/buffers.h, NativeBuffer::stop).
+  void stop(const AbortRecord& record) const;
 };
 
 // What every rank of a Buffer is made with.
