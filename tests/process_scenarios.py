@@ -571,8 +571,8 @@ def nodes_running_different_ops():
 
 def _held_at(step):
     """Stops this process inside Buffer creation at `step` (a meeting or an exchange of
-    jax_ep.bootstrap), after saying so, until it is killed."""
-    from jax_ep import bootstrap
+    jax_ep.meeting), after saying so, until it is killed."""
+    from jax_ep import meeting
 
     def holding(real):
         def held(p, what, *args, **kwargs):
@@ -585,7 +585,7 @@ def _held_at(step):
         return held
 
     for name in ("meet", "exchange"):
-        setattr(bootstrap, name, holding(getattr(bootstrap, name)))
+        setattr(meeting, name, holding(getattr(meeting, name)))
 
 
 def killed():
@@ -600,9 +600,9 @@ def killed():
         mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=60
     )
     if stage == "idle":
-        from jax_ep import bootstrap
+        from jax_ep import liveness
 
-        listener = bootstrap._listener
+        listener = liveness._listener
         host, port = listener.server.getsockname()[:2]
         published = distributed_client().key_value_try_get(f"jax_ep/alive/{jax.process_index()}")
         print(f"LISTENER bound {host}:{port} published {published}", flush=True)
