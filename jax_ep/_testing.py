@@ -29,10 +29,7 @@ knobs = Knobs()  # what a Buffer created now takes
 def buffers(**changes):
     """The Buffers created inside the block take these knobs (Knobs' fields)."""
     global knobs
-    changed = dataclasses.replace(knobs, **changes)
-    if not 0 <= changed.first_op < 1 << 62:
-        raise ValueError(f"jax_ep: first_op must be in [0, 2^62), got {changed.first_op}")
-    before, knobs = knobs, changed
+    before, knobs = knobs, dataclasses.replace(knobs, **changes)
     try:
         yield
     finally:

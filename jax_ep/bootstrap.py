@@ -47,6 +47,8 @@ def create(config):
             f"backend takes at most {bound} in one group"
         )
     knobs = _testing.knobs
+    if not 0 <= knobs.first_op < 1 << 62:  # checked here, after the plan, like any local check
+        fail(f"_testing's first_op must be in [0, 2^62), got {knobs.first_op}")
     arguments = dict(
         num_experts=config.num_experts,
         hidden=config.hidden,

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import nn
+from jax_ep import _testing, nn
 from jax_ep._jax import distributed_client
 
 E, H, K, T = 16, 256, 4, 16
@@ -296,16 +296,21 @@ def soak(mesh):
 def counter_not_skewed(mesh):
     """A Buffer refused by a local check on process 1 only: the next Buffer still pairs up."""
     if jax.process_index() == 1:
-        os.environ["JAX_EP_TESTING_FIRST_OP"] = "-1"
         try:
-            jax_ep.Buffer(
-                mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=30
-            )
+            with _testing.buffers(first_op=-1):
+                jax_ep.Buffer(
+                    mesh,
+                    "ep",
+                    num_experts=E,
+                    hidden=H,
+                    num_topk=K,
+                    max_tokens_per_rank=T,
+                    timeout_s=30,
+                )
         except ValueError as e:
-            assert "JAX_EP_TESTING_FIRST_OP" in str(e), e
+            assert "first_op" in str(e), e
         else:
-            raise AssertionError("a bad JAX_EP_TESTING_FIRST_OP was accepted")
-        del os.environ["JAX_EP_TESTING_FIRST_OP"]
+            raise AssertionError("a bad first_op was accepted")
     buf = jax_ep.Buffer(
         mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=30
     )
@@ -391,9 +396,10 @@ def timeout_nan(mesh):
 def op_numbers_past_2_to_the_32(mesh):
     """Ops numbered across 2^32 (whole and split: the recv halves' tickets too) on a mesh that
     spans processes equal the reference path."""
-    os.environ["JAX_EP_TESTING_FIRST_OP"] = str(2**32 - 3)
-    bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=30)
-    del os.environ["JAX_EP_TESTING_FIRST_OP"]
+    with _testing.buffers(first_op=2**32 - 3):
+        bufs = buffers(
+            mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=30
+        )
     x, idx, w, bias = inputs(mesh, seed=9)
     for split in (True, False):  # ops 2^32 - 2 to 2^32 + 3
         out = {
