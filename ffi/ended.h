@@ -1,4 +1,4 @@
-// Processes of the mesh that have ended, as the liveness watch finds them (jax_ep/bootstrap.py
+// Processes of the mesh that have ended, as the liveness watch finds them (jax_ep/liveness.py
 // connects to each watched process's liveness listener and hands the connection over). A thread
 // of this module, not Python's, holds the connections, so a peer's end takes effect without
 // waiting for the interpreter's lock: where the coordination service's process ends, JAX

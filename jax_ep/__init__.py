@@ -4,10 +4,11 @@ import importlib.metadata
 import importlib.util
 import os
 
-from jax_ep.buffer import Buffer, limits
+from jax_ep.buffer import Buffer
 from jax_ep.fp8 import dequantize_fp8, quantize_fp8
-from jax_ep.memory import memory_plan
-from jax_ep.results import DispatchResult, Handle, Pending
+from jax_ep.halves import Pending
+from jax_ep.memory import limits, memory_plan
+from jax_ep.results import DispatchResult, Handle
 
 __all__ = [
     "Buffer",

@@ -144,3 +144,22 @@ def _with_gradient_to_x_bwd(dtype, _, ct_q):
 
 
 _with_gradient_to_x.defvjp(_with_gradient_to_x_fwd, _with_gradient_to_x_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def dequantize_with_gradient(combine, x, q, scales, handle):
+    """q * scales as x.dtype (Buffer.dequantize): x's gradient is combine(the rows' cotangents,
+    handle), as if x had been dispatched unquantised."""
+    return dequantize_fp8(q, scales).astype(x.dtype)
+
+
+def _dequantize_with_gradient_fwd(combine, x, q, scales, handle):
+    return dequantize_with_gradient(combine, x, q, scales, handle), handle
+
+
+def _dequantize_with_gradient_bwd(combine, handle, ct):
+    # q and scales get zeros that JAX sees as zeros: the dispatch's backward skips them.
+    return combine(ct, handle), None, None, None
+
+
+dequantize_with_gradient.defvjp(_dequantize_with_gradient_fwd, _dequantize_with_gradient_bwd)

@@ -22,7 +22,7 @@ def _version(distribution):
 
 def nccl_version():
     """The NCCL runtime jax_ep would load, as 'major.minor.patch', or why there is none."""
-    from jax_ep.bootstrap import nccl_library
+    from jax_ep.engine import nccl_library
 
     library = nccl_library()
     try:

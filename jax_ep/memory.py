@@ -1,11 +1,12 @@
 """Every size a Buffer and the MoE layer allocate, in one place: the window (laid out by
 kernels/window.h, which this asks), the rows of a dispatch's output, and `memory_plan`, the
 bytes per GPU of a configuration, computed without a machine of that size (docs/API.md,
-"Planning memory"). Buffer and jax_ep.nn size themselves through these functions, so the plan
-and what they allocate cannot drift apart."""
+"Planning memory"), and the backends' limits. Buffer and jax_ep.nn size themselves through
+these functions, so the plan and what they allocate cannot drift apart."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -73,6 +74,14 @@ def check_capacity_factor(factor):
 
 
 # ---------------------------------------------------------------- what a Buffer allocates
+
+
+@functools.cache
+def limits():
+    """The backends' limits (kernels/limits.h)."""
+    from jax_ep import _native
+
+    return _native.limits()
 
 
 def window(

@@ -4,15 +4,9 @@ use."""
 from __future__ import annotations
 
 import dataclasses
-import gc
-import threading
-import weakref
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-
-from jax_ep import _jax
 
 Array = Any
 
@@ -61,58 +55,3 @@ class DispatchResult(NamedTuple):
     num_dropped: Array  # [] int32
     num_invalid: Array  # [] int32
     handle: Handle
-
-
-class Receipt:
-    """Whether a send's recv half was traced already: one per send, kept by identity through
-    every copy of its Pending (jit boundaries, run_between), so a second recv is refused; the
-    send's custom calls carry its mark, so that a program without the recv is refused when it is
-    lowered (_jax.sending). Receipt.open() counts the sends whose recv is still to come."""
-
-    _open = weakref.WeakSet()
-    _lock = threading.Lock()  # programs may be traced on several threads
-
-    def __init__(self):
-        self.mark = _jax.SendMark()  # what the send's custom calls carry
-        with Receipt._lock:
-            Receipt._open.add(self)
-
-    @property
-    def received(self):
-        return self.mark.received
-
-    def receive(self):
-        self.mark.received = True
-        with Receipt._lock:
-            Receipt._open.discard(self)
-
-    @staticmethod
-    def open():
-        """How many sends traced so far (and still referenced) have no recv yet, but for those
-        of programs refused when lowered for lacking it (they never run)."""
-        if Receipt._open:
-            gc.collect()  # a finished trace's Pendings may sit in reference cycles
-        with Receipt._lock:
-            return sum(not r.mark.refused for r in Receipt._open)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Pending:
-    """An op whose data is on its way (dispatch_send / combine_send): pass it to the matching
-    *_recv, which waits for the peers and returns the result. Other work can run in between."""
-
-    arrays: tuple
-    finish: Callable = dataclasses.field(metadata=dict(static=True))
-    kind: str = dataclasses.field(metadata=dict(static=True))  # "dispatch" | "combine"
-    buffer: int = dataclasses.field(metadata=dict(static=True))  # the Buffer's serial
-    receipt: Receipt = dataclasses.field(metadata=dict(static=True))
-
-    def run_between(self, work, *args):
-        """(pending, work(*args)) with XLA made to run the work after this send and before its
-        recv: XLA orders only what data orders, and could run independent work before the send
-        or after the recv. (Whether the work runs beside the send is up to XLA: see
-        Buffer.dispatch_send.)"""
-        arrays, args = jax.lax.optimization_barrier((self.arrays, args))
-        arrays, out = jax.lax.optimization_barrier((arrays, work(*args)))
-        return dataclasses.replace(self, arrays=arrays), out

@@ -65,7 +65,7 @@ enum Wait : int32_t {
   kWaitRelease = 3,  // a destination to release the slot
   kWaitLower = 4,    // the counts of the ranks before this one (rows it writes in place)
   kMismatch = 5,     // a source ran another op (its signature differs from this rank's)
-  kPeerEnded = 6,    // the peer's process has ended (jax_ep/bootstrap.py's liveness watch)
+  kPeerEnded = 6,    // the peer's process has ended (jax_ep/liveness.py's watch)
   kNodesDiffer = 7,  // over a tuple axis, node `peer` ran another op than node `giver`
 };
 

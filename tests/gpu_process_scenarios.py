@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from process_scenarios import global_mesh, run, shard
 
 import jax_ep
+from jax_ep import _testing
 from jax_ep._jax import distributed_client
 
 E, K = 16, 4
@@ -189,16 +190,16 @@ def check_pipeline(mesh, out, x, idx, w, bias, x2, tokens, lay, alignment, fp8, 
 
 def layer_case(mesh, case, mode, direct_local):
     tokens, hidden, lay, fp8, alignment, capacity, split = case
-    buf = jax_ep.Buffer(
-        mesh,
-        "ep",
-        num_experts=E,
-        hidden=hidden,
-        num_topk=K,
-        max_tokens_per_rank=tokens,
-        timeout_s=20.0,
-        direct_local=direct_local,
-    )
+    with _testing.buffers(direct_local=direct_local):
+        buf = jax_ep.Buffer(
+            mesh,
+            "ep",
+            num_experts=E,
+            hidden=hidden,
+            num_topk=K,
+            max_tokens_per_rank=tokens,
+            timeout_s=20.0,
+        )
     assert buf.engine == "cuda_ipc", buf.engine
     step = pipeline(buf, lay, alignment, fp8, False, capacity, split=split, mode=mode)
     for kind in KINDS[mode]:

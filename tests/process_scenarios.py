@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import nn
+from jax_ep import _testing, nn
 from jax_ep._jax import distributed_client
 
 E, H, K, T = 16, 256, 4, 16
@@ -296,16 +296,21 @@ def soak(mesh):
 def counter_not_skewed(mesh):
     """A Buffer refused by a local check on process 1 only: the next Buffer still pairs up."""
     if jax.process_index() == 1:
-        os.environ["JAX_EP_TESTING_FIRST_OP"] = "-1"
         try:
-            jax_ep.Buffer(
-                mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=30
-            )
+            with _testing.buffers(first_op=-1):
+                jax_ep.Buffer(
+                    mesh,
+                    "ep",
+                    num_experts=E,
+                    hidden=H,
+                    num_topk=K,
+                    max_tokens_per_rank=T,
+                    timeout_s=30,
+                )
         except ValueError as e:
-            assert "JAX_EP_TESTING_FIRST_OP" in str(e), e
+            assert "first_op" in str(e), e
         else:
-            raise AssertionError("a bad JAX_EP_TESTING_FIRST_OP was accepted")
-        del os.environ["JAX_EP_TESTING_FIRST_OP"]
+            raise AssertionError("a bad first_op was accepted")
     buf = jax_ep.Buffer(
         mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=30
     )
@@ -391,9 +396,10 @@ def timeout_nan(mesh):
 def op_numbers_past_2_to_the_32(mesh):
     """Ops numbered across 2^32 (whole and split: the recv halves' tickets too) on a mesh that
     spans processes equal the reference path."""
-    os.environ["JAX_EP_TESTING_FIRST_OP"] = str(2**32 - 3)
-    bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=30)
-    del os.environ["JAX_EP_TESTING_FIRST_OP"]
+    with _testing.buffers(first_op=2**32 - 3):
+        bufs = buffers(
+            mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=30
+        )
     x, idx, w, bias = inputs(mesh, seed=9)
     for split in (True, False):  # ops 2^32 - 2 to 2^32 + 3
         out = {
@@ -584,8 +590,8 @@ def nodes_running_different_ops():
 
 def _held_at(step):
     """Stops this process inside Buffer creation at `step` (a meeting or an exchange of
-    jax_ep.bootstrap), after saying so, until it is killed."""
-    from jax_ep import bootstrap
+    jax_ep.meeting), after saying so, until it is killed."""
+    from jax_ep import meeting
 
     def holding(real):
         def held(p, what, *args, **kwargs):
@@ -598,7 +604,7 @@ def _held_at(step):
         return held
 
     for name in ("meet", "exchange"):
-        setattr(bootstrap, name, holding(getattr(bootstrap, name)))
+        setattr(meeting, name, holding(getattr(meeting, name)))
 
 
 def killed():
@@ -613,9 +619,9 @@ def killed():
         mesh, "ep", num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, timeout_s=60
     )
     if stage == "idle":
-        from jax_ep import bootstrap
+        from jax_ep import liveness
 
-        listener = bootstrap._listener
+        listener = liveness._listener
         host, port = listener.server.getsockname()[:2]
         published = distributed_client().key_value_try_get(f"jax_ep/alive/{jax.process_index()}")
         print(f"LISTENER bound {host}:{port} published {published}", flush=True)

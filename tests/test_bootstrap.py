@@ -1,8 +1,8 @@
-"""jax_ep.bootstrap in one process: the liveness probe, on local sockets (a running process
-answers, an ending one (its kernel accepts, no thread answers, then the socket closes) and an
-ended one (the port refuses) are told apart); the liveness listener (the address it binds and
-publishes, accept errors, closing with the last Buffer); the watch (a killed process, one that
-exits, one that closes its Buffers); Buffers created from several threads."""
+"""jax_ep.liveness and jax_ep.bootstrap in one process: the liveness probe, on local sockets (a
+running process answers, an ending one (its kernel accepts, no thread answers, then the socket
+closes) and an ended one (the port refuses) are told apart); the liveness listener (the address
+it binds and publishes, accept errors, closing with the last Buffer); the watch (a killed
+process, one that exits, one that closes its Buffers); Buffers created from several threads."""
 
 import dataclasses
 import errno
@@ -17,7 +17,7 @@ import jax
 import pytest
 
 import jax_ep
-from jax_ep import bootstrap
+from jax_ep import liveness, meeting
 
 
 def address(server):
@@ -26,9 +26,9 @@ def address(server):
 
 def test_a_process_that_answers_runs():
     server = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=bootstrap.serve_liveness, args=(server,), daemon=True).start()
-    assert bootstrap.why_stopped(address(server), timeout_s=5) is None
-    assert bootstrap.why_stopped(address(server), timeout_s=5) is None  # each asks anew
+    threading.Thread(target=liveness.serve_liveness, args=(server,), daemon=True).start()
+    assert liveness.why_stopped(address(server), timeout_s=5) is None
+    assert liveness.why_stopped(address(server), timeout_s=5) is None  # each asks anew
 
 
 def test_a_process_that_is_ending_has_ended():
@@ -36,7 +36,7 @@ def test_a_process_that_is_ending_has_ended():
     server = socket.create_server(("127.0.0.1", 0))
     found = []
     asker = threading.Thread(
-        target=lambda: found.append(bootstrap.why_stopped(address(server), timeout_s=10))
+        target=lambda: found.append(liveness.why_stopped(address(server), timeout_s=10))
     )
     asker.start()
     time.sleep(0.3)  # the connection waits, accepted by the kernel alone
@@ -47,7 +47,7 @@ def test_a_process_that_is_ending_has_ended():
 
 def test_a_process_that_never_answers_is_named():
     server = socket.create_server(("127.0.0.1", 0))
-    why = bootstrap.why_stopped(address(server), timeout_s=0.2)
+    why = liveness.why_stopped(address(server), timeout_s=0.2)
     server.close()
     assert why is not None and why.startswith("it does not answer"), why
 
@@ -56,7 +56,7 @@ def test_a_closed_port_has_ended():
     server = socket.create_server(("127.0.0.1", 0))
     closed = address(server)
     server.close()
-    assert bootstrap.why_stopped(closed, timeout_s=5) == "it has ended"
+    assert liveness.why_stopped(closed, timeout_s=5) == "it has ended"
 
 
 # ---- the listener: the address it binds, errors, closing with the last Buffer
@@ -81,7 +81,7 @@ class Store:
 
 
 def two_processes(key):
-    return bootstrap.Plan(key, 1, "cpu", ((0, 0, 0),), (0,), (0, 1), 0, ((0, 1),))
+    return meeting.Plan(key, 1, "cpu", ((0, 0, 0),), (0,), (0, 1), 0, ((0, 1),))
 
 
 def introductions(route="127.0.0.1", peer_host="this host"):
@@ -94,44 +94,44 @@ def introductions(route="127.0.0.1", peer_host="this host"):
 @pytest.fixture
 def store(monkeypatch):
     store = Store()
-    monkeypatch.setattr(bootstrap, "distributed_client", lambda: store)
-    monkeypatch.setattr(bootstrap, "coordinator_address", lambda: "127.0.0.1:8476")
+    monkeypatch.setattr(liveness, "distributed_client", lambda: store)
+    monkeypatch.setattr(meeting, "coordinator_address", lambda: "127.0.0.1:8476")
     yield store
-    for key in list(bootstrap._listening_for):
-        bootstrap.release_liveness(key)
+    for key in list(liveness._listening_for):
+        liveness.release_liveness(key)
 
 
 def test_the_listener_binds_the_address_it_publishes_and_closes_with_the_last_buffer(store):
-    bootstrap.announce_liveness(two_processes(1), introductions())
+    liveness.announce_liveness(two_processes(1), introductions())
     published = store.values["jax_ep/alive/0"]
-    host, port = bootstrap._listener.server.getsockname()[:2]
+    host, port = liveness._listener.server.getsockname()[:2]
     assert published == f"{host}:{port}" and host == "127.0.0.1"  # not 0.0.0.0
-    bootstrap.announce_liveness(two_processes(2), introductions())  # shared by both Buffers
+    liveness.announce_liveness(two_processes(2), introductions())  # shared by both Buffers
     assert store.values["jax_ep/alive/0"] == published
-    thread = bootstrap._listener.thread
-    bootstrap.release_liveness(1)
-    assert bootstrap.why_stopped(published, timeout_s=5) is None  # Buffer 2 is still open
-    bootstrap.release_liveness(2)
-    assert bootstrap.why_stopped(published, timeout_s=5) == "it has ended"
+    thread = liveness._listener.thread
+    liveness.release_liveness(1)
+    assert liveness.why_stopped(published, timeout_s=5) is None  # Buffer 2 is still open
+    liveness.release_liveness(2)
+    assert liveness.why_stopped(published, timeout_s=5) == "it has ended"
     assert not thread.is_alive() and store.values["jax_ep/alive/0"] == "closed"
-    assert bootstrap.stopped_processes(dataclasses.replace(two_processes(3), process=1)) == {
+    assert liveness.stopped_processes(dataclasses.replace(two_processes(3), process=1)) == {
         0: "it has closed its Buffers (it runs, with no Buffer open)"
     }
-    bootstrap.announce_liveness(two_processes(4), introductions())  # a new Buffer: a new port
+    liveness.announce_liveness(two_processes(4), introductions())  # a new Buffer: a new port
     assert store.values["jax_ep/alive/0"] not in (published, "closed")
-    assert bootstrap.stopped_processes(dataclasses.replace(two_processes(3), process=1)) == {}
+    assert liveness.stopped_processes(dataclasses.replace(two_processes(3), process=1)) == {}
 
 
 def test_a_loopback_coordinator_with_peers_on_other_hosts():
     """The coordinator named as 127.0.0.1 here while processes of the mesh run on other hosts:
     the address towards them is published, not loopback."""
-    found = bootstrap.route_address("10.11.12.13", 9)
+    found = meeting.route_address("10.11.12.13", 9)
     if found is None or found[1].startswith("127."):
         pytest.skip("this host has no route beyond loopback")
     plan = two_processes(1)
-    assert bootstrap.local_address(plan, introductions())[1] == "127.0.0.1"
+    assert liveness.local_address(plan, introductions())[1] == "127.0.0.1"
     other = introductions(route="10.11.12.13", peer_host="another host")
-    assert bootstrap.local_address(plan, other) == found
+    assert liveness.local_address(plan, other) == found
 
 
 def test_the_listener_survives_accept_errors(caplog):
@@ -150,11 +150,11 @@ def test_the_listener_survives_accept_errors(caplog):
             return server.fileno()
 
     stopping = threading.Event()
-    thread = threading.Thread(target=bootstrap.serve_liveness, args=(OutOfDescriptors(), stopping))
+    thread = threading.Thread(target=liveness.serve_liveness, args=(OutOfDescriptors(), stopping))
     with caplog.at_level(logging.WARNING, logger="jax_ep"):
         thread.start()
-        assert bootstrap.why_stopped(address(server), timeout_s=5) is None
-        assert bootstrap.why_stopped(address(server), timeout_s=5) is None
+        assert liveness.why_stopped(address(server), timeout_s=5) is None
+        assert liveness.why_stopped(address(server), timeout_s=5) is None
     assert thread.is_alive() and "accept() failed" in caplog.text
     stopping.set()
     server.shutdown(socket.SHUT_RDWR)
@@ -179,10 +179,10 @@ def watched_ending(process, farewell, capfd):
         assert theirs.recv(1) == b""  # the watch read it and closed its end
     theirs.close()
     deadline = time.monotonic() + 5
-    while farewell != bootstrap._GOODBYE and process not in bootstrap.ended():
+    while farewell != liveness._GOODBYE and process not in meeting.ended():
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    return process in bootstrap.ended(), capfd.readouterr().err
+    return process in meeting.ended(), capfd.readouterr().err
 
 
 def test_a_watched_process_that_is_killed_has_ended(capfd):
@@ -190,21 +190,21 @@ def test_a_watched_process_that_is_killed_has_ended(capfd):
 
 
 def test_a_watched_process_that_exits_has_ended_quietly(capfd):
-    assert watched_ending(1002, bootstrap._EXITING, capfd) == (True, "")
+    assert watched_ending(1002, liveness._EXITING, capfd) == (True, "")
 
 
 def test_a_watched_process_that_closes_its_buffers_goes_on(capfd):
-    assert watched_ending(1003, bootstrap._GOODBYE, capfd) == (False, "")
+    assert watched_ending(1003, liveness._GOODBYE, capfd) == (False, "")
 
 
 def test_the_listener_says_goodbye_to_its_watchers_when_it_closes():
-    listener = bootstrap.Listener(socket.AF_INET, "127.0.0.1")
-    watcher = bootstrap._watch_connection(listener.address)
+    listener = liveness.Listener(socket.AF_INET, "127.0.0.1")
+    watcher = liveness._watch_connection(listener.address)
     assert watcher is not None and watcher.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
-    assert bootstrap.why_stopped(listener.address, timeout_s=5) is None  # a probe meanwhile
+    assert liveness.why_stopped(listener.address, timeout_s=5) is None  # a probe meanwhile
     listener.close()
     watcher.settimeout(5)
-    assert watcher.recv(16) == bootstrap._GOODBYE
+    assert watcher.recv(16) == liveness._GOODBYE
     watcher.close()
 
 

@@ -1,4 +1,4 @@
-"""The GPU engine choice (jax_ep/bootstrap.py: JAX_EP_ENGINE, NCCL or CUDA IPC) and the
+"""The GPU engine choice (jax_ep/engine.py: JAX_EP_ENGINE, NCCL or CUDA IPC) and the
 descriptor passing of the CUDA-IPC engine (transport/fd_socket.h), which need no GPU."""
 
 import os
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from jax_ep import _native, bootstrap
-from jax_ep.bootstrap import choose_engine
+from jax_ep import _native
+from jax_ep.engine import choose_engine, nccl_serves, requested_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEW, OLD = [22809, 22809], [21805, 22809]  # [library, built] NCCL versions
@@ -88,19 +88,19 @@ def test_processes_that_ask_for_different_engines_raise():
 def test_the_engine_variable(monkeypatch):
     for value, want in (("", "auto"), ("NCCL", "nccl"), (" cuda_ipc", "cuda_ipc")):
         monkeypatch.setenv("JAX_EP_ENGINE", value)
-        assert bootstrap.requested_engine() == want
+        assert requested_engine() == want
     monkeypatch.setenv("JAX_EP_ENGINE", "nvshmem")
     with pytest.raises(
         ValueError, match="JAX_EP_ENGINE must be one of auto, nccl, cuda_ipc, got 'nvshmem'"
     ):
-        bootstrap.requested_engine()
+        requested_engine()
 
 
 def test_nccl_serves():
-    assert bootstrap.nccl_serves(22809, 22809) and bootstrap.nccl_serves(22800, 22809)
-    assert not bootstrap.nccl_serves(21805, 22809)  # no device API
-    assert not bootstrap.nccl_serves(22903, 22809)  # another window layout
-    assert not bootstrap.nccl_serves(0, 22809)  # no library
+    assert nccl_serves(22809, 22809) and nccl_serves(22800, 22809)
+    assert not nccl_serves(21805, 22809)  # no device API
+    assert not nccl_serves(22903, 22809)  # another window layout
+    assert not nccl_serves(0, 22809)  # no library
 
 
 def test_cpu_buffers_name_their_engine():

@@ -30,6 +30,7 @@ from helpers import (
 from test_autodiff import check_nan_in_padding
 
 import jax_ep
+from jax_ep import _testing
 
 pytestmark = pytest.mark.gpu
 E, K = 16, 4
@@ -53,16 +54,16 @@ def steps(
     num_sms=24,
 ):
     mesh = make_mesh(len(gpus()), devices=gpus())
-    bufs = buffers(
-        mesh,
-        num_experts=E,
-        hidden=hidden,
-        num_topk=K,
-        max_tokens_per_rank=tokens,
-        timeout_s=20.0,
-        direct_local=direct_local,
-        num_sms=num_sms,
-    )
+    with _testing.buffers(direct_local=direct_local):
+        bufs = buffers(
+            mesh,
+            num_experts=E,
+            hidden=hidden,
+            num_topk=K,
+            max_tokens_per_rank=tokens,
+            timeout_s=20.0,
+            num_sms=num_sms,
+        )
     return mesh, {
         impl: functools.partial(
             run, mesh, pipeline(buf, lay, alignment, fp8, False, capacity, split=split, mode=mode)
@@ -296,7 +297,7 @@ def test_cuda_command_buffers(mode, split, concurrent):
                 return jax.lax.fori_loop(0, 5, one, x.astype(jnp.float32) * 0)
             return steps
 
-        from jax_ep import _native
+        from jax_ep import _testing
         spec = P("ep")
         outs = {}
         for impl, buf in bufs.items():
@@ -304,9 +305,9 @@ def test_cuda_command_buffers(mode, split, concurrent):
                                             out_specs=spec))
             args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, spec)) for a in (x, idx, w)]
             outs[impl] = [program(*args)]
-            before = _native.cuda_handler_calls()
+            before = _testing.cuda_handler_calls()
             outs[impl] += [program(*args) for _ in range(4)]
-            replayed = _native.cuda_handler_calls() - before
+            replayed = _testing.cuda_handler_calls() - before
         for got in outs["ffi"]:
             assert calc_diff(got, outs["reference"][0]) < 1e-5, calc_diff(got, outs["reference"][0])
         assert_bitwise_equal(outs["ffi"][0], outs["ffi"][4])
@@ -545,10 +546,12 @@ def test_cuda_two_shard_maps_of_one_jit_under_concurrent_command_buffers():
         import jax, jax.numpy as jnp, numpy as np, jax_ep
         from helpers import calc_diff, make_mesh, put, random_inputs
         from jax.sharding import PartitionSpec as P
+        from jax_ep import _testing
         mesh = make_mesh(len(jax.devices("gpu")), devices=jax.devices("gpu"))
         kw = dict(num_experts=16, hidden=2048, num_topk=4, max_tokens_per_rank=128)
-        bufs = {"ffi": jax_ep.Buffer(mesh, "ep", direct_local=False, **kw),
-                "reference": jax_ep.Buffer(mesh, "ep", impl="reference", **kw)}
+        with _testing.buffers(direct_local=False):
+            bufs = {"ffi": jax_ep.Buffer(mesh, "ep", **kw),
+                    "reference": jax_ep.Buffer(mesh, "ep", impl="reference", **kw)}
         x, idx, w = random_inputs(np.random.default_rng(2), mesh.size, 128, 2048, 16, 4,
                                   mesh.size, "random")
         programs = {}
@@ -632,9 +635,11 @@ def test_cuda_ranks_that_run_different_ops_stop_naming_both(direct_local):
         """
         import time, jax, jax.numpy as jnp, numpy as np, jax_ep
         from helpers import branching_dispatch, make_mesh, run
+        from jax_ep import _testing
         mesh = make_mesh(2, devices=jax.devices("gpu"))
-        buf = jax_ep.Buffer(mesh, "ep", num_experts=8, hidden=128, num_topk=2,
-                            max_tokens_per_rank=8, timeout_s=60.0, direct_local=%s)
+        with _testing.buffers(direct_local=%s):
+            buf = jax_ep.Buffer(mesh, "ep", num_experts=8, hidden=128, num_topk=2,
+                                max_tokens_per_rank=8, timeout_s=60.0)
 
         step = branching_dispatch(buf)
 

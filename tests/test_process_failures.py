@@ -201,7 +201,7 @@ def test_process_0_killed_ends_the_job(tmp_path):
 @pytest.mark.xfail(
     strict=False,
     reason="passes run alone (9 of 9, also beside CPU burners and the process tests), but failed "
-    "in 2 of 2 runs of the whole suite: the SIGINT'd process was still in bootstrap.blocking_get "
+    "in 2 of 2 runs of the whole suite: the SIGINT'd process was still in meeting.blocking_get "
     "30 s later; the cause is not found yet",
 )
 def test_ctrl_c_ends_a_wait_at_creation_at_once(tmp_path):

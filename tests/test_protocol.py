@@ -27,7 +27,7 @@ from helpers import (
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import ffi_path
+from jax_ep import _testing, ffi_path
 
 E, H, K, T = 8, 128, 2, 8
 
@@ -70,13 +70,12 @@ def test_a_timed_out_op_returns_nan_in_its_own_step_and_the_next_call_raises():
     assert int(np.asarray(d.num_recv)[0]) == T and again.status() is None
 
 
-def test_op_numbers_past_2_to_the_32(monkeypatch):
+def test_op_numbers_past_2_to_the_32():
     """Ops numbered from just below 2^32 on: every op across the boundary (whole and split,
     so also the tickets of recv halves) equals the reference path."""
-    monkeypatch.setenv("JAX_EP_TESTING_FIRST_OP", str(2**32 - 3))
     mesh = make_mesh(2)
-    bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
-    monkeypatch.delenv("JAX_EP_TESTING_FIRST_OP")
+    with _testing.buffers(first_op=2**32 - 3):
+        bufs = buffers(mesh, num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
     rng = np.random.default_rng(26)
     x, idx, w = random_inputs(rng, mesh.size, T, H, E, K, mesh.size, "random")
     bias = jnp.asarray(rng.standard_normal(x.shape), x.dtype)

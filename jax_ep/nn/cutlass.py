@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _native, ffi_path
-from jax_ep.buffer import limits
 from jax_ep.fp8 import FP8_BLOCK
+from jax_ep.memory import limits
 
 PRODUCT_IDS = {"gmm": 0, "gmm_t": 1, "tgmm": 2}  # kernels/cuda/grouped_gemm.h GroupedProduct
 DTYPES = (jnp.dtype(jnp.bfloat16),)

@@ -52,7 +52,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ep.buffer import limits
 from jax_ep.fp8 import (
     FP8_BLOCK,
     dequantize_fp8,
@@ -60,6 +59,7 @@ from jax_ep.fp8 import (
     quantize_weights_fp8,
     transpose_weights_fp8,
 )
+from jax_ep.memory import limits
 from jax_ep.nn.grouped_impls import IMPLS
 from jax_ep.rank_ops import all_varying, varying_like
 
