@@ -115,27 +115,35 @@ def blocking_get(client, key: str, timeout_s: float, *, as_bytes: bool = False, 
 
 def _wait_all(p: Plan, step: str, timeout_s: float):
     """Every process of the mesh has reached `step`; names the missing ones after timeout_s."""
+    _gather(
+        p,
+        f"jax_ep/{p.key:x}/{step}",
+        "1",
+        timeout_s,
+        f"before reaching '{step}' of creating a Buffer",
+        f"did not reach '{step}' of creating a Buffer within {timeout_s} s (every process of "
+        f"the mesh must create the same Buffers in the same order)",
+        overwrite=True,
+    )
+
+
+def _gather(p: Plan, prefix, mine, timeout_s, before, missing, overwrite=False) -> dict:
+    """Every process's value under `prefix` (this process's `mine` put there first), by process,
+    within one deadline; `before` and `missing` end the errors of a process that has ended and
+    of those still missing at the deadline."""
     client = distributed_client()
-    prefix = f"jax_ep/{p.key:x}/{step}"
-    client.key_value_set(f"{prefix}/{p.process}", "1", allow_overwrite=True)
-    deadline = time.monotonic() + timeout_s
+    client.key_value_set(f"{prefix}/{p.process}", mine, allow_overwrite=overwrite)
+    out, deadline = {}, time.monotonic() + timeout_s
     try:
         for q in p.processes:
-            blocking_get(
-                client,
-                f"{prefix}/{q}",
-                max(deadline - time.monotonic(), 0.001),
-                needs=p.processes,
-            )
+            left = max(deadline - time.monotonic(), 0.001)
+            out[q] = blocking_get(client, f"{prefix}/{q}", left, needs=p.processes)
     except PeersEnded as e:
-        raise RuntimeError(f"jax_ep: {e} before reaching '{step}' of creating a Buffer") from None
+        raise RuntimeError(f"jax_ep: {e} {before}") from None
     except Exception:
-        missing = [q for q in p.processes if not _try_get(client, f"{prefix}/{q}")]
-        raise RuntimeError(
-            f"jax_ep: process(es) {missing} did not reach '{step}' of creating "
-            f"a Buffer within {timeout_s} s (every process of the mesh must "
-            f"create the same Buffers in the same order)"
-        ) from None
+        gone = [q for q in p.processes if q not in out and not _try_get(client, f"{prefix}/{q}")]
+        raise RuntimeError(f"jax_ep: process(es) {gone} {missing}") from None
+    return out
 
 
 def _try_get(client, key):
@@ -286,33 +294,15 @@ def exchange(p: Plan, name: str, mine: dict, timeout_s: float) -> dict:
     """Every process's `mine` (JSON), by process; names the processes missing after timeout_s."""
     if not p.multi_process:
         return {p.process: mine}
-    client = distributed_client()
-    prefix = f"jax_ep/{p.key:x}/{name}"
-    client.key_value_set(f"{prefix}/{p.process}", json.dumps(mine))
-    out, deadline = {}, time.monotonic() + timeout_s
-    for q in p.processes:
-        try:
-            out[q] = json.loads(
-                blocking_get(
-                    client,
-                    f"{prefix}/{q}",
-                    max(deadline - time.monotonic(), 0.001),
-                    needs=p.processes,
-                )
-            )
-        except PeersEnded as e:
-            raise RuntimeError(
-                f"jax_ep: {e} before publishing '{name}' while creating a Buffer"
-            ) from None
-        except Exception:
-            missing = [
-                q for q in p.processes if q not in out and not _try_get(client, f"{prefix}/{q}")
-            ]
-            raise RuntimeError(
-                f"jax_ep: process(es) {missing} did not publish '{name}' within "
-                f"{timeout_s} s while creating a Buffer"
-            ) from None
-    return out
+    found = _gather(
+        p,
+        f"jax_ep/{p.key:x}/{name}",
+        json.dumps(mine),
+        timeout_s,
+        f"before publishing '{name}' while creating a Buffer",
+        f"did not publish '{name}' within {timeout_s} s while creating a Buffer",
+    )
+    return {q: json.loads(value) for q, value in found.items()}
 
 
 def pid_namespace() -> str:

@@ -36,8 +36,9 @@ def mesh_of(sizes):
 # own (the ordering token). Its temporaries are the plan's other XLA parts where XLA reuses
 # some of their memory for others, and on CPUs also float32 copies of the bf16 rows it
 # scatters (XLA:CPU scatters in float32) and the ids and weights of each row (2 K words):
-# within [0.25, 1.25] x the parts' sum.
-OUTPUT_SLACK, TEMP_RANGE = 64, (0.25, 1.25)
+# within [0.25, 1.25] x the parts' sum on jax 0.10.2, up to 1.72 x on 0.12.1 (its XLA:CPU keeps
+# ~390 KB of temporaries for each of these programs, whatever their parts).
+OUTPUT_SLACK, TEMP_RANGE = 64, (0.25, 2.0)
 
 CASES = [  # axis sizes, layout, fp8, max_row_dtype
     ((8,), "rank", False, jnp.float32),

@@ -2,6 +2,7 @@
 processes of 1 to 4 devices, against the reference path; Buffers that differ between processes;
 a process that stops early; more than 32 ranks in one process."""
 
+import jax
 import pytest
 from processes import launch
 
@@ -40,6 +41,12 @@ def test_processes_as_nodes_match_reference(num_nodes, devices):
         assert_ok(results)
 
 
+@pytest.mark.xfail(
+    tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12),
+    reason="on jax 0.12.1 every process stays inside the mismatched op's program (XLA's execute) "
+    "until the test's timeout; it passes on jax 0.10.2; cause not found yet",
+    run=False,
+)
 def test_nodes_that_run_different_ops_are_an_error():
     results = launch("nodes_running_different_ops", 2, 2, timeout=300)
     assert_ok(results)
