@@ -16,8 +16,19 @@ def assert_ok(results):
             raise AssertionError(f"process {p} failed (exit {code})\n{every}")
 
 
+JAX_0_12 = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12)
+SHUTDOWN_BARRIER = pytest.mark.xfail(
+    JAX_0_12,
+    reason="on jax 0.12.1, 1 of 2 whole-suite runs: after check_invalid's raise, process 0 "
+    "missed jax.distributed's shutdown barrier and JAX aborted all four; cause not found yet",
+    strict=False,
+)
+
+
 @pytest.mark.parametrize(
-    "num_processes,devices,dp", [(2, 2, 1), (4, 1, 1), (2, 4, 2)], ids=["2x2", "4x1", "2x4-dp2"]
+    "num_processes,devices,dp",
+    [(2, 2, 1), pytest.param(4, 1, 1, marks=SHUTDOWN_BARRIER), (2, 4, 2)],
+    ids=["2x2", "4x1", "2x4-dp2"],
 )
 def test_mesh_across_processes_matches_reference(num_processes, devices, dp):
     assert_ok(launch("flat", num_processes, devices, env={"DP": str(dp)}))
@@ -42,7 +53,7 @@ def test_processes_as_nodes_match_reference(num_nodes, devices):
 
 
 @pytest.mark.xfail(
-    tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12),
+    JAX_0_12,
     reason="on jax 0.12.1 every process stays inside the mismatched op's program (XLA's execute) "
     "until the test's timeout; it passes on jax 0.10.2; cause not found yet",
     run=False,
